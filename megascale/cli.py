@@ -1,0 +1,49 @@
+"""The `megascale` command. Each subcommand lives beside the code it drives.
+
+A subcommand module defines `add_arguments(parser)` and `run(args) -> int`; it is imported only
+when used, so `megascale plan` does not pay for the trainer's imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megascale.train.cli", "train a model (one process, torchrun, or --nproc N local ranks)"),
+    "prep": ("megascale.data.cli", "tokenise text/JSONL/Parquet into token shards"),
+    "plan": ("megascale.plan.cli", "predict step time, MFU and memory; choose a layout"),
+    "launch": ("megascale.resilience.cli", "run a job under the fault-tolerant driver"),
+    "executor": ("megascale.resilience.executor_cli", "run a node's executor (started by a scheduler)"),
+    "selfcheck": ("megascale.resilience.selfcheck_cli", "run node and network self-checks"),
+    "report": ("megascale.diagnostics.cli", "analyse a run: heat map, stragglers, hangs, timeline"),
+    "export": ("megascale.checkpoint.cli", "export a checkpoint as safetensors"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="megascale", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(SUBCOMMANDS)}")
+        parser.print_help()
+        return 0 if argv else 2
+    name = argv[0]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"megascale {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(cmd_parser)
+    args, extra = cmd_parser.parse_known_args(argv[1:])
+    args.overrides = [a for a in extra if a.startswith("--") and "=" in a]
+    leftover = [a for a in extra if a not in args.overrides]
+    if leftover:
+        cmd_parser.error(f"unrecognised arguments: {' '.join(leftover)}")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Typed job configuration: dataclasses, TOML loading and command-line overrides."""
+
+from megascale.config.loader import dump_config, load_config, to_dict
+from megascale.config.schema import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    DiagnosticsConfig,
+    JobConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "DiagnosticsConfig", "JobConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
+    "dump_config", "load_config", "to_dict",
+]

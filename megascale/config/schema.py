@@ -1,0 +1,261 @@
+"""Typed configuration of a training job.
+
+Every component is built from one section of `JobConfig`. The sections are plain dataclasses
+so that the planner, the trainer and the driver read the same description of a job. Values are
+checked in `validate()`; the loader (`loader.py`) turns TOML and command-line overrides into
+these objects and names the offending key on any error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or impossible. Names the key."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257  # byte-level: 256 bytes + end-of-document
+    seq_len: int = 256
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    ffn_hidden: int = 0  # 0 means 4 * hidden
+    block: Literal["serial", "parallel"] = "parallel"
+    window: int | None = None  # sliding-window span in tokens; None = full causal
+    positions: Literal["rotary", "learned"] = "rotary"
+    tie_embeddings: bool = False
+    bias: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    rope_base: float = 10000.0
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def validate(self) -> None:
+        _positive(self, "model", ["vocab_size", "seq_len", "layers", "hidden", "heads"])
+        if self.ffn_hidden < 0:
+            raise ConfigError(f"model.ffn_hidden must be >= 0 (0 = 4*hidden), got {self.ffn_hidden}")
+        if self.hidden % self.heads:
+            raise ConfigError(
+                f"model.heads={self.heads} must divide model.hidden={self.hidden} "
+                f"(allowed heads: {_divisors(self.hidden)})"
+            )
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ConfigError(
+                f"model.positions='rotary' needs an even head dim, got hidden/heads={self.head_dim}"
+            )
+        if self.window is not None and self.window < 1:
+            raise ConfigError(f"model.window must be >= 1 or absent (full causal), got {self.window}")
+        if self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("model.norm_eps and model.init_std must be > 0")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["lamb", "adamw"] = "lamb"
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    decay_steps: int = 0  # 0 means train.steps
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global L2 norm; 0 disables
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
+        for key in ("warmup_steps", "decay_steps", "weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"optim.{key} must be >= 0, got {getattr(self, key)}")
+        if self.eps <= 0:
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual pipeline chunks per pp rank (interleaved 1F1B when > 1)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"  # 1f1b is interleaved when vpp > 1
+    sequence_parallel: bool = True
+    tp_overlap: bool = True  # chunked all-gather/reduce-scatter fused into the GEMMs
+    tp_overlap_chunks: int = 2
+    dp_overlap: bool = True  # ZeRO-2 all-gather prefetch and reduce-scatter overlap
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    store: Literal["tcp", "redis"] = "tcp"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    init_timeout_s: float = 120.0
+    collective_timeout_s: float = 600.0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def validate(self) -> None:
+        _positive(self, "parallel", ["dp", "tp", "pp", "vpp", "tp_overlap_chunks"])
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
+        if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
+            raise ConfigError("parallel.init_timeout_s and parallel.collective_timeout_s must be > 0")
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a prepared token directory; "" = the embedded default corpus
+    cache_dir: str = ".cache/megascale"  # where the default corpus is prepared
+    val_fraction: float = 0.02
+    seed: int = 1234
+    prefetch: bool = True  # prepare step k+1's batch while step k runs
+    reader: Literal["node", "tp", "rank"] = "node"  # who reads from disk
+    cross_document: bool = False  # predict across end-of-document tokens
+    mixture: dict[str, float] = field(default_factory=dict)  # path -> weight
+
+    def validate(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        for path, weight in self.mixture.items():
+            if weight <= 0:
+                raise ConfigError(f"data.mixture weight for {path!r} must be > 0, got {weight}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16  # sequences per optimizer step, across data-parallel ranks
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast on GPU
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    recompute: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 1
+    gc_every: int = 50  # automatic GC off; collect on every rank every N steps
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+
+    def validate(self) -> None:
+        _positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every"])
+        for key in ("eval_every", "eval_batches", "gc_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "" = <run_dir>/checkpoints; any fsspec URL is accepted
+    every: int = 100  # steps; 0 disables periodic saves
+    keep: int = 3
+    resume: str = "auto"  # auto | none | a checkpoint path
+    async_save: bool = True
+    when_busy: Literal["wait", "skip"] = "wait"
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError(
+                f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every}, {self.keep}"
+            )
+
+
+@dataclass
+class DiagnosticsConfig:
+    timers: bool = True
+    hang_timeout_s: float = 300.0
+    flight_recorder: bool = True
+    straggler_threshold: float = 1.10  # slower than peers' median by this factor
+
+    def validate(self) -> None:
+        if self.hang_timeout_s <= 0 or self.straggler_threshold <= 1:
+            raise ConfigError(
+                "diagnostics.hang_timeout_s must be > 0 and diagnostics.straggler_threshold > 1"
+            )
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+
+    def validate(self) -> None:
+        for section in (self.model, self.optim, self.parallel, self.data, self.train,
+                        self.checkpoint, self.diagnostics):
+            section.validate()
+        self._validate_layout()
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per data-parallel rank per optimizer step."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    def _validate_layout(self) -> None:
+        m, p, t = self.model, self.parallel, self.train
+        per_step = t.micro_batch * p.dp
+        if t.global_batch % per_step:
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} must be a multiple of "
+                f"train.micro_batch * parallel.dp = {t.micro_batch} * {p.dp} = {per_step}"
+            )
+        if m.heads % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} must divide model.heads={m.heads} "
+                f"(allowed tp: {_divisors(m.heads)})"
+            )
+        if m.ffn % p.tp:
+            raise ConfigError(f"parallel.tp={p.tp} must divide the MLP width {m.ffn}")
+        if p.sequence_parallel and p.tp > 1 and m.seq_len % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} must divide model.seq_len={m.seq_len} with sequence parallelism"
+            )
+        chunks = p.pp * p.vpp
+        if m.layers % chunks:
+            raise ConfigError(
+                f"model.layers={m.layers} must be divisible by parallel.pp * parallel.vpp = "
+                f"{p.pp} * {p.vpp} = {chunks}"
+            )
+        if p.vpp > 1 and self.micro_batches % p.pp:
+            raise ConfigError(
+                f"interleaved 1F1B needs micro-batches per step ({self.micro_batches} = "
+                f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"
+            )
+        if p.pp > 1 and m.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live "
+                "on different pipeline stages); set model.tie_embeddings=false"
+            )
+
+
+def _positive(section: object, name: str, keys: list[str]) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        if value < 1:
+            raise ConfigError(f"{name}.{key} must be >= 1, got {value}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
