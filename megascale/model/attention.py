@@ -1,0 +1,74 @@
+"""Causal self-attention, full or sliding-window, on whatever kernel the hardware has.
+
+Sliding-window attention (SWA): query i attends to keys i-w+1..i. On CPU a band mask through
+SDPA is exact and cheap enough; on GPU FlexAttention's block mask skips the blocks outside the
+band so the cost really is O(s*w). The choice of kernel never changes the result (tests check
+parity), only the speed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def band_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [s, s] mask, True where query i may attend key j (causal, within the window)."""
+    i = torch.arange(seq_len, device=device).unsqueeze(1)
+    j = torch.arange(seq_len, device=device).unsqueeze(0)
+    allowed = j <= i
+    if window is not None:
+        allowed &= j > i - window
+    return allowed
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_band_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    return band_mask(seq_len, window, device)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q, k, v: [batch, heads, seq, head_dim]."""
+    seq_len = q.shape[-2]
+    if window is None or window >= seq_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = _cached_band_mask(seq_len, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _flex_block_mask(seq_len: int, window: int | None, device: str):  # pragma: no cover - GPU
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def sliding_causal(b, h, q_idx, kv_idx):
+        causal = q_idx >= kv_idx
+        if window is None:
+            return causal
+        return causal & (q_idx - kv_idx < window)
+
+    return create_block_mask(sliding_causal, None, None, seq_len, seq_len, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():  # pragma: no cover - GPU
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """FlexAttention with a sliding-window block mask: masked blocks are skipped, not computed."""
+    block_mask = _flex_block_mask(q.shape[-2], window, str(q.device))
+    return _compiled_flex()(q, k, v, block_mask=block_mask)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, kernel: str = "auto"
+) -> torch.Tensor:
+    """Dispatch to a kernel. `auto`: SDPA (FlashAttention on GPU) for full causal attention,
+    FlexAttention for SWA on CUDA, the band-masked SDPA for SWA elsewhere."""
+    if kernel == "flex" or (kernel == "auto" and window is not None and q.is_cuda):
+        return flex_attention(q, k, v, window)
+    return sdpa_attention(q, k, v, window)

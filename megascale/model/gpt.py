@@ -1,0 +1,152 @@
+"""A GPT decoder with the serial or the parallel transformer block.
+
+Serial:   y = x + MLP(LN2(x + Attn(LN1(x))))
+Parallel: y = x + MLP(LN(x)) + Attn(LN(x))      (one LayerNorm feeds both branches)
+
+No parallelism lives here. The model is three stages -- `embed`, `blocks`, `head` -- so that the
+pipeline splitter can cut it into chunks, and the tensor-parallel code replaces layers from
+outside. Attention and MLP expose the pieces (`project_qkv`, `attend`, ...) that a
+tensor-parallel block recombines around its communication.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megascale.config.schema import ModelConfig
+from megascale.model.attention import causal_attention
+from megascale.model.rotary import apply_rotary, rotary_tables
+
+IGNORE_INDEX = -100
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.positions == "learned" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens)
+        if self.positions is not None:
+            h = h + self.positions.weight[: tokens.shape[1]]
+        return h
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.window = cfg.window
+        self.rotary = cfg.positions == "rotary"
+        self.rope_base = cfg.rope_base
+        self.kernel = "auto"
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[b, s, 3*heads*d] (q, k, v of each head contiguous per block) -> [b, s, heads*d].
+
+        Works for any number of heads, so a tensor-parallel rank passes its own slice."""
+        b, s, width = qkv.shape
+        heads = width // (3 * self.head_dim)
+        q, k, v = qkv.view(b, s, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.rotary:
+            cos, sin = rotary_tables(s, self.head_dim, self.rope_base, qkv.device, qkv.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = causal_attention(q, k, v, self.window, self.kernel)
+        return out.transpose(1, 2).reshape(b, s, heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.attend(self.qkv(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
+
+    @staticmethod
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.activation(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind = cfg.block
+        self.ln1 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps) if cfg.block == "serial" else None
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ln2 is None:
+            h = self.ln1(x)
+            return x + self.mlp(h) + self.attn(h)
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm, vocabulary projection and the summed token loss."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(h))
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum (not mean) of token losses: the trainer divides by the global token count, so
+        the loss is the true mean over the global batch whatever the layout."""
+        logits = self.logits(h).float()
+        return F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.tokens.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2*layers)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:  # LayerNorm weight
+                nn.init.ones_(p)
+            elif name.endswith("proj.weight"):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits without labels; the summed token loss with them."""
+        h = self.hidden_states(tokens)
+        return self.head.logits(h) if labels is None else self.head(h, labels)
