@@ -1,0 +1,43 @@
+"""Optimizers (shard-aware LAMB, AdamW), the learning-rate schedule and gradient clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from megascale.config.schema import OptimConfig
+from megascale.optim.lamb import Lamb
+from megascale.optim.norms import clip_grad_norm_, global_grad_norm, mark_sharded, whole_sq_norms
+from megascale.optim.schedule import lr_at
+
+
+def decays(name: str, tensor: torch.Tensor) -> bool:
+    """Weight decay applies to matrices (GEMM weights, embeddings), not to biases and norms.
+
+    A ZeRO shard is flat; it records its parameter's dimensionality in `_full_dim`."""
+    return getattr(tensor, "_full_dim", tensor.dim()) >= 2 and not name.endswith("bias")
+
+
+def build_optimizer(
+    named: Iterable[tuple[str, torch.Tensor]], cfg: OptimConfig
+) -> torch.optim.Optimizer:
+    """`named` pairs a parameter's name with the tensor to optimise: the parameter itself, or
+    this rank's shard of it under ZeRO."""
+    decay, no_decay = [], []
+    for name, tensor in named:
+        (decay if decays(name, tensor) else no_decay).append(tensor)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=False)
+
+
+__all__ = [
+    "Lamb", "build_optimizer", "clip_grad_norm_", "decays", "global_grad_norm", "lr_at",
+    "mark_sharded", "whole_sq_norms",
+]

@@ -1,0 +1,77 @@
+"""Whole-tensor norms of tensors that may be sharded across process groups.
+
+A tensor that the parallel code splits (a tensor-parallel weight, a ZeRO shard) carries the
+process groups over which its pieces must be summed in `tensor._norm_groups`. Norms are built
+from per-tensor sums of squares reduced over those groups, so a shard never stands in for the
+whole parameter: LAMB's trust ratio and gradient clipping see the same numbers as one process.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+NORM_GROUPS_ATTR = "_norm_groups"
+
+
+def mark_sharded(tensor: torch.Tensor, *groups: dist.ProcessGroup | None) -> None:
+    """Record that `tensor` is one piece of a whole split over `groups` (None entries ignored)."""
+    existing = getattr(tensor, NORM_GROUPS_ATTR, ())
+    setattr(tensor, NORM_GROUPS_ATTR, existing + tuple(g for g in groups if g is not None))
+
+
+def norm_groups(tensor: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    return getattr(tensor, NORM_GROUPS_ATTR, ())
+
+
+def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norm of each whole tensor, in float32 (or float64 if given).
+
+    `tensors[i]` is the local piece; `owners[i]` carries the groups it is split over (the
+    parameter, when `tensors` are its gradients or updates)."""
+    if not tensors:
+        return torch.zeros(0)
+    local = torch.stack([t.detach().float().pow(2).sum() for t in tensors])
+    by_groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, owner in enumerate(owners):
+        by_groups[norm_groups(owner)].append(i)
+    for groups, index in by_groups.items():
+        if not groups:
+            continue
+        idx = torch.tensor(index, device=local.device)
+        part = local.index_select(0, idx)
+        for group in groups:
+            dist.all_reduce(part, group=group)
+        local = local.index_copy(0, idx, part)
+    return local
+
+
+def global_grad_norm(
+    params: Sequence[torch.Tensor], across: Sequence[dist.ProcessGroup | None] = ()
+) -> torch.Tensor:
+    """L2 norm of all gradients of the model, counting every element exactly once.
+
+    `across` are groups holding disjoint parameters (pipeline stages) whose totals add up."""
+    with_grad = [p for p in params if p.grad is not None]
+    device = with_grad[0].grad.device if with_grad else torch.device("cpu")
+    total = whole_sq_norms([p.grad for p in with_grad], with_grad).sum() if with_grad else torch.zeros((), device=device)
+    for group in across:
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_grad_norm_(
+    params: Sequence[torch.Tensor], max_norm: float, across: Sequence[dist.ProcessGroup | None] = ()
+) -> torch.Tensor:
+    """Scale gradients so that their global norm is at most `max_norm`; returns the norm before."""
+    norm = global_grad_norm(params, across)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.device))
+    return norm
