@@ -1,0 +1,238 @@
+"""Always-on per-rank timers: spans around compute, collectives, p2p, data and optimizer.
+
+Why: a compute straggler hides behind everyone else's collective waits unless compute is timed
+apart from communication. Every span is buffered in memory and written once per step (one JSON
+line per span) to `out_dir/timers/rank{rank:05d}.jsonl`, so the cost per span is a few
+microseconds. On GPU a span records two CUDA events on the current stream; they are read one
+step later (when the GPU has long finished them), so the step's stream is never synchronised.
+
+Accounting: per-kind totals use each span's *self time* -- the part of its interval not covered
+by a nested span -- so a `comm` span inside a `compute` span (the wait of a collective issued in
+backward) counts as communication, not compute.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import socket
+import threading
+import time
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("compute", "comm", "p2p", "data", "optimizer", "other")
+_NULL = nullcontext()
+
+
+class _Span:
+    """One open interval. Host times are `time.perf_counter()`; CUDA events when on GPU."""
+
+    __slots__ = ("timers", "name", "kind", "attrs", "start", "end", "ev_start", "ev_end", "thread")
+
+    def __init__(self, timers: Timers, name: str, kind: str, attrs: dict[str, Any]) -> None:
+        self.timers = timers
+        self.name = name
+        self.kind = kind
+        self.attrs = attrs
+        self.ev_start = self.ev_end = None
+        self.end = 0.0
+
+    def __enter__(self) -> _Span:
+        t = self.timers
+        self.thread = threading.get_ident()
+        t._open.setdefault(self.thread, []).append(self)
+        if t._cuda:
+            self.ev_start = torch.cuda.Event(enable_timing=True)
+            self.ev_start.record()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = time.perf_counter()
+        t = self.timers
+        if t._cuda:
+            self.ev_end = torch.cuda.Event(enable_timing=True)
+            self.ev_end.record()
+        stack = t._open.get(self.thread)
+        if stack:
+            if stack[-1] is self:
+                stack.pop()
+            else:  # closed out of order (a generator, an exception path): still remove it
+                stack.remove(self)
+        t._closed.append(self)
+
+
+class Timers:
+    """Per-rank span recorder. Cheap when disabled: `span()` returns a shared null context."""
+
+    def __init__(self, rank: int, coords: dict[str, int], host: str | None,
+                 out_dir: str | Path | None, enabled: bool = True,
+                 device: torch.device | None = None) -> None:
+        self.rank = rank
+        self.coords = dict(coords)
+        self.host = host or socket.gethostname()
+        self.enabled = enabled
+        self._cuda = bool(enabled and device is not None and torch.device(device).type == "cuda")
+        self._open: dict[int, list[_Span]] = {}
+        self._closed: list[_Span] = []
+        self._recorded: list[tuple[str, str, float, float, dict[str, Any]]] = []
+        # perf_counter -> epoch seconds, so spans of different hosts share one time axis
+        self._epoch = time.time() - time.perf_counter()
+        self._step_start = time.perf_counter()
+        self._pending: tuple[int, float, list[_Span], list] | None = None  # GPU: previous step
+        self._anchor = self._new_anchor() if self._cuda else None
+        self.path: Path | None = None
+        self._file = None
+        if enabled and out_dir is not None:
+            self.path = Path(out_dir) / "timers" / f"rank{rank:05d}.jsonl"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - kept open
+
+    # ---- recording -------------------------------------------------------------------------
+    def span(self, name: str, kind: str = "compute", **attrs: Any) -> AbstractContextManager:
+        """Time a block. Spans nest; nested comm/p2p time is subtracted from the enclosing span."""
+        if not self.enabled:
+            return _NULL
+        if kind not in KINDS:
+            raise ValueError(f"timer kind {kind!r} is not one of {KINDS}")
+        return _Span(self, name, kind, attrs)
+
+    def record(self, name: str, kind: str, start: float, end: float, **attrs: Any) -> None:
+        """Add an interval timed elsewhere; `start`/`end` are `time.perf_counter()` values."""
+        if not self.enabled:
+            return
+        if kind not in KINDS:
+            raise ValueError(f"timer kind {kind!r} is not one of {KINDS}")
+        self._recorded.append((name, kind, start, end, attrs))
+
+    def current(self) -> list[dict[str, Any]]:
+        """Open spans of every thread, outermost first (read by the hang watchdog thread)."""
+        out = []
+        for thread, stack in list(self._open.items()):
+            for depth, s in enumerate(list(stack)):
+                out.append({"name": s.name, "kind": s.kind, "attrs": dict(s.attrs),
+                            "start": self._epoch + s.start, "depth": depth, "thread": thread})
+        return out
+
+    # ---- step boundary ---------------------------------------------------------------------
+    def end_step(self, step: int) -> dict[str, float]:
+        """Close a step: write its spans, return per-kind self-time totals and `step` (wall s).
+
+        On GPU the spans are resolved one step late (their events are complete by then), so
+        the totals returned are those of the previous step (empty after the first step).
+        """
+        if not self.enabled:
+            return {}
+        now = time.perf_counter()
+        closed, self._closed = self._closed, []
+        recorded, self._recorded = self._recorded, []
+        wall = (self._step_start, now)
+        self._step_start = now
+        if not self._cuda:
+            return self._emit(step, self._host_rows(closed, recorded), wall)
+        previous, self._pending = self._pending, (step, wall, closed, recorded, self._anchor)
+        self._anchor = self._new_anchor()
+        return self._resolve(previous)
+
+    def close(self) -> None:
+        """Flush what is buffered (the last GPU step included) and close the file."""
+        if self.enabled and self._cuda:
+            previous, self._pending = self._pending, None
+            self._resolve(previous)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    # ---- internals -------------------------------------------------------------------------
+    def _new_anchor(self) -> tuple[torch.cuda.Event, float]:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev, time.perf_counter()
+
+    def _host_rows(self, closed: list[_Span], recorded: list) -> list[tuple]:
+        rows = [(s.name, s.kind, s.start, s.end, s.attrs) for s in closed]
+        rows.extend(recorded)
+        return rows
+
+    def _resolve(self, pending: tuple | None) -> dict[str, float]:
+        if pending is None:
+            return {}
+        step, wall, closed, recorded, (anchor, anchor_host) = pending
+        rows = []
+        if closed:
+            for s in closed:
+                s.ev_end.synchronize()  # finished long ago: these are the previous step's
+                start = anchor_host + anchor.elapsed_time(s.ev_start) / 1e3
+                rows.append((s.name, s.kind, start, start + s.ev_start.elapsed_time(s.ev_end) / 1e3,
+                             s.attrs))
+        rows.extend(recorded)
+        return self._emit(step, rows, wall)
+
+    def _emit(self, step: int, rows: list[tuple], wall: tuple[float, float]) -> dict[str, float]:
+        selfs = self_times([(r[2], r[3]) for r in rows])
+        totals = dict.fromkeys(KINDS, 0.0)
+        for (_, kind, _, _, _), own in zip(rows, selfs, strict=True):
+            totals[kind] += own
+        totals["step"] = wall[1] - wall[0]
+        if self._file is not None and rows:
+            base = {"step": step, "rank": self.rank, "coords": self.coords, "host": self.host}
+            lines = []
+            for (name, kind, start, end, attrs), own in zip(rows, selfs, strict=True):
+                rec = dict(base, name=name, kind=kind, start=round(self._epoch + start, 6),
+                           dur=round(end - start, 7), self=round(own, 7), attrs=attrs)
+                lines.append(json.dumps(rec, default=str))
+            lines.append(json.dumps(dict(base, name="step", kind="step",
+                                         start=round(self._epoch + wall[0], 6),
+                                         dur=round(wall[1] - wall[0], 7), self=0.0, attrs={})))
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+        return totals
+
+
+def self_times(intervals: list[tuple[float, float]]) -> list[float]:
+    """Each interval's time not covered by a later-starting overlapping one (its nested spans).
+
+    At every instant the time goes to the innermost open interval: the one that started last.
+    Works for properly nested spans and for intervals recorded elsewhere that overlap loosely.
+    """
+    n = len(intervals)
+    out = [0.0] * n
+    if n == 0:
+        return out
+    points = []
+    for i, (s, e) in enumerate(intervals):
+        points.append((s, 1, i))
+        points.append((max(e, s), 0, i))
+    points.sort()
+    heap: list[tuple[float, float, int]] = []  # (-start, end, index): innermost on top
+    done = [False] * n
+    last = points[0][0]
+    for t, is_start, i in points:
+        while heap and done[heap[0][2]]:
+            heapq.heappop(heap)
+        if heap and t > last:
+            out[heap[0][2]] += t - last
+        last = t
+        if is_start:
+            heapq.heappush(heap, (-intervals[i][0], intervals[i][1], i))
+        else:
+            done[i] = True
+    return out
+
+
+_current = Timers(rank=0, coords={}, host="", out_dir=None, enabled=False)
+
+
+def set_timers(timers: Timers) -> None:
+    """Make `timers` the process-wide one (the trainer does this once it knows its rank)."""
+    global _current
+    _current = timers
+
+
+def get_timers() -> Timers:
+    """The process-wide timers; a disabled one until `set_timers` is called."""
+    return _current

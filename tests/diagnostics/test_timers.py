@@ -1,0 +1,73 @@
+"""Timers: nesting accounting, file format, disabled cost, process-wide instance."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megascale.diagnostics.timers import Timers, get_timers, self_times, set_timers
+
+
+def test_self_times_nested_and_overlapping() -> None:
+    assert self_times([(0, 10), (2, 5), (3, 4)]) == [7, 2, 1]
+    assert self_times([(0, 10), (8, 12)]) == [8, 4]  # loose overlap: the later one owns 8..12
+    assert self_times([]) == []
+
+
+def test_comm_inside_compute_is_not_compute(tmp_path) -> None:
+    t = Timers(3, {"pp": 1, "dp": 0, "tp": 1}, "hostA", tmp_path)
+    with t.span("forward"):
+        time.sleep(0.02)
+        with t.span("all_reduce", "comm", op="all_reduce", group="dp", seq=7):
+            opened = t.current()
+            time.sleep(0.03)
+    t0 = time.perf_counter()
+    time.sleep(0.01)
+    t.record("wait", "comm", t0, time.perf_counter())
+    totals = t.end_step(5)
+    t.close()
+    assert [s["name"] for s in opened] == ["forward", "all_reduce"]
+    assert opened[1]["attrs"]["seq"] == 7 and t.current() == []
+    assert 0.018 < totals["compute"] < 0.028
+    assert 0.038 < totals["comm"] < 0.055
+    assert totals["step"] >= totals["compute"] + totals["comm"]
+    lines = (tmp_path / "timers" / "rank00003.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert {r["name"] for r in rows} == {"forward", "all_reduce", "wait", "step"}
+    fwd = next(r for r in rows if r["name"] == "forward")
+    assert fwd["host"] == "hostA" and fwd["step"] == 5
+    assert fwd["coords"] == {"pp": 1, "dp": 0, "tp": 1}
+    assert fwd["dur"] > 0.045 and fwd["self"] < 0.03
+    assert abs(fwd["start"] - time.time()) < 60  # epoch seconds, comparable across hosts
+
+
+def test_disabled_is_silent_and_cheap(tmp_path) -> None:
+    t = Timers(0, {}, "h", tmp_path, enabled=False)
+    with t.span("x", "comm"):
+        pass
+    t.record("y", "comm", 0.0, 1.0)
+    assert t.end_step(0) == {} and t.current() == []
+    assert not (tmp_path / "timers").exists()
+    start = time.perf_counter()
+    for _ in range(10000):
+        with t.span("x"):
+            pass
+    assert (time.perf_counter() - start) / 10000 < 20e-6
+
+
+def test_bad_kind_named() -> None:
+    with pytest.raises(ValueError, match="'gpu'"):
+        Timers(0, {}, "h", None).span("x", "gpu")
+
+
+def test_process_wide_instance() -> None:
+    before = get_timers()
+    assert before.enabled is False
+    mine = Timers(0, {}, "h", None)
+    set_timers(mine)
+    try:
+        assert get_timers() is mine
+    finally:
+        set_timers(before)
