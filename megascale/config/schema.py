@@ -102,6 +102,7 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     store: Literal["tcp", "redis"] = "tcp"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_connect_timeout_s: float = 10.0  # fail with the address if Redis is not reachable
     init_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
 
@@ -115,6 +116,14 @@ class ParallelConfig:
             raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
         if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ConfigError("parallel.init_timeout_s and parallel.collective_timeout_s must be > 0")
+        if self.redis_connect_timeout_s <= 0:
+            raise ConfigError(
+                f"parallel.redis_connect_timeout_s must be > 0, got {self.redis_connect_timeout_s}"
+            )
+        if self.store == "redis" and not self.redis_url.startswith(("redis://", "unix://")):
+            raise ConfigError(
+                f"parallel.redis_url must look like redis://HOST:PORT/DB, got {self.redis_url!r}"
+            )
 
 
 @dataclass

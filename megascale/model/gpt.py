@@ -49,12 +49,14 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[b, s, 3*heads*d] (q, k, v of each head contiguous per block) -> [b, s, heads*d].
+        """[b, s, heads*3*d] -> [b, s, heads*d].
 
-        Works for any number of heads, so a tensor-parallel rank passes its own slice."""
+        The QKV projection is laid out head-major (q, k, v of head 0, then of head 1, ...), so
+        a contiguous slice of its rows is a set of whole heads: tensor parallelism splits it
+        without reordering, and this works for any number of local heads."""
         b, s, width = qkv.shape
         heads = width // (3 * self.head_dim)
-        q, k, v = qkv.view(b, s, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         if self.rotary:
             cos, sin = rotary_tables(s, self.head_dim, self.rope_base, qkv.device, qkv.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
