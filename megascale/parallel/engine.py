@@ -1,0 +1,106 @@
+"""The one place that turns a model into what this rank runs, and runs a step's micro-batches.
+
+`build_runner` applies parallelism from outside the model, in a fixed order: tensor parallel
+(layers replaced by sharded ones), pipeline split (keep this rank's chunks), ZeRO-2 over dp
+(per chunk). The trainer only sees a `ModelRunner`: forward+backward of one optimizer step's
+micro-batches, the tensors the optimizer steps on, and the hooks around the optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megascale.config.schema import JobConfig
+from megascale.data import TokenBatch
+from megascale.diagnostics.timers import get_timers
+
+
+class ModelRunner:
+    """One pipeline stage holding one chunk: runs micro-batches one after another.
+
+    Subclasses (the pipeline runner) override `forward_backward` and `eval_loss_sum`."""
+
+    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh=None):
+        self.chunks = chunks
+        self.cfg = cfg
+        self.mesh = mesh
+        self.grad_sync = None  # set by ZeRO: reduce-scatter after backward, all-gather after step
+
+    @property
+    def module(self) -> nn.Module:
+        return self.chunks[0]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters of this rank's chunks, named as in the single-process model."""
+        for chunk in self.chunks:
+            yield from chunk.named_parameters()
+
+    def optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs the optimizer updates: parameters, or their ZeRO shards."""
+        if self.grad_sync is not None:
+            return self.grad_sync.optimizer_tensors()
+        return list(self.named_parameters())
+
+    def forward_backward(self, batch: TokenBatch, token_count: int) -> torch.Tensor:
+        """Accumulate gradients of (sum of token losses / token_count) over the micro-batches;
+        returns this rank's summed token loss (detached)."""
+        timers = get_timers()
+        total = torch.zeros((), dtype=torch.float64)
+        model = self.module
+        for inputs, labels in zip(batch.inputs, batch.labels):
+            with timers.span("forward"):
+                loss = model(inputs.to(self._device), labels.to(self._device))
+            with timers.span("backward"):
+                (loss / token_count).backward()
+            total += loss.detach().double().cpu()
+        return total
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for inputs, labels in zip(batch.inputs, batch.labels):
+            total += self.module(inputs.to(self._device), labels.to(self._device)).double().cpu()
+        return total
+
+    def finish_grads(self) -> None:
+        """Gradients are complete and synchronised across dp when this returns."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def after_optimizer_step(self) -> None:
+        """Start refreshing the parameters from the updated shards (ZeRO)."""
+        if self.grad_sync is not None:
+            self.grad_sync.after_step()
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
+        if self.grad_sync is not None:
+            self.grad_sync.zero_grad()
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.train(mode)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+
+def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
+    """Apply every parallelism the layout asks for and return this rank's runner."""
+    if mesh is None or mesh.world_size == 1:
+        return ModelRunner([model], cfg, mesh)
+    raise NotImplementedError("parallel layouts are applied by megascale.parallel (in progress)")
+
+
+def reduce_sum(value: torch.Tensor, *groups) -> torch.Tensor:
+    """Sum a small CPU/GPU tensor over each group in turn (groups may be None)."""
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(value, group=group)
+    return value

@@ -1,0 +1,62 @@
+"""`megascale train`: one process, under torchrun, or `--nproc N` local ranks.
+
+`--nproc N` re-launches this command under PyTorch's elastic launcher (`torch.distributed.run`,
+what `torchrun` is) with N processes on this machine, so a local multi-rank run and a cluster
+run under torchrun execute the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from megascale.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "configs/default.toml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help=f"TOML config (default: {DEFAULT_CONFIG} if present)")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="start N local ranks (default: dp*tp*pp of the config when > 1)")
+    parser.epilog = "Override any config key with --section.key=value, e.g. --model.layers=8"
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    try:
+        cfg = load_config(path, args.overrides)
+    except ConfigError as exc:
+        print(f"megascale train: config error: {exc}", file=sys.stderr)
+        return 2
+    world = cfg.parallel.world_size
+    under_launcher = "RANK" in os.environ
+    nproc = args.nproc or (world if world > 1 and not under_launcher else 0)
+    if nproc and not under_launcher:
+        if nproc != world:
+            print(f"megascale train: --nproc {nproc} but parallel.dp*tp*pp = {world}; "
+                  f"make them equal", file=sys.stderr)
+            return 2
+        return launch_local(nproc, path, args.overrides)
+    from megascale.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        trainer.close()
+    return 0
+
+
+def launch_local(nproc: int, config: str | None, overrides: list[str]) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megascale.cli", "train"]
+    if config:
+        cmd += ["--config", config]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd + list(overrides), env=env)

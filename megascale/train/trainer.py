@@ -1,0 +1,197 @@
+"""The training loop: read it top to bottom.
+
+One `Trainer` per rank. It builds the mesh, the model (the same seed on every rank, then
+parallelised from outside), the optimizer, the data loaders, the timers and the checkpoint
+manager, then runs steps: data -> forward/backward -> grad sync -> clip -> optimizer -> log.
+Python's automatic GC is off during training and run on every rank at the same steps, since
+irregular collection on one rank stalls every rank that waits for it in a collective.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megascale.checkpoint import CheckpointManager
+from megascale.config import JobConfig, dump_config
+from megascale.data import TokenBatch, build_loaders
+from megascale.diagnostics.mfu import flops_per_token, mfu, peak_flops
+from megascale.diagnostics.timers import Timers, set_timers
+from megascale.model import GPT, IGNORE_INDEX
+from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
+from megascale.parallel.engine import build_runner, reduce_sum
+from megascale.parallel.mesh import init_mesh
+from megascale.train.metrics import MetricsWriter, progress_line, setup_logging
+
+log = logging.getLogger("megascale")
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but CUDA is not available; use train.device='cpu'")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device)
+        self.mesh = init_mesh(cfg.parallel, device=self.device.type)
+        self.rank = self.mesh.rank
+        self.run_dir = Path(cfg.train.run_dir)
+        setup_logging(self.run_dir, self.rank)
+        if self.rank == 0:
+            dump_config(cfg, self.run_dir / "config.toml")
+
+        seed_everything(cfg.train.seed)  # identical initial weights on every rank
+        model = GPT(cfg.model).to(self.device)
+        self.runner = build_runner(model, cfg, self.mesh)
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
+        self.timers = Timers(
+            self.rank, self.mesh.coords._asdict(), socket.gethostname(), self.run_dir,
+            enabled=cfg.diagnostics.timers, device=self.device,
+        )
+        set_timers(self.timers)
+        self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir)
+        self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard)
+        self.step = 0
+        self.flops_per_token = flops_per_token(cfg.model).training
+        self.peak, peak_source = peak_flops(self.device, cfg.train.dtype)
+        log.info(
+            "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %d micro-batches/step; peak %s",
+            sum(p.numel() for p in model.parameters()) / 1e6, cfg.parallel.pp, cfg.parallel.dp,
+            cfg.parallel.tp, cfg.parallel.vpp, cfg.micro_batches,
+            f"{self.peak / 1e9:.1f} GFLOP/s ({peak_source})" if self.peak else peak_source,
+        )
+
+    # ---------------------------------------------------------------- state for checkpoints
+    def rng_state(self) -> dict:
+        state = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    # ---------------------------------------------------------------- one step
+    def global_token_count(self, batch: TokenBatch | None) -> int:
+        """Loss-bearing tokens in the global batch; the loss is their mean on every layout."""
+        local = torch.zeros((), dtype=torch.int64)
+        if batch is not None:
+            local += (batch.labels != IGNORE_INDEX).sum()
+            reduce_sum(local, self.mesh.dp_group)
+        return max(int(local), 1)
+
+    def train_step(self, batch: TokenBatch | None) -> dict[str, float]:
+        tokens = self.global_token_count(batch)
+        self.runner.train()
+        loss_sum = self.runner.forward_backward(batch, tokens)
+        self.runner.finish_grads()
+        params = [t for _, t in self.runner.optimizer_tensors()]
+        with self.timers.span("optimizer", kind="optimizer"):
+            grad_norm = clip_grad_norm_(params, self.cfg.optim.grad_clip, across=[self.mesh.pp_group])
+            lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.runner.zero_grad()
+        self.runner.after_optimizer_step()
+        loss = self.reduce_loss(loss_sum) / tokens
+        return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
+
+    def reduce_loss(self, loss_sum: torch.Tensor) -> float:
+        """Sum of token losses over the global batch, known on every rank: summed over dp on the
+        last stage, then over pp (other stages add zero). tp ranks hold the same value."""
+        value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros((), dtype=torch.float64)
+        if self.mesh.is_last_stage:
+            reduce_sum(value, self.mesh.dp_group)
+        return float(reduce_sum(value, self.mesh.pp_group))
+
+    def evaluate(self) -> float:
+        self.runner.train(False)
+        total, tokens = 0.0, 0
+        for batch in self.eval_loader.batches():
+            tokens += self.global_token_count(batch)
+            total += self.reduce_loss(self.runner.eval_loss_sum(batch))
+        return total / max(tokens, 1)
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> list[float]:
+        """Train to `train.steps`; returns the losses of the steps this call ran."""
+        cfg = self.cfg.train
+        self.checkpoints.resume(self)
+        losses: list[float] = []
+        gc.collect()
+        gc.disable()
+        try:
+            while self.step < cfg.steps:
+                losses.append(self._run_one_step())
+        except KeyboardInterrupt:
+            log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
+            self.checkpoints.save(self, blocking=True)
+            raise
+        finally:
+            gc.enable()
+        if self.step > self.checkpoints.last_saved_step:
+            self.checkpoints.save(self, blocking=True)
+        return losses
+
+    def _run_one_step(self) -> float:
+        cfg = self.cfg.train
+        start = time.perf_counter()
+        with self.timers.span("data", kind="data"):
+            batch = self.train_loader.next_batch()
+        record = self.train_step(batch)
+        self.step += 1
+        if cfg.eval_every and self.step % cfg.eval_every == 0:
+            record["eval_loss"] = self.evaluate()
+        if cfg.gc_every and self.step % cfg.gc_every == 0:
+            gc.collect()
+        self.checkpoints.maybe_save(self)
+        step_time = time.perf_counter() - start
+        tokens_per_s = cfg.global_batch * self.cfg.model.seq_len / step_time
+        world = self.mesh.world_size
+        record.update(
+            step_time=step_time,
+            tokens_per_s=tokens_per_s,
+            data_wait=self.train_loader.wait_seconds,
+            mfu=mfu(tokens_per_s / world, self.flops_per_token, self.peak),
+        )
+        record.update({f"time_{k}": v for k, v in self.timers.end_step(self.step).items()})
+        self.metrics.write(self.step, record)
+        if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            log.info(progress_line(self.step, cfg.steps, record))
+        return record["loss"]
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.train_loader.close()
+        self.metrics.close()
+        self.timers.close()
+        self.mesh.destroy()
