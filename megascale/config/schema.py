@@ -136,10 +136,14 @@ class DataConfig:
     reader: Literal["node", "tp", "rank"] = "node"  # who reads from disk
     cross_document: bool = False  # predict across end-of-document tokens
     mixture: dict[str, float] = field(default_factory=dict)  # path -> weight
+    tokenizer: str = ""  # expected tokenizer: "" = the manifest's, "bytes", or a tokenizer.json
+    verify_checksums: bool = True  # sha256 of every shard before training (readers only)
 
     def validate(self) -> None:
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.path and self.mixture:
+            raise ConfigError("set data.path or data.mixture, not both (the mixture lists paths)")
         for path, weight in self.mixture.items():
             if weight <= 0:
                 raise ConfigError(f"data.mixture weight for {path!r} must be > 0, got {weight}")

@@ -1,0 +1,116 @@
+"""`build_loaders`: from the job config and mesh to this rank's train and eval loaders.
+
+Everything that can be wrong with the data (missing or corrupted shards, a tokenizer other
+than the model's, too little data for the split) is found here, before the first step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from megascale.config.schema import JobConfig
+from megascale.data.corpus import ensure_default_corpus
+from megascale.data.dataset import GlobalOrder, split_windows
+from megascale.data.loader import EvalLoader, Shape, TrainLoader, read_dp_slices
+from megascale.data.shards import DataError, TokenStore
+from megascale.data.tokenizer import load_tokenizer
+
+VOCAB_PAD = 128  # a model vocabulary may be padded up to a multiple of this for GEMM efficiency
+
+
+def dataset_paths(cfg: JobConfig) -> tuple[list[Path], list[float]]:
+    """The datasets to read and their weights: the mixture, data.path, or the default corpus."""
+    data = cfg.data
+    if data.mixture:
+        return [Path(p) for p in data.mixture], list(data.mixture.values())
+    if data.path:
+        return [Path(data.path)], [1.0]
+    return [ensure_default_corpus(data.cache_dir)], [1.0]
+
+
+def check_tokenizer(stores: list[TokenStore], cfg: JobConfig) -> None:
+    """Every dataset made by one tokenizer, the one the config expects, fitting the model."""
+    first = stores[0].manifest["tokenizer"]
+    for store in stores[1:]:
+        if _tok_key(store.manifest["tokenizer"]) != _tok_key(first):
+            raise DataError(
+                f"data.mixture: {store.root} was made with tokenizer "
+                f"{_tok_key(store.manifest['tokenizer'])} but {stores[0].root} with "
+                f"{_tok_key(first)}; a mixture needs one tokenizer"
+            )
+    if cfg.data.tokenizer:
+        expected = load_tokenizer(cfg.data.tokenizer).identity()
+        if _tok_key(expected) != _tok_key(first):
+            raise DataError(
+                f"{stores[0].root / 'manifest.json'}: made with tokenizer {_tok_key(first)}, but "
+                f"data.tokenizer={cfg.data.tokenizer!r} is {_tok_key(expected)}"
+            )
+    vocab, model_vocab = int(first["vocab_size"]), cfg.model.vocab_size
+    padded = -(-vocab // VOCAB_PAD) * VOCAB_PAD
+    if not vocab <= model_vocab <= padded:
+        raise DataError(
+            f"{stores[0].root / 'manifest.json'}: tokenizer {first.get('name')!r} has "
+            f"{vocab} tokens but model.vocab_size={model_vocab}; set model.vocab_size to {vocab} "
+            f"(or up to {padded}, padded to a multiple of {VOCAB_PAD})"
+        )
+
+
+def _tok_key(identity: dict) -> tuple[Any, ...]:
+    return (identity.get("kind"), identity.get("vocab_size"), identity.get("eod"),
+            identity.get("sha256"))
+
+
+def open_order(cfg: JobConfig, verify: bool) -> tuple[GlobalOrder, list[TokenStore]]:
+    """Open every dataset, check it against the config and lay out the global order."""
+    paths, weights = dataset_paths(cfg)
+    stores = [TokenStore(p, verify=verify) for p in paths]
+    check_tokenizer(stores, cfg)
+    global_batch = cfg.train.global_batch
+    splits = [split_windows(s, cfg.model.seq_len, cfg.data.val_fraction, global_batch)
+              for s in stores]
+    for split in splits:
+        if split.train < global_batch:
+            raise DataError(
+                f"{split.store.root}: {split.train} training windows of {cfg.model.seq_len + 1} "
+                f"tokens are fewer than train.global_batch={global_batch}"
+            )
+    order = GlobalOrder(splits, weights, cfg.data.seed, global_batch, cfg.data.cross_document)
+    return order, stores
+
+
+def fingerprint(cfg: JobConfig, stores: list[TokenStore], weights: list[float]) -> str:
+    """What decides the order of sequences (not the global batch, so dp may change on resume)."""
+    key = {
+        "data": [[s.manifest["tokens"], [sh["sha256"] for sh in s.manifest["shards"]]]
+                 for s in stores],
+        "weights": weights, "seq_len": cfg.model.seq_len, "seed": cfg.data.seed,
+        "val_fraction": cfg.data.val_fraction, "cross_document": cfg.data.cross_document,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
+    """This rank's loaders. `mesh` is a ParallelMesh, or None for one process."""
+    dp_rank = mesh.dp_rank if mesh is not None else 0
+    needs_data = mesh is None or mesh.is_first_stage or mesh.is_last_stage
+    shape = Shape(cfg.micro_batches, cfg.train.micro_batch, cfg.model.seq_len)
+    order, stores = open_order(cfg, verify=cfg.data.verify_checksums and needs_data)
+    key = fingerprint(cfg, stores, order.weights)
+
+    def produce(step: int, consumed: list[int]):
+        if not needs_data:
+            return None
+        out = shape.empty()
+        read_dp_slices(order, shape, step, consumed, [dp_rank], out)
+        return out[0]
+
+    def close() -> None:
+        for store in stores:
+            store.close()
+
+    train = TrainLoader(order, produce, cfg.data.prefetch, key, on_close=close)
+    evaluation = EvalLoader(order, shape, dp_rank, cfg.train.eval_batches, needs_data)
+    return train, evaluation

@@ -1,0 +1,178 @@
+"""The trainer's view of the data: one `TokenBatch` per optimizer step, prepared ahead.
+
+`TrainLoader` pulls step batches from a producer (this rank reading the shards itself, the
+node's reader writing to shared memory, or a copy out of shared memory) and, with
+`data.prefetch`, runs that producer one step ahead in a background thread, so the batch for step
+k+1 is ready when step k ends. `wait_seconds` is what the trainer records as data wait.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megascale.data.dataset import GlobalOrder
+from megascale.data.shards import DataError
+
+
+@dataclass
+class TokenBatch:
+    inputs: torch.Tensor  # int64 [micro_batches, micro_batch, seq_len]
+    labels: torch.Tensor  # same shape; -100 where no loss
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sequences of one dp rank per step, laid out as micro-batches."""
+
+    micro_batches: int
+    micro_batch: int
+    seq_len: int
+
+    @property
+    def sequences(self) -> int:
+        return self.micro_batches * self.micro_batch
+
+    def empty(self, ranks: int = 1) -> np.ndarray:
+        """[ranks, 2 (inputs, labels), micro_batches, micro_batch, seq_len] int32."""
+        return np.empty((ranks, 2, self.micro_batches, self.micro_batch, self.seq_len), np.int32)
+
+
+def to_batch(pair: np.ndarray) -> TokenBatch:
+    """[2, M, B, L] int32 -> TokenBatch of int64 tensors (a copy, owned by the caller)."""
+    return TokenBatch(torch.from_numpy(pair[0].astype(np.int64)),
+                      torch.from_numpy(pair[1].astype(np.int64)))
+
+
+def read_dp_slices(order: GlobalOrder, shape: Shape, step: int, consumed: list[int],
+                   dp_ranks: list[int], out: np.ndarray) -> None:
+    """Fill `out[i]` with dp rank `dp_ranks[i]`'s sequences of `step`."""
+    n = shape.sequences
+    for i, r in enumerate(dp_ranks):
+        items = order.train_items(step, consumed, r * n, (r + 1) * n)
+        order.sequences(items, out[i].reshape(2, n, shape.seq_len))
+
+
+# produce(step, consumed) -> [2, M, B, L] int32 for this rank, or None (no tokens needed)
+Producer = Callable[[int, list[int]], "np.ndarray | None"]
+
+
+class TrainLoader:
+    """Step batches for this rank, in order, resumable; optionally one step ahead."""
+
+    def __init__(self, order: GlobalOrder, produce: Producer, prefetch: bool,
+                 fingerprint: str, on_close: Callable[[], None] | None = None):
+        self.order, self._produce, self.prefetch = order, produce, prefetch
+        self.fingerprint = fingerprint
+        self._on_close = on_close
+        self.wait_seconds = 0.0
+        self._step = 0
+        self._consumed = [0] * len(order.splits)
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        if prefetch:
+            self._start()
+
+    # -- the trainer's interface ------------------------------------------------------------
+    def next_batch(self) -> TokenBatch | None:
+        start = time.perf_counter()
+        if self._thread is not None:
+            step, pair, error = self._queue.get()
+            if error is not None:
+                raise error
+            assert step == self._step, (step, self._step)
+        else:
+            pair = self._produce(self._step, self._consumed)
+        self._consumed = self.order.advance(self._step, self._consumed)
+        self._step += 1
+        batch = None if pair is None else to_batch(pair)
+        self.wait_seconds = time.perf_counter() - start
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"step": self._step, "consumed": ",".join(map(str, self._consumed)),
+                "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("fingerprint") != self.fingerprint:
+            raise DataError(
+                "the checkpoint's data loader state belongs to other data or order "
+                f"({state.get('fingerprint')!r}); this job reads {self.fingerprint!r}"
+            )
+        consumed = [int(c) for c in str(state["consumed"]).split(",")]
+        self._halt()
+        self._step, self._consumed = int(state["step"]), consumed
+        if self.prefetch:
+            self._start()
+
+    def close(self) -> None:
+        self._halt()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
+
+    # -- background preparation ------------------------------------------------------------
+    def _start(self) -> None:
+        self._stop.clear()
+        self._queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, args=(self._step, list(self._consumed)),
+                                        name="megascale-data-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, step: int, consumed: list[int]) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (step, self._produce(step, consumed), None)
+            except BaseException as exc:  # handed to the trainer's thread
+                item = (step, None, exc)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+            consumed = self.order.advance(step, consumed)
+            step += 1
+
+    def _halt(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+
+
+class EvalLoader:
+    """The same held-out batches on every call (read once, then kept)."""
+
+    def __init__(self, order: GlobalOrder, shape: Shape, dp_rank: int, batches: int,
+                 needs_data: bool):
+        self.order, self.shape, self.dp_rank = order, shape, dp_rank
+        self.count = batches if order.val_windows else 0
+        self.needs_data = needs_data
+        self._cache: list[np.ndarray] | None = None
+
+    def batches(self) -> Iterator[TokenBatch | None]:
+        if not self.needs_data:
+            yield from (None for _ in range(self.count))
+            return
+        if self._cache is None:
+            self._cache = [self._read(b) for b in range(self.count)]
+        for pair in self._cache:
+            yield to_batch(pair)
+
+    def _read(self, batch: int) -> np.ndarray:
+        n = self.shape.sequences
+        out = self.shape.empty()[0]
+        items = self.order.val_items(batch, self.dp_rank * n, (self.dp_rank + 1) * n)
+        self.order.sequences(items, out.reshape(2, n, self.shape.seq_len))
+        return out
