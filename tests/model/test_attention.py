@@ -1,0 +1,61 @@
+"""Sliding-window attention equals attention under an explicit band mask."""
+
+import warnings
+
+import pytest
+import torch
+
+from megascale.model.attention import causal_attention, flex_attention, sdpa_attention
+
+
+def _explicit(q, k, v, window):
+    s = q.shape[-2]
+    i = torch.arange(s).unsqueeze(1)
+    j = torch.arange(s).unsqueeze(0)
+    allowed = (j <= i) & ((j > i - window) if window else torch.ones_like(j <= i))
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def _qkv(seq=24, dtype=torch.float64):
+    torch.manual_seed(3)
+    return [torch.randn(2, 3, seq, 8, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 16, 23])
+def test_sliding_window_equals_band_mask(window):
+    q, k, v = _qkv()
+    torch.testing.assert_close(sdpa_attention(q, k, v, window), _explicit(q, k, v, window))
+
+
+@pytest.mark.parametrize("window", [24, 25, 1000])
+def test_window_at_least_sequence_equals_full_causal(window):
+    q, k, v = _qkv()
+    torch.testing.assert_close(sdpa_attention(q, k, v, window), sdpa_attention(q, k, v, None))
+    torch.testing.assert_close(sdpa_attention(q, k, v, None), _explicit(q, k, v, None))
+
+
+def test_window_changes_result():
+    q, k, v = _qkv()
+    assert not torch.allclose(sdpa_attention(q, k, v, 4), sdpa_attention(q, k, v, None))
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_flex_attention_matches_sdpa_on_cpu(window):
+    """FlexAttention's block mask (the GPU kernel that skips masked blocks) gives the same
+    values; on CPU it runs compiled, so keep one small case."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = _qkv(seq=256, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            out = flex_attention(q, k, v, window)
+        except Exception as exc:  # noqa: BLE001 - a missing compiler toolchain is an environment fact
+            pytest.skip(f"FlexAttention unavailable here: {exc}")
+    torch.testing.assert_close(out, sdpa_attention(q, k, v, window), rtol=1e-4, atol=1e-5)
+
+
+def test_dispatch_uses_sdpa_on_cpu():
+    q, k, v = _qkv()
+    torch.testing.assert_close(causal_attention(q, k, v, 5), sdpa_attention(q, k, v, 5))
