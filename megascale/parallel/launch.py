@@ -1,0 +1,96 @@
+"""Run a function on N local processes with a torchrun-style environment.
+
+Used by the multi-process tests, the start-up benchmark and the store-parity check: each child
+gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, one thread, and a deadline; a child that
+raises, dies or hangs fails the whole run with that rank's traceback or name.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (bind to port 0 and ask)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Call `fn(*args)` on `world_size` spawned ranks; return their results in rank order."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    base = {
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, args, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) + len(errors) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in out and r not in errors:
+                        errors[r] = f"died without a result (exit code {p.exitcode})"
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                if not errors:  # others are likely stuck on the failed rank: give them 2 s
+                    deadline = min(deadline, time.monotonic() + 2.0)
+                errors[rank] = value
+        if errors:
+            raise RuntimeError(f"ranks {sorted(errors)} failed" + _describe(errors))
+        missing = sorted(set(range(world_size)) - set(out))
+        if missing:
+            raise TimeoutError(f"ranks {missing} did not finish within {timeout_s}s")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
+
+
+def _describe(errors: dict[int, str]) -> str:
+    return "".join(f"\n--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+
+
+def _child(fn: Callable[..., Any], args: tuple, env: dict[str, str], results: mp.Queue) -> None:
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # report every failure, including SystemExit, to the parent
+        results.put((rank, False, traceback.format_exc()))

@@ -1,0 +1,256 @@
+"""The job's process groups, built once from the rank grid, queried by every component.
+
+Start-up follows MegaScale's fix for slow communicator initialisation: no global barrier after
+each group. Each rank creates only the groups it belongs to (`use_local_synchronization=True`,
+so the group's name is a hash of its ranks and non-members skip the call), always in the same
+global order (dimension by dimension), which keeps the overlapping creations deadlock-free.
+A rank's store traffic then depends only on the groups it is in (their number and, for gloo's
+full-mesh address exchange, their sizes), not on the world size.
+
+NCCL is used lazily (no `device_id` binding): a bound default group would make subgroup
+creation an `ncclCommSplit`, which every rank of the world must join, defeating local creation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megascale.config.schema import ConfigError, ParallelConfig
+from megascale.parallel.grid import DIMS, Coords, Dim, RankGrid
+from megascale.parallel.store import CountingStore, StartupStats, StoreAddress, create_store
+
+log = logging.getLogger(__name__)
+
+ProcessGroup = dist.ProcessGroup
+
+
+class ParallelMesh:
+    """Coordinates and process groups of one rank in a (pp, dp, tp) job."""
+
+    def __init__(
+        self,
+        grid: RankGrid,
+        rank: int,
+        device: torch.device,
+        backend: str,
+        groups: dict[str, ProcessGroup | None],
+        startup: StartupStats,
+        timeout: timedelta,
+        store: dist.Store | None,
+    ) -> None:
+        self.grid = grid
+        self.rank = rank
+        self.world_size = grid.world_size
+        self.coords: Coords = grid.coords(rank)
+        self.device = device
+        self.backend = backend
+        self.startup = startup
+        self._groups = groups
+        self._timeout = timeout
+        # The default group holds the store only on the C++ side; a Python store subclass must
+        # also stay referenced here or its overrides vanish (pybind11 trampoline).
+        self.store = store
+        self._checkpoint_group: ProcessGroup | None = None
+        self._checkpoint_created = False
+
+    # coordinates -------------------------------------------------------------------------------
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.grid.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.dp
+
+    @property
+    def tp_size(self) -> int:
+        return self.grid.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.grid.pp - 1
+
+    @property
+    def next_pp_rank(self) -> int:
+        """Global rank of the next pipeline stage (wrapping), same dp and tp."""
+        c = self.coords
+        return self.grid.rank_of((c.pp + 1) % self.grid.pp, c.dp, c.tp)
+
+    @property
+    def prev_pp_rank(self) -> int:
+        c = self.coords
+        return self.grid.rank_of((c.pp - 1) % self.grid.pp, c.dp, c.tp)
+
+    def group_ranks(self, dim: Dim) -> list[int]:
+        return self.grid.group_of(self.rank, dim)
+
+    # groups ------------------------------------------------------------------------------------
+    @property
+    def tp_group(self) -> ProcessGroup | None:
+        return self._groups["tp"]
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        return self._groups["dp"]
+
+    @property
+    def pp_group(self) -> ProcessGroup | None:
+        return self._groups["pp"]
+
+    @property
+    def mp_group(self) -> ProcessGroup | None:
+        return self._groups["mp"]
+
+    @property
+    def dp_tp_group(self) -> ProcessGroup | None:
+        return self._groups["dp_tp"]
+
+    @property
+    def checkpoint_group(self) -> ProcessGroup | None:
+        """A gloo group over the world for checkpoint traffic, kept off the training links.
+
+        Created on first access; that first access is collective (every rank must make it, in
+        the same order relative to other group creations).
+        """
+        if not self._checkpoint_created:
+            self._checkpoint_created = True
+            if self.world_size > 1:
+                self._checkpoint_group = dist.new_group(
+                    list(range(self.world_size)),
+                    timeout=self._timeout,
+                    backend="gloo",
+                    use_local_synchronization=True,
+                    group_desc="checkpoint",
+                )
+        return self._checkpoint_group
+
+    def destroy(self) -> None:
+        """Tear down every group this mesh created (and the default group if it made it)."""
+        if self.store is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups = {dim: None for dim in DIMS}
+        self._checkpoint_group = None
+
+    def __repr__(self) -> str:
+        c = self.coords
+        return (
+            f"ParallelMesh(rank={self.rank}/{self.world_size}, pp={c.pp}/{self.pp_size}, "
+            f"dp={c.dp}/{self.dp_size}, tp={c.tp}/{self.tp_size}, {self.backend}, {self.device})"
+        )
+
+
+def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
+    """Join the job (torchrun-style environment) and create this rank's process groups."""
+    start = time.perf_counter()
+    grid = RankGrid(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_world != grid.world_size:
+        raise ConfigError(
+            f"parallel.dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {grid.world_size} but "
+            f"WORLD_SIZE={env_world}; launch {grid.world_size} processes or change the layout"
+        )
+    rank = int(os.environ.get("RANK", "0"))
+    if not 0 <= rank < env_world:
+        raise ConfigError(f"RANK={rank} is out of range for WORLD_SIZE={env_world}")
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dev = _choose_device(device, local_rank)
+    backend = _choose_backend(cfg.backend, dev)
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+
+    if grid.world_size == 1:
+        stats = StartupStats(store="none", time_s=time.perf_counter() - start)
+        groups: dict[str, ProcessGroup | None] = {dim: None for dim in DIMS}
+        return ParallelMesh(grid, 0, dev, backend, groups, stats, timeout, None)
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialised; init_mesh creates the default group "
+            "itself (call mesh.destroy() before creating another mesh)"
+        )
+    counter = CountingStore(create_store(cfg, rank, env_world, StoreAddress.from_env()))
+    dist.init_process_group(
+        backend=backend, store=counter, rank=rank, world_size=env_world, timeout=timeout
+    )
+    init_ops = counter.total_ops
+    groups, created = create_groups(grid, rank, timeout)
+    stats = StartupStats(
+        store=cfg.store,
+        time_s=time.perf_counter() - start,
+        store_ops=dict(counter.ops),
+        init_ops=init_ops,
+        group_ops=counter.total_ops - init_ops,
+        barriers=counter.barriers,
+        groups_created=created,
+    )
+    log.info("rank %d %s", rank, stats.summary())
+    return ParallelMesh(grid, rank, dev, backend, groups, stats, timeout, counter)
+
+
+def create_groups(
+    grid: RankGrid, rank: int, timeout: timedelta, dims: tuple[Dim, ...] = DIMS
+) -> tuple[dict[str, ProcessGroup | None], int]:
+    """This rank's group of every dimension; returns the groups and how many were created.
+
+    Size-1 groups are None, a group spanning the world is the default group, and a dimension
+    whose ranks equal an earlier one's (e.g. mp = tp when pp = 1) reuses that group.
+    """
+    groups: dict[str, ProcessGroup | None] = {}
+    made: dict[tuple[int, ...], ProcessGroup] = {}
+    for dim in dims:
+        members = tuple(grid.group_of(rank, dim))
+        if len(members) == 1:
+            groups[dim] = None
+        elif len(members) == grid.world_size:
+            groups[dim] = dist.group.WORLD
+        elif members in made:
+            groups[dim] = made[members]
+        else:
+            made[members] = dist.new_group(
+                list(members), timeout=timeout, use_local_synchronization=True, group_desc=dim
+            )
+            groups[dim] = made[members]
+    return groups, len(made)
+
+
+def _choose_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' was asked for but CUDA is not available")
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if device != "cpu":
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return torch.device("cpu")
+
+
+def _choose_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend='nccl' needs a CUDA device; use 'gloo' or 'auto'")
+    return backend
