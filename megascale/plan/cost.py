@@ -1,0 +1,251 @@
+"""Time of one training step of a decoder-only model under a layout, term by term.
+
+One micro-batch through one pipeline stage (all its v chunks) costs forward + backward compute,
+recomputation, and the tensor-parallel communication the chunked-GEMM overlap does not hide.
+The interleaved 1F1B schedule runs m such micro-batches plus a bubble of (p-1)/v of one, i.e.
+a bubble of (p-1)/(v*m) of the compute (Narayanan et al. 2021). On top come the exposed pipeline
+sends, the exposed data-parallel all-gather/reduce-scatter (ZeRO), the optimizer step and the
+global gradient-norm all-reduce. Every overlap can be switched off (`Features`) and is modelled
+so that switching it on never makes the step slower. Derivations: docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megascale.diagnostics.mfu import flops_per_token, mean_attention_span
+from megascale.plan import comm
+from megascale.plan import efficiency as eff
+from megascale.plan.cluster import ClusterSpec
+from megascale.plan.layout import Features, Layout, Workload
+from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split
+
+
+@dataclass(frozen=True)
+class MicroBatchTimes:
+    """Seconds for one micro-batch through the slowest pipeline stage, on one GPU."""
+
+    fwd: float
+    bwd: float
+    recompute: float
+    tp_total: float  # TP collectives issued, if nothing overlapped
+    tp_exposed: float
+    detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def busy(self) -> float:
+        return self.fwd + self.bwd + self.recompute + self.tp_exposed
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    layout: Layout
+    features: Features
+    micro_batches: int
+    compute: float  # forward + backward + recompute, all micro-batches
+    recompute: float
+    tp_exposed: float
+    bubble: float
+    pp_exposed: float
+    dp_exposed: float
+    optimizer: float
+    other: float  # global gradient-norm all-reduce
+    tokens_per_step: int
+    model_flops_per_step: float
+    peak_flops_total: float
+    memory: MemoryEstimate
+    totals: dict[str, float]  # communication issued (exposed or hidden), per step
+    detail: dict[str, float]
+
+    @property
+    def step_time(self) -> float:
+        return (self.compute + self.tp_exposed + self.bubble + self.pp_exposed + self.dp_exposed
+                + self.optimizer + self.other)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / self.step_time / self.peak_flops_total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute": self.compute - self.recompute, "recompute": self.recompute,
+                "tp_exposed": self.tp_exposed, "bubble": self.bubble,
+                "pp_exposed": self.pp_exposed, "dp_exposed": self.dp_exposed,
+                "optimizer": self.optimizer, "other": self.other}
+
+
+def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
+                      features: Features) -> MicroBatchTimes:
+    """Compute and TP communication of one micro-batch through the slowest stage."""
+    m, gpu = work.model, cluster.gpu
+    dt, ab, t = work.dtype, work.act_bytes, layout.tp
+    tokens = layout.micro_batch * m.seq_len
+    h, f = m.hidden, m.ffn
+
+    # (column GEMM, row GEMM) pairs: each column GEMM follows a TP all-gather and each row GEMM
+    # precedes a reduce-scatter. The parallel block fuses QKV with fc1 and out-proj with fc2.
+    if m.block == "parallel":
+        pairs = [((tokens, (3 * h + f) / t, h), (tokens, h, (h + f) / t))]
+    else:
+        pairs = [((tokens, 3 * h / t, h), (tokens, h, h / t)),
+                 ((tokens, f / t, h), (tokens, h, f / t))]
+
+    def gemm(shape: tuple[float, float, float], rows: float = 1.0) -> float:
+        return eff.gemm_time(gpu, dt, shape[0] * rows, shape[1], shape[2], ab)
+
+    gemm_fwd = sum(gemm(col) + gemm(row) for col, row in pairs)
+    span = mean_attention_span(m.seq_len, m.window)
+    attn_fwd_flops = 2 * 2 * span * h * tokens / t
+    attn_fwd, attn_bwd = eff.attention_time(gpu, dt, attn_fwd_flops, span, m.head_dim)
+    elem_bytes = tokens * eff.elementwise_bytes_per_token(h, f, m.block, ab) / t
+    elem_fwd = eff.memory_time(gpu, elem_bytes)
+    launch = eff.KERNELS_PER_LAYER_FWD * gpu.kernel_overhead_s
+    layer_fwd = gemm_fwd + attn_fwd + elem_fwd + launch
+    layer_bwd = 2 * gemm_fwd + attn_bwd + eff.ELEMENTWISE_BWD_RATIO * (elem_fwd + launch)
+
+    # TP + sequence parallelism: per pair, an all-gather of the (b, s, h) input and a
+    # reduce-scatter of the output; backward re-gathers the input for the weight gradient.
+    link = comm.group_link(cluster, t, 1)
+    coll = comm.all_gather_time(t, tokens * h * ab, link)
+    tp_fwd_exposed = tp_bwd_exposed = 0.0
+    for col, row in pairs:
+        if features.tp_overlap and t > 1:
+            k = features.tp_chunks
+            ag = comm.chunked_overlap_exposed(coll, gemm(col), gemm(col, 1 / k), k)
+            rs = comm.chunked_overlap_exposed(coll, gemm(row), gemm(row, 1 / k), k)
+        else:
+            ag = rs = coll
+        tp_fwd_exposed += ag + rs
+        tp_bwd_exposed += 2 * ag + rs  # re-gather + grad reduce-scatter, grad all-gather
+    tp_layer_total = 5 * len(pairs) * coll
+
+    layers = m.layers // layout.pp
+    # the last stage (the slowest) also runs the vocabulary head and the loss
+    head_shape = (tokens, m.vocab_size / t, h)
+    ce_time = eff.memory_time(gpu, 4 * tokens * m.vocab_size / t * 4)  # fp32 softmax passes
+    head_fwd = gemm(head_shape) + ce_time
+    head_bwd = 2 * gemm(head_shape) + ce_time
+    head_tp = 2 * coll  # gather before the head, reduce-scatter of its input gradient
+
+    if layout.recompute == "full":
+        recompute = layers * (layer_fwd + tp_fwd_exposed)
+    elif layout.recompute == "selective":
+        norms = 1 if m.block == "parallel" else 2
+        recompute = layers * eff.memory_time(gpu, tokens * (norms * 2 * h + 2 * f) * ab / t)
+    else:
+        recompute = 0.0
+    return MicroBatchTimes(
+        fwd=layers * layer_fwd + head_fwd,
+        bwd=layers * layer_bwd + head_bwd,
+        recompute=recompute,
+        tp_total=layers * tp_layer_total + head_tp,
+        tp_exposed=layers * (tp_fwd_exposed + tp_bwd_exposed) + head_tp,
+        detail={"layer_fwd": layer_fwd, "layer_bwd": layer_bwd, "gemm_fwd": gemm_fwd,
+                "attention_fwd": attn_fwd, "elementwise_fwd": elem_fwd, "tp_collective": coll,
+                "head_fwd": head_fwd, "layers_per_stage": layers},
+    )
+
+
+def estimate(work: Workload, layout: Layout, cluster: ClusterSpec,
+             features: Features | None = None) -> StepEstimate:
+    """Predict one optimizer step of `work` under `layout` on `cluster`."""
+    features = features or Features()
+    layout.check(work, cluster.gpus_per_node if layout.world > 1 else None)
+    m = work.model
+    micro = layout.micro_batches(work.global_batch)
+    mb = micro_batch_times(work, layout, cluster, features)
+    p, v = layout.pp, layout.v
+    bubble = (p - 1) / v * mb.busy
+
+    # Pipeline: each micro-batch crosses 2v stage boundaries per stage (forward and backward).
+    pp_total = pp_exposed = 0.0
+    if p > 1:
+        link = comm.p2p_link(cluster, layout.tp * layout.dp)
+        hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes
+                            / layout.tp, link)
+        pp_total = (micro + (p - 1) / v) * 2 * v * hop
+        # decoupled sends: only the fill and drain hops are on the critical path
+        pp_exposed = 2 * (p - 1) * hop if features.pp_overlap else pp_total
+
+    dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro)
+
+    split = param_split(work)
+    psi = split.stage(m.layers, p) / layout.tp
+    shard = psi / layout.dp if layout.zero >= 1 else psi
+    opt_bytes = eff.optimizer_bytes_per_param(work.optimizer, work.mixed_precision)
+    optimizer = eff.memory_time(cluster.gpu, shard * opt_bytes)
+    world = layout.world
+    other = 0.0
+    if world > 1:  # global grad norm (and LAMB's norms batched with it)
+        other = 2 * math.ceil(math.log2(world)) * cluster.network.hop_latency_s
+
+    peak = cluster.gpu.peak(work.dtype)
+    return StepEstimate(
+        layout=layout, features=features, micro_batches=micro,
+        compute=micro * (mb.fwd + mb.bwd + mb.recompute), recompute=micro * mb.recompute,
+        tp_exposed=micro * mb.tp_exposed, bubble=bubble, pp_exposed=pp_exposed,
+        dp_exposed=dp_exposed, optimizer=optimizer, other=other,
+        tokens_per_step=work.tokens_per_step,
+        model_flops_per_step=work.tokens_per_step * flops_per_token(m).training,
+        peak_flops_total=peak * world,
+        memory=memory_per_gpu(work, layout, cluster.gpu),
+        totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total},
+        detail={**mb.detail, **dp_detail, "fwd_mb": mb.fwd, "bwd_mb": mb.bwd},
+    )
+
+
+def _data_parallel(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features,
+                   mb: MicroBatchTimes, micro: int) -> tuple[float, float, dict[str, float]]:
+    """(issued, exposed, detail) seconds of ZeRO data-parallel communication per step.
+
+    Units are transformer layers (FSDP wraps each block), plus the embedding/head unit.
+    Overlapped, the all-gathers run ahead of the forward (the first one behind data loading)
+    and each chunk's reduce-scatter starts when its last backward ends; what stays exposed is
+    the first all-gather (without data-loading overlap), what the first micro-batch's forward
+    cannot cover, and the reduce-scatter of the chunk whose backward ends the step.
+    """
+    n = layout.dp
+    if n == 1:
+        return 0.0, 0.0, {}
+    split = param_split(work)
+    t, v = layout.tp, layout.v
+    link = comm.group_link(cluster, n, t, features.network_slowdown)
+    nbytes = work.act_bytes  # bf16 parameters and gradients on the wire (fp32 on CPU)
+    layers = work.model.layers // layout.pp
+    unit = split.layer / t * nbytes
+    ends = (split.embedding + split.head if layout.pp == 1
+            else max(split.embedding, split.head)) / t * nbytes
+    detail = {"dp_link_gbps": link.bytes_per_s / 1e9, "dp_scope_" + link.scope: 1.0}
+
+    if layout.zero == 0:
+        ar_unit = comm.all_reduce_time(n, unit, link)
+        total = layers * ar_unit + comm.all_reduce_time(n, ends, link)
+        exposed = (ar_unit + max(0.0, total / v - mb.bwd / v)) if features.dp_overlap else total
+        return total, min(total, exposed), {**detail, "dp_allreduce_layer": ar_unit}
+
+    ag_unit = comm.all_gather_time(n, unit, link)
+    rs_unit = comm.reduce_scatter_time(n, unit, link)
+    ag = layers * ag_unit + comm.all_gather_time(n, ends, link)
+    rs = layers * rs_unit + comm.reduce_scatter_time(n, ends, link)
+    detail |= {"dp_allgather_layer": ag_unit, "dp_reducescatter_layer": rs_unit}
+    if layout.zero == 3:  # parameters re-gathered in forward and backward of every micro-batch
+        total = micro * (2 * ag + rs)
+        if not features.dp_overlap:
+            return total, total, detail
+        per_mb = max(ag_unit + rs_unit, 2 * ag + rs - (mb.fwd + mb.bwd))
+        return total, min(total, micro * per_mb), detail
+    total = ag + rs
+    if not features.dp_overlap:
+        return total, total, detail
+    first = 0.0 if features.data_overlap else ag_unit
+    exposed_ag = first + max(0.0, ag - ag_unit - mb.fwd)
+    exposed_rs = rs_unit + max(0.0, rs / v - mb.bwd / v)
+    return total, min(total, exposed_ag + exposed_rs), detail

@@ -1,0 +1,76 @@
+"""Environment a cluster run should set so that a flapping link slows it down instead of killing it.
+
+MegaScale (section 5, "network interface flapping") saw NICs go down for seconds and come back;
+with default timeouts the collectives failed and the whole job restarted. The remedy is layered:
+RDMA retransmits long enough to ride out a flap, a collective timeout longer than the worst
+retransmit sequence (but short enough to catch a real hang), and the Flight Recorder on, so a
+collective that does time out says which operation every rank was in. Each setting carries the
+reason it is there; docs/planning.md ("Communication settings") explains the arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IB_TIMEOUT_EXPONENT = 22  # verbs local ACK timeout = 4.096 us * 2**n: ~17 s per attempt
+IB_RETRY_COUNT = 7  # the largest value the 3-bit verbs retry field holds
+FLIGHT_RECORDER_ENTRIES = 2000
+MIN_COLLECTIVE_TIMEOUT_S = 600.0  # never tighter than the config's default
+STEPS_OF_SLACK = 20  # a collective may wait this many predicted step times before it is a hang
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    name: str
+    value: str
+    why: str
+
+
+def rdma_ride_out_s() -> float:
+    """Worst time a queue pair keeps retrying before it reports an error."""
+    return 4.096e-6 * 2**IB_TIMEOUT_EXPONENT * IB_RETRY_COUNT
+
+
+def collective_timeout_s(step_time_s: float | None) -> float:
+    """Long enough for a full RDMA retry sequence (twice) and for slow steps, never < 600 s."""
+    slow_steps = STEPS_OF_SLACK * (step_time_s or 0.0)
+    return max(MIN_COLLECTIVE_TIMEOUT_S, 2 * rdma_ride_out_s(), slow_steps)
+
+
+def communication_env(step_time_s: float | None = None,
+                      dump_dir: str = "runs/default/flight_recorder") -> list[EnvSetting]:
+    timeout = collective_timeout_s(step_time_s)
+    ride = rdma_ride_out_s()
+    return [
+        EnvSetting("NCCL_IB_TIMEOUT", str(IB_TIMEOUT_EXPONENT),
+                   f"RDMA ACK timeout 4.096us*2^{IB_TIMEOUT_EXPONENT} = "
+                   f"{4.096e-6 * 2**IB_TIMEOUT_EXPONENT:.0f} s per retry: a NIC flap of "
+                   "seconds is retransmitted over instead of failing the queue pair"),
+        EnvSetting("NCCL_IB_RETRY_CNT", str(IB_RETRY_COUNT),
+                   f"retry the maximum number of times: {ride:.0f} s of ride-out in total"),
+        EnvSetting("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1",
+                   "abort the communicator and exit on a timeout or NCCL error, so the "
+                   "executor sees a dead rank and the driver restarts from a checkpoint"),
+        EnvSetting("TORCH_NCCL_BLOCKING_WAIT", "0",
+                   "the watchdog enforces the timeout; ranks keep overlapping communication"),
+        EnvSetting("MEGASCALE_COLLECTIVE_TIMEOUT_S", f"{timeout:.0f}",
+                   "pass as --parallel.collective_timeout_s: longer than two RDMA ride-outs "
+                   f"({2 * ride:.0f} s) and {STEPS_OF_SLACK} predicted steps, so a flap is "
+                   "survived and a real hang is still caught"),
+        EnvSetting("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", f"{timeout + 120:.0f}",
+                   "the watchdog's own heartbeat must outlast the collective timeout, or it "
+                   "kills the rank before the timeout can be reported"),
+        EnvSetting("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES),
+                   "Flight Recorder on for NCCL: the last collectives of every rank are kept"),
+        EnvSetting("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES),
+                   "Flight Recorder on for gloo and NCCL (newer PyTorch name)"),
+        EnvSetting("TORCH_NCCL_DUMP_ON_TIMEOUT", "1",
+                   "on a timeout every rank dumps its Flight Recorder for the hang analyser"),
+        EnvSetting("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{dump_dir}/rank_",
+                   "where the dumps go (one file per rank), next to the run's other records"),
+        EnvSetting("NCCL_DEBUG", "WARN", "NCCL's warnings reach the executor's log filter"),
+    ]
+
+
+def format_env(settings: list[EnvSetting]) -> str:
+    return "\n".join(f"export {s.name}={s.value}  # {s.why}" for s in settings)

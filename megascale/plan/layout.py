@@ -1,0 +1,120 @@
+"""What the planner is asked about: a workload, a layout of it on GPUs, and the overlaps in use.
+
+A `Workload` is the part of a job that does not depend on the cluster (model shape, global
+batch, precision, optimizer). A `Layout` is one way to run it (dp, tp, pp, v, micro-batch, ZeRO
+stage, recomputation). `Features` switch each MegaScale overlap on or off so the cost model can
+answer "what does this overlap buy?". Layout validity reuses the job config's own checks, so the
+planner never proposes a layout `megascale train` would reject.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from megascale.config.schema import (
+    ConfigError,
+    JobConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    global_batch: int  # sequences per optimizer step
+    dtype: str = "bf16"  # compute dtype; "bf16" means mixed precision with fp32 master weights
+    optimizer: str = "lamb"
+
+    @classmethod
+    def from_job(cls, cfg: JobConfig, global_batch: int | None = None) -> Workload:
+        return cls(model=cfg.model, global_batch=global_batch or cfg.train.global_batch,
+                   dtype=cfg.train.dtype, optimizer=cfg.optim.name)
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.dtype != "fp32"
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element of activations and of the communicated tensors."""
+        return 2 if self.mixed_precision else 4
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+    def with_model(self, **changes: object) -> Workload:
+        return replace(self, model=replace(self.model, **changes))
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    v: int = 1  # virtual pipeline chunks per stage (interleaved 1F1B when > 1)
+    micro_batch: int = 1
+    zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
+    recompute: Recompute = "none"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def micro_batches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def label(self) -> str:
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
+                f"zero={self.zero} rc={self.recompute}")
+
+    def overrides(self) -> list[str]:
+        """The `--section.key=value` overrides that run this layout with `megascale train`."""
+        return [f"--parallel.dp={self.dp}", f"--parallel.tp={self.tp}",
+                f"--parallel.pp={self.pp}", f"--parallel.vpp={self.v}",
+                f"--train.micro_batch={self.micro_batch}", f"--train.recompute={self.recompute}"]
+
+    def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
+        """Raise ConfigError (naming the key) if the trainer could not run this layout."""
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero stage must be 0-3, got {self.zero}")
+        if gpus_per_node is not None and (self.tp > gpus_per_node or gpus_per_node % self.tp):
+            raise ConfigError(
+                f"parallel.tp={self.tp} must divide the {gpus_per_node} GPUs of a node "
+                "(tensor parallelism stays on NVLink)"
+            )
+        job = JobConfig(
+            model=work.model,
+            optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
+            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v),
+            train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch,
+                              recompute=self.recompute),
+        )
+        job.validate()
+
+
+@dataclass(frozen=True)
+class Features:
+    """Which MegaScale overlaps are on (section 3.2 of the paper); all on by default."""
+
+    tp_overlap: bool = True  # all-gather / reduce-scatter fused into chunked GEMMs
+    tp_chunks: int = 2  # chunks each fused GEMM is split into (parallel.tp_overlap_chunks)
+    pp_overlap: bool = True  # sends and receives decoupled from compute
+    dp_overlap: bool = True  # ZeRO all-gather prefetch, reduce-scatter as chunks finish
+    data_overlap: bool = True  # first all-gather hidden behind data loading
+    network_slowdown: float = 1.0  # ECMP collision slowdown of cross-ToR DP traffic (ecmp.py)
+
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> Features:
+        p = cfg.parallel
+        return cls(tp_overlap=p.tp_overlap, tp_chunks=p.tp_overlap_chunks, dp_overlap=p.dp_overlap)
+
+    @classmethod
+    def none(cls) -> Features:
+        return cls(tp_overlap=False, pp_overlap=False, dp_overlap=False, data_overlap=False)
