@@ -1,0 +1,77 @@
+"""Speed-only transformations of built blocks: recomputation, compilation, fused input GEMM.
+
+None of them changes what the model computes (tests check parity against the plain blocks);
+they trade memory for compute (recomputation) or fuse kernels (torch.compile fuses LayerNorm,
+GeLU and the residual adds of a block into a few Triton kernels on GPU). They apply to whatever
+block modules the model holds -- plain, or already replaced by tensor-parallel ones -- so the
+engine applies them last.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megascale.model.gpt import Attention, Block
+
+
+def apply_recompute(blocks: nn.ModuleDict | nn.ModuleList, mode: str) -> None:
+    """`full`: recompute whole blocks in backward, keeping only their inputs. `selective`:
+    recompute only the attention core (softmax over s x s scores: much memory, little compute;
+    Korthikanti et al. 2022). Forwards are wrapped in place, so parameter names do not change."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"train.recompute must be none, full or selective, got {mode!r}")
+    for _, block in _items(blocks):
+        if mode == "full":
+            block.forward = _recomputed(block.forward)
+        else:
+            attn = _find(block, Attention)
+            attn.attend = _recomputed(attn.attend)
+
+
+def _recomputed(fn):
+    def run(*args):
+        if not torch.is_grad_enabled():
+            return fn(*args)
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    return run
+
+
+def apply_compile(blocks: nn.ModuleDict | nn.ModuleList) -> None:
+    """Compile each block separately: small graphs compile fast and are reused by every layer."""
+    for _, block in _items(blocks):
+        block.compile(dynamic=False)
+
+
+def fuse_parallel_input_gemm(blocks: nn.ModuleDict | nn.ModuleList) -> None:
+    """In the parallel block, QKV and the MLP up-projection read the same LayerNorm output:
+    run them as one GEMM over the concatenated weights (one pass over the activations)."""
+    for _, block in _items(blocks):
+        if isinstance(block, Block) and block.ln2 is None:
+            block.forward = _fused_parallel_forward.__get__(block, Block)
+
+
+def _fused_parallel_forward(self: Block, x: torch.Tensor) -> torch.Tensor:
+    h = self.ln1(x)
+    attn, mlp = self.attn, self.mlp
+    weight = torch.cat([attn.qkv.weight, mlp.fc.weight])
+    bias = None if attn.qkv.bias is None else torch.cat([attn.qkv.bias, mlp.fc.bias])
+    qkv, up = torch.nn.functional.linear(h, weight, bias).split(
+        [attn.qkv.out_features, mlp.fc.out_features], dim=-1
+    )
+    return x + mlp.proj(mlp.activation(up)) + attn.proj(attn.attend(qkv))
+
+
+def _items(blocks):
+    return list(blocks.items()) if isinstance(blocks, nn.ModuleDict) else list(enumerate(blocks))
+
+
+def _find(module: nn.Module, kind: type) -> nn.Module:
+    for sub in module.modules():
+        if isinstance(sub, kind):
+            return sub
+    raise TypeError(f"no {kind.__name__} inside {type(module).__name__}")

@@ -1,0 +1,68 @@
+"""Speed-only transformations leave the loss and every gradient unchanged."""
+
+import copy
+
+import pytest
+import torch
+
+from megascale.config import ModelConfig
+from megascale.model import GPT
+from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_input_gemm
+
+
+def _loss_and_grads(model, tokens):
+    model.zero_grad()
+    loss = model(tokens, tokens)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _pair(block="parallel"):
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden=32, heads=4, layers=2, seq_len=16, block=block, window=6)
+    base = GPT(cfg)
+    return base, copy.deepcopy(base), torch.randint(0, cfg.vocab_size, (2, 16))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("block", ["serial", "parallel"])
+def test_recompute_keeps_gradients_and_names(mode, block):
+    base, other, tokens = _pair(block)
+    names = [n for n, _ in other.named_parameters()]
+    apply_recompute(other.blocks, mode)
+    assert [n for n, _ in other.named_parameters()] == names
+    loss_a, grads_a = _loss_and_grads(base, tokens)
+    loss_b, grads_b = _loss_and_grads(other, tokens)
+    torch.testing.assert_close(loss_a, loss_b)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7)
+
+
+def test_fused_input_gemm_matches_two_gemms():
+    base, other, tokens = _pair("parallel")
+    fuse_parallel_input_gemm(other.blocks)
+    loss_a, grads_a = _loss_and_grads(base, tokens)
+    loss_b, grads_b = _loss_and_grads(other, tokens)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-5)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_recompute_rejects_unknown_mode():
+    base, _, _ = _pair()
+    with pytest.raises(ValueError, match="train.recompute"):
+        apply_recompute(base.blocks, "sometimes")
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager():
+    base, other, tokens = _pair("parallel")
+    apply_compile(other.blocks)
+    try:
+        loss_b, grads_b = _loss_and_grads(other, tokens)
+    except Exception as exc:  # noqa: BLE001 - no C++ compiler for inductor is an environment fact
+        pytest.skip(f"torch.compile unavailable here: {exc}")
+    loss_a, grads_a = _loss_and_grads(base, tokens)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-4, atol=1e-4)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-3, atol=1e-5)
