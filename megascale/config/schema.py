@@ -159,7 +159,8 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast on GPU
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     recompute: Literal["none", "full", "selective"] = "none"
-    compile: bool = False
+    compile: bool = False  # torch.compile each block (fuses LayerNorm, GeLU, residual adds)
+    fuse_input_gemm: bool = False  # parallel block: QKV and MLP up-projection as one GEMM
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     eval_every: int = 50
     eval_batches: int = 4
@@ -197,11 +198,23 @@ class DiagnosticsConfig:
     hang_timeout_s: float = 300.0
     flight_recorder: bool = True
     straggler_threshold: float = 1.10  # slower than peers' median by this factor
+    straggler_min_fraction: float = 0.5  # ... in at least this share of the analysed steps
+    straggler_warmup_steps: int = 1  # first steps left out of straggler statistics
 
     def validate(self) -> None:
         if self.hang_timeout_s <= 0 or self.straggler_threshold <= 1:
             raise ConfigError(
                 "diagnostics.hang_timeout_s must be > 0 and diagnostics.straggler_threshold > 1"
+            )
+        if not 0 < self.straggler_min_fraction <= 1:
+            raise ConfigError(
+                f"diagnostics.straggler_min_fraction must be in (0, 1], "
+                f"got {self.straggler_min_fraction}"
+            )
+        if self.straggler_warmup_steps < 0:
+            raise ConfigError(
+                "diagnostics.straggler_warmup_steps must be >= 0, "
+                f"got {self.straggler_warmup_steps}"
             )
 
 

@@ -80,6 +80,8 @@ class Timers:
         self._open: dict[int, list[_Span]] = {}
         self._closed: list[_Span] = []
         self._recorded: list[tuple[str, str, float, float, dict[str, Any]]] = []
+        self._seq: dict[tuple, int] = {}
+        self.last_step: int | None = None  # the last step closed by end_step
         # perf_counter -> epoch seconds, so spans of different hosts share one time axis
         self._epoch = time.time() - time.perf_counter()
         self._step_start = time.perf_counter()
@@ -94,11 +96,19 @@ class Timers:
 
     # ---- recording -------------------------------------------------------------------------
     def span(self, name: str, kind: str = "compute", **attrs: Any) -> AbstractContextManager:
-        """Time a block. Spans nest; nested comm/p2p time is subtracted from the enclosing span."""
+        """Time a block. Spans nest; nested comm/p2p time is subtracted from the enclosing span.
+
+        Collective attrs by convention: `op`, `group` (a mesh dim such as "dp", or "world"),
+        `peer` (p2p). A comm/p2p span without `seq` gets one counted per (kind, group, peer),
+        so the hang analyser can tell which ranks are in the same collective call.
+        """
         if not self.enabled:
             return _NULL
         if kind not in KINDS:
             raise ValueError(f"timer kind {kind!r} is not one of {KINDS}")
+        if (kind == "comm" or kind == "p2p") and "seq" not in attrs:
+            key = (kind, attrs.get("group"), attrs.get("peer"))
+            attrs["seq"] = self._seq[key] = self._seq.get(key, 0) + 1
         return _Span(self, name, kind, attrs)
 
     def record(self, name: str, kind: str, start: float, end: float, **attrs: Any) -> None:
@@ -112,11 +122,29 @@ class Timers:
     def current(self) -> list[dict[str, Any]]:
         """Open spans of every thread, outermost first (read by the hang watchdog thread)."""
         out = []
+        now = time.perf_counter()
         for thread, stack in list(self._open.items()):
             for depth, s in enumerate(list(stack)):
                 out.append({"name": s.name, "kind": s.kind, "attrs": dict(s.attrs),
-                            "start": self._epoch + s.start, "depth": depth, "thread": thread})
+                            "start": self._epoch + s.start, "age": now - s.start,
+                            "depth": depth, "thread": thread})
         return out
+
+    def call_counts(self) -> dict[str, int]:
+        """Collectives and p2p calls entered so far, per "kind:group" (peers summed).
+
+        Ranks that run the same program (tp and dp peers) have equal counts at equal points,
+        so a peer with a higher count somewhere has passed a call the others wait in.
+        """
+        counts: dict[str, int] = {}
+        for (kind, group, _peer), n in list(self._seq.items()):
+            key = f"{kind}:{group}"
+            counts[key] = counts.get(key, 0) + n
+        return counts
+
+    def step_age(self) -> float:
+        """Seconds since the last `end_step` (or since construction)."""
+        return time.perf_counter() - self._step_start
 
     # ---- step boundary ---------------------------------------------------------------------
     def end_step(self, step: int) -> dict[str, float]:
@@ -128,6 +156,7 @@ class Timers:
         if not self.enabled:
             return {}
         now = time.perf_counter()
+        self.last_step = step
         closed, self._closed = self._closed, []
         recorded, self._recorded = self._recorded, []
         wall = (self._step_start, now)

@@ -1,0 +1,245 @@
+"""Hang analysis: place every rank's watchdog dump on the 3D topology and name the stuck ranks.
+
+When one rank stops, every rank that needs it ends up waiting in a collective or a p2p call,
+and each of their watchdogs dumps what it waits in. The analyser builds a dependency graph:
+a rank waiting in a collective of group G depends on the members of G that are not in the same
+call (same op and sequence number); a rank in a pipeline send/recv depends on its peer. The
+ends of those edges are the suspects: ranks that wrote no dump (stopped, dead, or stuck in
+native code), ranks stuck outside any collective (an endless compute), and members of
+a tp/dp group, not in the call its peer waits in, that have nevertheless gone further (entered
+more collectives or p2p calls, or finished more steps): they skipped the call. The stuck ranks
+are the suspects reached from every waiting rank, plus every rank that did not dump.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.diagnostics.watchdog import hang_dir, roll_call_dir
+from megascale.parallel.grid import DIMS, RankGrid
+
+SAME_STAGE = ("tp", "dp", "dp_tp")  # groups whose members run the same program
+
+
+@dataclass
+class RankState:
+    rank: int
+    coords: dict[str, int]
+    host: str = "?"
+    state: str = "silent"  # silent | waiting | busy | diverged
+    call: dict[str, Any] | None = None  # kind, op, group, seq, peer of the waiting span
+    detail: str = "wrote no dump: stopped, dead or blocked outside Python"
+    depends_on: list[int] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)  # calls entered per "kind:group"
+    last_step: int | None = None
+
+
+@dataclass
+class HangAnalysis:
+    grid: RankGrid
+    ranks: dict[int, RankState]
+    stuck: list[int]
+
+    @property
+    def waiting(self) -> list[int]:
+        return [r for r, s in self.ranks.items() if s.state == "waiting"]
+
+    def summary(self) -> list[str]:
+        lines = []
+        for r in self.stuck:
+            s = self.ranks[r]
+            c = " ".join(f"{k}={v}" for k, v in s.coords.items())
+            lines.append(f"STUCK rank {r} on {s.host} ({c}): {s.detail}")
+        calls = Counter(_call_label(self.ranks[r].call) for r in self.waiting)
+        for label, n in calls.most_common():
+            lines.append(f"{n} rank(s) waiting in {label}")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"grid": {"pp": self.grid.pp, "dp": self.grid.dp, "tp": self.grid.tp},
+                "stuck": self.stuck, "summary": self.summary(),
+                "ranks": {r: vars(s) for r, s in sorted(self.ranks.items())}}
+
+
+def load_dumps(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    dumps = {}
+    for path in sorted(hang_dir(run_dir).glob("rank*.json")):
+        data = json.loads(path.read_text())
+        dumps[int(data["rank"])] = data
+    return dumps
+
+
+def load_roll_call(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    return {int(d["rank"]): d for d in
+            (json.loads(p.read_text()) for p in sorted(roll_call_dir(run_dir).glob("rank*.json")))}
+
+
+def analyse(run_dir: str | Path, grid: RankGrid | None = None) -> HangAnalysis | None:
+    """Analyse RUN_DIR/hang; None when no rank dumped (there was no hang)."""
+    dumps = load_dumps(run_dir)
+    if not dumps:
+        return None
+    roll = load_roll_call(run_dir)
+    if grid is None:
+        layout = next((d["grid"] for d in [*dumps.values(), *roll.values()] if d.get("grid")), None)
+        if not layout:
+            raise ValueError("no grid in the dumps or roll call; pass the layout (pp, dp, tp)")
+        grid = RankGrid(int(layout["pp"]), int(layout["dp"]), int(layout["tp"]))
+    return analyse_dumps(grid, dumps, {r: d.get("host", "?") for r, d in roll.items()})
+
+
+def analyse_dumps(grid: RankGrid, dumps: dict[int, dict[str, Any]],
+                  hosts: dict[int, str] | None = None) -> HangAnalysis:
+    ranks = {r: RankState(r, grid.coords(r)._asdict(), (hosts or {}).get(r, "?"))
+             for r in range(grid.world_size)}
+    for r, dump in dumps.items():
+        s = ranks[r]
+        s.host = dump.get("host", s.host)
+        s.calls = dump.get("calls", {})
+        s.last_step = dump.get("last_step")
+        waiting = dump.get("waiting")
+        if waiting:
+            attrs = waiting.get("attrs", {})
+            s.state = "waiting"
+            s.call = {"kind": waiting["kind"], "op": attrs.get("op", waiting["name"]),
+                      "group": attrs.get("group"), "seq": attrs.get("seq"),
+                      "peer": attrs.get("peer"), "ranks": attrs.get("ranks")}
+            s.detail = f"waiting in {_call_label(s.call)} for {waiting.get('age', 0):.0f} s"
+        else:
+            s.state = "busy"
+            s.detail = f"not in any collective: {dump.get('reason', 'step overran')}"
+    _mark_diverged(grid, ranks)
+    for s in ranks.values():
+        if s.state == "waiting":
+            s.depends_on = _dependencies(grid, ranks, s)
+    return HangAnalysis(grid, ranks, _stuck(ranks))
+
+
+def _members(grid: RankGrid, s: RankState) -> list[int] | None:
+    call = s.call or {}
+    if call.get("ranks"):
+        return [int(r) for r in call["ranks"]]
+    group = call.get("group")
+    if group == "world":
+        return list(range(grid.world_size))
+    if group in DIMS:
+        return grid.group_of(s.rank, group)
+    return None
+
+
+def _same_call(a: dict | None, b: dict | None) -> bool:
+    keys = ("kind", "op", "group", "seq")
+    return a is not None and b is not None and all(a.get(k) == b.get(k) for k in keys)
+
+
+def _ahead(m: RankState, s: RankState) -> bool:
+    """Has `m` done something that `s`, running the same program, has not done yet?"""
+    if m.last_step is not None and s.last_step is not None and m.last_step > s.last_step:
+        return True
+    return any(m.calls[k] > n for k, n in s.calls.items() if k in m.calls)
+
+
+def _mark_diverged(grid: RankGrid, ranks: dict[int, RankState]) -> None:
+    """A member of a waiter's same-stage group (tp, dp) that is not in the call but has gone
+    further than the waiter -- more calls entered, or more steps done -- skipped that call."""
+    for s in list(ranks.values()):
+        if s.state != "waiting" or s.call["kind"] != "comm" or s.call["group"] not in SAME_STAGE:
+            continue
+        for m in (ranks[r] for r in grid.group_of(s.rank, s.call["group"])):
+            if m.state in ("waiting", "busy") and not _same_call(m.call, s.call) and _ahead(m, s):
+                m.state = "diverged"
+                m.detail = (f"went past {_call_label(s.call)}, which rank {s.rank} of its "
+                            f"{s.call['group']} group waits in (skipped a collective?); now "
+                            f"{m.detail}")
+
+
+def _dependencies(grid: RankGrid, ranks: dict[int, RankState], s: RankState) -> list[int]:
+    if s.call["kind"] == "p2p" and s.call.get("peer") is not None:
+        return [int(s.call["peer"])]
+    members = _members(grid, s)
+    if members is None:
+        return []
+    return [m for m in members if m != s.rank and not _same_call(ranks[m].call, s.call)]
+
+
+def _stuck(ranks: dict[int, RankState]) -> list[int]:
+    suspects = {r for r, s in ranks.items() if s.state != "waiting"}
+    reach: dict[int, set[int]] = {}
+    for r, s in ranks.items():
+        if s.state != "waiting":
+            continue
+        seen, todo, found = {r}, list(s.depends_on), set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in suspects:
+                found.add(n)
+            else:
+                todo.extend(ranks[n].depends_on)
+        reach[r] = found
+    known = [found for found in reach.values() if found]
+    common = set.intersection(*known) if known else set()
+    if not common and known:
+        common = set.union(*known)
+    silent = {r for r, s in ranks.items() if s.state == "silent"}
+    return sorted(common | silent)
+
+
+def _call_label(call: dict | None) -> str:
+    if not call:
+        return "?"
+    where = f"peer {call['peer']}" if call.get("peer") is not None else f"group {call.get('group')}"
+    return f"{call['kind']} {call['op']} ({where}) #{call.get('seq')}"
+
+
+def plot_hang(analysis: HangAnalysis, path: str | Path) -> Path:
+    """PNG: one panel per pipeline stage, a dp x tp grid of ranks coloured by state."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    g = analysis.grid
+    colours = {"waiting": "#9ecae1", "busy": "#fdae6b", "diverged": "#fdae6b",
+               "silent": "#fcbba1", "stuck": "#de2d26"}
+    gap = 1
+    fig, ax = plt.subplots(figsize=(min(3 + 2.2 * g.pp * g.tp, 30), min(2 + 1.2 * g.dp, 30)))
+    centre = {}
+    for r, s in analysis.ranks.items():
+        x = s.coords["pp"] * (g.tp + gap) + s.coords["tp"]
+        y = g.dp - 1 - s.coords["dp"]
+        colour = colours["stuck"] if r in analysis.stuck else colours[s.state]
+        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=colour,
+                               edgecolor="black", linewidth=2 if r in analysis.stuck else 0.5))
+        label = f"r{r} {s.host}\n{s.state}"
+        if s.call:
+            label += f"\n{s.call['op']}#{s.call.get('seq')}"
+        ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=7)
+        centre[r] = (x + 0.5, y + 0.5)
+    edges = [(r, d) for r, s in analysis.ranks.items() for d in s.depends_on][:400]
+    for r, d in edges:
+        ax.annotate("", xy=centre[d], xytext=centre[r],
+                    arrowprops={"arrowstyle": "->", "color": "grey", "alpha": 0.5, "lw": 0.7})
+    for p in range(g.pp):
+        ax.text(p * (g.tp + gap) + g.tp / 2, g.dp + 0.1, f"pp stage {p} (x: tp, y: dp)",
+                ha="center", fontsize=9)
+    ax.set_xlim(-0.2, g.pp * (g.tp + gap) - gap + 0.2)
+    ax.set_ylim(-0.2, g.dp + 0.5)
+    ax.set_axis_off()
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colours.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5, fontsize=8)
+    stuck = ", ".join(f"r{r}" for r in analysis.stuck) or "none found"
+    ax.set_title(f"hang: stuck {stuck}; arrows: waits for")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

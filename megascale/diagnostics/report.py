@@ -1,0 +1,179 @@
+"""One self-contained HTML report per run, plus its PNG figures and trace files.
+
+Why one file with the images inlined: the report is copied off clusters and opened on laptops
+without network access; it must need nothing but a browser. Everything in it is computed from
+the store (`store.py`), so `--sql` answers any question the page does not.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.config.schema import DiagnosticsConfig
+from megascale.diagnostics import hang, straggler, timeline
+from megascale.diagnostics.store import Collector, query
+from megascale.diagnostics.timers import KINDS
+from megascale.parallel.grid import RankGrid
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    html: Path
+    stragglers: list[straggler.Straggler]
+    hang: hang.HangAnalysis | None
+    figures: dict[str, Path] = field(default_factory=dict)
+    traces: dict[str, Path] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {"html": str(self.html), "stragglers": [s.to_dict() for s in self.stragglers],
+                "hang": self.hang.to_dict() if self.hang else None,
+                "figures": {k: str(v) for k, v in self.figures.items()},
+                "traces": {k: str(v) for k, v in self.traces.items()}}
+
+
+def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
+                 out_dir: str | Path | None = None, grid: RankGrid | None = None) -> Report:
+    """Collect the run's files, analyse them and write RUN_DIR/report/ (or `out_dir`)."""
+    cfg = cfg or DiagnosticsConfig()
+    run_dir = Path(run_dir)
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    collector = Collector(run_dir)
+    try:
+        collector.poll()
+        conn = collector.conn
+        found = straggler.find_stragglers(conn, cfg.straggler_threshold,
+                                          cfg.straggler_min_fraction,
+                                          warmup_steps=cfg.straggler_warmup_steps)
+        figures: dict[str, Path] = {}
+        for order in ("host", "grid"):
+            png = straggler.plot_heatmap(conn, out / f"heatmap_{order}.png", order,
+                                         cfg.straggler_warmup_steps)
+            if png:
+                figures[f"heatmap_{order}"] = png
+        if (png := plot_breakdown(conn, out / "breakdown.png")) is not None:
+            figures["breakdown"] = png
+        if (png := plot_mfu(conn, out / "mfu.png")) is not None:
+            figures["mfu"] = png
+        traces = {g: timeline.write_trace(conn, out / f"trace_by_{g}.json", g)
+                  for g in ("pp", "host")}
+        analysis = hang.analyse(run_dir, grid)
+        if analysis is not None:
+            figures["hang"] = hang.plot_hang(analysis, out / "hang.png")
+            (out / "hang.json").write_text(json.dumps(analysis.to_dict(), indent=1, default=str))
+        report = Report(out, out / "report.html", found, analysis, figures, traces)
+        report.html.write_text(render_html(run_dir, report, conn))
+        (out / "summary.json").write_text(json.dumps(report.summary(), indent=1))
+        return report
+    finally:
+        collector.close()
+
+
+def plot_breakdown(conn: sqlite3.Connection, path: Path) -> Path | None:
+    """Stacked bars: time per kind, averaged over ranks per step (left) and over steps per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = ", ".join(f"AVG({k}) AS {k}" for k in KINDS)
+    by_step = query(conn, f"SELECT step, {cols}, AVG(step_time) AS step_time FROM rank_steps "
+                          "GROUP BY step ORDER BY step")
+    by_rank = query(conn, f"SELECT rank, {cols}, AVG(step_time) AS step_time FROM rank_steps "
+                          "GROUP BY rank ORDER BY rank")
+    if not by_step:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    for ax, rows, x in ((axes[0], by_step, "step"), (axes[1], by_rank, "rank")):
+        xs = [r[x] for r in rows]
+        bottom = [0.0] * len(rows)
+        for kind in KINDS:
+            vals = [(r[kind] or 0.0) * 1e3 for r in rows]
+            if any(vals):
+                ax.bar(xs, vals, bottom=bottom, label=kind, width=0.8)
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        idle = [max(0.0, (r["step_time"] or 0.0) * 1e3 - b)
+                for r, b in zip(rows, bottom, strict=True)]
+        ax.bar(xs, idle, bottom=bottom, label="untimed", width=0.8, color="#dddddd")
+        if len(xs) <= 32:
+            ax.set_xticks(xs)
+        ax.set_xlabel(x)
+        ax.set_ylabel("ms")
+    axes[0].set_title("step time by kind (mean over ranks)")
+    axes[1].set_title("step time by kind (mean over steps)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_mfu(conn: sqlite3.Connection, path: Path) -> Path | None:
+    """MFU and throughput over steps from metrics.jsonl; None when there are no metrics."""
+    rows = query(conn, "SELECT step, mfu, tokens_per_s, step_time, loss FROM metrics ORDER BY step")
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for ax, key, label in ((axes[0], "mfu", "MFU"), (axes[1], "tokens_per_s", "tokens/s"),
+                           (axes[2], "loss", "loss")):
+        pts = [(r["step"], r[key]) for r in rows if r[key] is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=".", linewidth=1)
+        else:
+            ax.text(0.5, 0.5, f"no {label} recorded", ha="center", transform=ax.transAxes)
+        ax.set_xlabel("step")
+        ax.set_title(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
+    e = html.escape
+    (stats,) = query(conn, "SELECT COUNT(DISTINCT rank) AS ranks, COUNT(DISTINCT step) AS steps, "
+                           "AVG(step_time) AS step_time FROM rank_steps")
+    parts = [f"<h1>megascale run report: {e(str(run_dir))}</h1>",
+             f"<p>{stats['ranks']} ranks, {stats['steps']} steps, mean step time "
+             f"{(stats['step_time'] or 0) * 1e3:.1f} ms.</p>"]
+    if report.hang is not None:
+        parts.append('<h2 id="hang">Hang analysis</h2><ul>')
+        parts += [f"<li>{e(line)}</li>" for line in report.hang.summary()]
+        parts.append("</ul>" + _img(report.figures["hang"], "hang topology"))
+    parts.append('<h2 id="stragglers">Stragglers</h2>')
+    if report.stragglers:
+        parts.append("<ul>" + "".join(f"<li>{e(s.describe())}</li>" for s in report.stragglers)
+                     + "</ul>")
+    else:
+        parts.append("<p>No rank is consistently slower than its stage peers.</p>")
+    titles = {"heatmap_host": "Compute heat map, ranks by host",
+              "heatmap_grid": "Compute heat map, ranks by pp/dp/tp",
+              "breakdown": "Step-time breakdown", "mfu": "MFU over time"}
+    for key, title in titles.items():
+        if key in report.figures:
+            parts.append(f"<h2>{title}</h2>" + _img(report.figures[key], title))
+    parts.append("<h2>Timeline</h2><p>Chrome/Perfetto traces (open in ui.perfetto.dev or "
+                 "chrome://tracing): " + ", ".join(
+                     f'<a href="{e(p.name)}">by {e(g)}</a>' for g, p in report.traces.items())
+                 + "</p>")
+    style = ("body{font-family:sans-serif;margin:2em;max-width:1500px}"
+             "img{max-width:100%;border:1px solid #ccc}li{margin:.2em 0}")
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>megascale report</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
