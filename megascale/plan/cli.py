@@ -106,8 +106,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.explain:
         chosen = best if args.explain == "best" else estimate(
-            work, parse_layout(args.explain, replace(best.layout, recompute="none")),
-            cluster, features)
+            work, parse_layout(args.explain, Layout(dp=1)), cluster, features)
         print("\n" + report.explain(chosen))
         out["explain"] = report.estimate_json(chosen)
         best = chosen

@@ -1,0 +1,104 @@
+"""Layout search, ablation and the CLI that prints them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megascale.cli import main
+from megascale.config import ConfigError
+from megascale.plan.cluster import GIB, list_presets, load_cluster
+from megascale.plan.comm import all_gather_time, chunked_overlap_exposed, group_link, group_span
+from megascale.plan.layout import Layout
+from megascale.plan.search import ablate, candidate_layouts, search
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_presets_load_and_extend():
+    names = list_presets()
+    assert {"a100-8x200g", "a100-8x400g", "h100-8x400g", "h200-8x400g"} <= set(names)
+    a100, h200 = load_cluster("a100-8x200g"), load_cluster("h200-8x400g")
+    assert a100.node.nic_bytes_per_s == 25e9 and h200.node.nic_bytes_per_s == 50e9
+    assert h200.gpu.memory_bytes == 141 * GIB
+    assert h200.node.nvlink_bytes_per_s == load_cluster("h100-8x400g").node.nvlink_bytes_per_s
+
+
+def test_cluster_errors_name_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((ROOT / "configs/clusters/a100-8x200g.toml").read_text()
+                   .replace("memory_gib = 80", "memory_gib = -1"))
+    with pytest.raises(ConfigError, match="gpu.memory_gib"):
+        load_cluster(str(bad))
+    with pytest.raises(ConfigError, match="presets"):
+        load_cluster("no-such-cluster")
+
+
+def test_ring_formulas_and_spans(a100):
+    link = group_link(a100, 8, 1)
+    assert link.scope == "node"
+    assert all_gather_time(8, 8e9, link) == pytest.approx(7 / 8 * 8e9 / 230e9 + 7 * 3e-6)
+    span = group_span(a100, 384, 4)  # dp=384 over tp=4: two members per node
+    assert (span.per_node, span.nodes, span.tors) == (2, 192, 24)
+    cross = group_link(a100, 384, 4)
+    assert cross.bytes_per_s == pytest.approx(2 * 25e9 * 0.85)
+    for comm_t, gemm_t in [(1.0, 0.1), (0.1, 1.0), (1.0, 1.0)]:
+        exposed = chunked_overlap_exposed(comm_t, gemm_t, gemm_t / 4 * 1.01, 4)
+        assert 0 <= exposed <= comm_t
+
+
+def test_candidates_respect_the_trainer(gpt175b, a100):
+    layouts = candidate_layouts(gpt175b, 256, a100)
+    assert layouts
+    for layout in layouts:
+        assert layout.world == 256 and layout.tp <= 8
+        assert 96 % (layout.pp * layout.v) == 0 and 96 % layout.tp == 0
+        if layout.v > 1:
+            assert layout.micro_batches(768) % layout.pp == 0
+
+
+def test_search_ranks_fitting_layouts(gpt175b, a100):
+    results = search(gpt175b, 256, a100)
+    assert results and all(r.fits for r in results)
+    times = [r.step_time for r in results]
+    assert times == sorted(times)
+    assert 0.3 < results[0].mfu < 0.8
+    assert not search(gpt175b, 8, a100)  # 175B cannot fit on one node
+
+
+def test_ablation_turns_each_on(gpt175b, a100):
+    rows = ablate(gpt175b, 256, a100)
+    names = [r.name for r in rows]
+    assert names[0] == "baseline" and names[-1].startswith("LAMB") and len(rows) == 7
+    assert rows[-1].cumulative.mfu > rows[0].cumulative.mfu
+    assert {r.cumulative.layout for r in rows} == {rows[0].cumulative.layout}
+    assert rows[-1].cumulative.micro_batches == 4 * rows[0].cumulative.micro_batches
+
+
+def test_cli_plan_prints_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--cluster", "a100-8x200g",
+                 "--gpus", "256", "--batch", "768", "--top", "3", "--explain", "dp=4,tp=8,pp=8,v=2",
+                 "--placement", "--ecmp", "--ecmp-trials", "3", "--env", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "MFU" in text and "bubble / (compute + tp)" in text and "NCCL_IB_TIMEOUT" in text
+    data = json.loads(out.read_text())
+    assert len(data["ranking"]) == 3
+    assert data["explain"]["layout"] == {"dp": 4, "tp": 8, "pp": 8, "v": 2, "micro_batch": 1,
+                                         "zero": 2, "recompute": "none"}
+    assert len(data["ecmp"]) == 4
+
+
+def test_cli_rejects_bad_layout(capsys):
+    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--gpus", "256",
+                 "--batch", "768", "--explain", "dp=4,tp=3,pp=8"])
+    assert code == 2
+    assert "tp" in capsys.readouterr().out
+
+
+def test_layout_overrides_round_trip():
+    layout = Layout(dp=2, tp=1, pp=1)
+    assert "--parallel.dp=2" in layout.overrides()
