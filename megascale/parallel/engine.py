@@ -17,6 +17,7 @@ from torch import nn
 from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
+from megascale.parallel.zero import ZeroGradSync
 
 
 class ModelRunner:
@@ -51,18 +52,24 @@ class ModelRunner:
         timers = get_timers()
         total = torch.zeros((), dtype=torch.float64)
         model = self.module
-        for inputs, labels in zip(batch.inputs, batch.labels):
+        if self.grad_sync is not None:
+            self.grad_sync.before_forward(0)
+        for inputs, labels in zip(batch.inputs, batch.labels, strict=True):
             with timers.span("forward"):
                 loss = model(inputs.to(self._device), labels.to(self._device))
             with timers.span("backward"):
                 (loss / token_count).backward()
             total += loss.detach().double().cpu()
+        if self.grad_sync is not None:
+            self.grad_sync.after_backward(0)
         return total
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
+        if self.grad_sync is not None:
+            self.grad_sync.before_forward(0)
         total = torch.zeros((), dtype=torch.float64)
-        for inputs, labels in zip(batch.inputs, batch.labels):
+        for inputs, labels in zip(batch.inputs, batch.labels, strict=True):
             total += self.module(inputs.to(self._device), labels.to(self._device)).double().cpu()
         return total
 
@@ -95,6 +102,10 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
     """Apply every parallelism the layout asks for and return this rank's runner."""
     if mesh is None or mesh.world_size == 1:
         return ModelRunner([model], cfg, mesh)
+    if mesh.tp_size == 1 and mesh.pp_size == 1:
+        runner = ModelRunner([model], cfg, mesh)
+        runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
+        return runner
     raise NotImplementedError("parallel layouts are applied by megascale.parallel (in progress)")
 
 

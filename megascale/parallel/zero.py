@@ -1,0 +1,284 @@
+"""ZeRO-2 over the data-parallel group, per model chunk, with the collectives overlapped.
+
+Parameters stay whole (replicated over dp) in the model, so forward and backward are the
+single-process code. Gradients are reduce-scattered into per-rank fp32 shards and the optimizer
+(with its state) only sees this rank's shards; after the step the updated shards are
+all-gathered back into the parameters.
+
+Layout: a chunk's parameters are packed, in backward order, into buckets. Inside a bucket each
+parameter (its tensor-parallel slice, flattened and zero-padded to a multiple of dp) is cut into
+dp equal pieces, and the bucket's flat buffer is `[rank 0's pieces | rank 1's pieces | ...]`,
+so one `reduce_scatter` leaves each rank a contiguous region holding its piece of every
+parameter, and one `all_gather` of those regions rebuilds the buffer. A rank's shard of a
+parameter is a view of that region: it records the flat range of the tp slice it covers
+(`ShardSpec.flat_range`, for resharding checkpoints) and the process groups whose pieces make
+up the whole parameter (`mark_sharded`, for LAMB's trust ratio and clipping).
+
+Overlap (`parallel.dp_overlap`): each bucket's reduce-scatter is launched as soon as the last
+micro-batch's backward has produced every gradient in it (counted by post-accumulate-grad
+hooks; `after_backward` launches whatever is left); the all-gather of chunk 0 is launched right
+after the optimizer step, so it overlaps the next step's data loading, and the all-gather of
+chunk i+1 is launched when chunk i's forward starts, the order in which forwards consume them.
+With overlap off every collective runs synchronously at the end of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megascale.config.schema import JobConfig
+from megascale.diagnostics.timers import get_timers
+from megascale.optim.norms import mark_sharded, norm_groups
+from megascale.parallel.sharding import set_shard_spec, shard_spec
+
+DEFAULT_BUCKET_NUMEL = 1 << 22  # elements of one rank's region (16 MiB of fp32)
+SP_PARTIAL_ATTR = "_sp_partial_grad"  # set by tensor parallelism on sequence-parallel params
+
+
+@dataclass
+class _Slot:
+    """One parameter inside a bucket."""
+
+    name: str
+    param: nn.Parameter
+    piece: int  # elements per rank (padded numel / dp)
+    offset: int  # where its piece starts inside a rank's region
+    shard: torch.Tensor | None = None  # fp32 view of the bucket's shard region
+    hook_calls: int = 0
+
+
+@dataclass
+class _Bucket:
+    slots: list[_Slot]
+    region: int  # elements per rank
+    flat: torch.Tensor  # [dp * region]: reduce-scatter input, all-gather output
+    shard: torch.Tensor  # [region] fp32 master values (the optimizer steps on views of it)
+    grad: torch.Tensor  # [region] fp32 dp-summed gradients
+    ready: int = 0  # slots whose gradient is final this step
+    work: dist.Work | None = None
+    launched: bool = False
+
+
+@dataclass
+class _Chunk:
+    buckets: list[_Bucket]
+    fresh: bool = True  # parameters hold the latest shards
+    gather: list[dist.Work | None] | None = None  # in-flight all-gather
+    hooks: list = field(default_factory=list)
+
+
+class ZeroGradSync:
+    """The `grad_sync` hooks of a runner: ZeRO-2 sharding of gradients and optimizer state."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        cfg: JobConfig,
+        mesh,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    ):
+        self.group = mesh.dp_group
+        self.dp = mesh.dp_size
+        self.dp_rank = mesh.dp_rank
+        self.tp_group = mesh.tp_group
+        self.overlap = cfg.parallel.dp_overlap
+        self.expected_backwards = cfg.micro_batches
+        self._chunks = [self._build_chunk(c, bucket_numel) for c in chunks]
+        self._named = [(s.name, s.shard) for ch in self._chunks for s in self._slots_in_order(ch)]
+        self._sp_partial = [s for ch in self._chunks for b in ch.buckets for s in b.slots
+                            if getattr(s.param, SP_PARTIAL_ATTR, False)]
+
+    # ------------------------------------------------------------------ layout
+    def _build_chunk(self, module: nn.Module, bucket_numel: int) -> _Chunk:
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        buckets, current, region = [], [], 0
+        for name, p in reversed(params):  # backward produces the last parameters' grads first
+            piece = -(-p.numel() // self.dp)
+            if current and region + piece > bucket_numel:
+                buckets.append(self._build_bucket(current, region))
+                current, region = [], 0
+            current.append(_Slot(name, p, piece, region))
+            region += piece
+        if current:
+            buckets.append(self._build_bucket(current, region))
+        chunk = _Chunk(buckets)
+        if self.overlap:
+            for bucket in buckets:
+                for slot in bucket.slots:
+                    chunk.hooks.append(slot.param.register_post_accumulate_grad_hook(
+                        lambda _p, b=bucket, s=slot: self._grad_ready(b, s)))
+        return chunk
+
+    def _build_bucket(self, slots: list[_Slot], region: int) -> _Bucket:
+        device = slots[0].param.device
+        bucket = _Bucket(
+            slots=slots,
+            region=region,
+            flat=torch.zeros(self.dp * region, dtype=torch.float32, device=device),
+            shard=torch.zeros(region, dtype=torch.float32, device=device),
+            grad=torch.zeros(region, dtype=torch.float32, device=device),
+        )
+        for slot in slots:
+            p = slot.param
+            shard = bucket.shard[slot.offset: slot.offset + slot.piece]
+            with torch.no_grad():
+                shard.copy_(self._pieces(p.detach().reshape(-1), slot.piece)[self.dp_rank])
+            start = self.dp_rank * slot.piece
+            set_shard_spec(shard, shard_spec(p).with_flat_range(start, start + slot.piece))
+            groups = norm_groups(p)
+            if not groups and shard_spec(p).tp_dim is not None:
+                groups = (self.tp_group,)
+            mark_sharded(shard, *groups, self.group)
+            shard._full_dim = p.dim()
+            slot.shard = shard
+        return bucket
+
+    def _pieces(self, flat: torch.Tensor, piece: int) -> torch.Tensor:
+        """[numel] -> [dp, piece], zero-padded at the end."""
+        pad = self.dp * piece - flat.numel()
+        return (F.pad(flat, (0, pad)) if pad else flat).view(self.dp, piece)
+
+    @staticmethod
+    def _slots_in_order(chunk: _Chunk) -> list[_Slot]:
+        """A chunk's slots in parameter-registration order (buckets are in backward order)."""
+        return [s for b in reversed(chunk.buckets) for s in reversed(b.slots)]
+
+    # ------------------------------------------------------------------ runner hooks
+    def before_forward(self, chunk_index: int) -> None:
+        """Make the chunk's parameters current, then prefetch the next chunk's."""
+        self._wait_gather(chunk_index)
+        nxt = chunk_index + 1
+        if self.overlap and nxt < len(self._chunks):
+            self._start_gather(nxt)
+
+    def after_backward(self, chunk_index: int) -> None:
+        """The chunk's gradients are complete: launch the reduce-scatters not yet launched."""
+        if self.overlap:
+            for bucket in self._chunks[chunk_index].buckets:
+                self._launch_reduce_scatter(bucket)
+
+    def finish(self) -> None:
+        """Wait every reduce-scatter; each shard's .grad then holds the dp-sum of its range."""
+        timers = get_timers()
+        for chunk in self._chunks:
+            for bucket in chunk.buckets:
+                if not bucket.launched:
+                    with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
+                                     group="dp"):
+                        self._launch_reduce_scatter(bucket)
+                if bucket.work is not None:
+                    with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
+                                     group="dp"):
+                        bucket.work.wait()
+                bucket.work, bucket.launched, bucket.ready = None, False, 0
+                for slot in bucket.slots:
+                    slot.shard.grad = bucket.grad[slot.offset: slot.offset + slot.piece]
+                    slot.hook_calls = 0
+        self._reduce_sp_partial(timers)
+
+    def after_step(self) -> None:
+        """The shards were updated: refresh the parameters (chunk 0 now, the rest on demand)."""
+        for chunk in self._chunks:
+            chunk.fresh = False
+        if self.overlap:
+            self._start_gather(0)
+            return
+        for index in range(len(self._chunks)):
+            self._wait_gather(index)
+
+    def optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's fp32 shards, named like their parameters."""
+        return list(self._named)
+
+    def zero_grad(self) -> None:
+        for _, shard in self._named:
+            shard.grad = None
+
+    def wait_params(self) -> None:
+        """Make every chunk's parameters current (before evaluation or saving the model)."""
+        for index in range(len(self._chunks)):
+            self._wait_gather(index)
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def _grad_ready(self, bucket: _Bucket, slot: _Slot) -> None:
+        """Post-accumulate-grad hook: launch the bucket once its last gradient is final."""
+        if bucket.launched:
+            raise RuntimeError(
+                f"ZeRO: gradient of {slot.name} accumulated after its bucket was reduce-scattered "
+                f"(more than {self.expected_backwards} backward passes per step?)")
+        slot.hook_calls += 1
+        if slot.hook_calls == self.expected_backwards:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.slots):
+                self._launch_reduce_scatter(bucket)
+
+    @torch.no_grad()
+    def _launch_reduce_scatter(self, bucket: _Bucket) -> None:
+        if bucket.launched:
+            return
+        rows = bucket.flat.view(self.dp, bucket.region)
+        for slot in bucket.slots:
+            dest = rows[:, slot.offset: slot.offset + slot.piece]
+            grad = slot.param.grad
+            if grad is None:  # unused this step: contributes zero
+                dest.zero_()
+                continue
+            dest.copy_(self._pieces(grad.reshape(-1), slot.piece))
+            slot.param.grad = None  # ZeRO-2: only the shard's gradient outlives the step
+        bucket.launched = True
+        if self.group is None:
+            bucket.grad.copy_(bucket.flat)
+        else:
+            bucket.work = dist.reduce_scatter_single(
+                bucket.grad, bucket.flat, group=self.group, async_op=self.overlap)
+
+    def _reduce_sp_partial(self, timers) -> None:
+        """Sequence-parallel parameters (LayerNorm under SP) hold partial grads per tp rank."""
+        if not self._sp_partial or self.tp_group is None:
+            return
+        grads = [s.shard.grad for s in self._sp_partial]
+        flat = torch.cat(grads)
+        with timers.span("tp.all_reduce_sp_grads", kind="comm", op="all_reduce", group="tp"):
+            dist.all_reduce(flat, group=self.tp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()])
+            offset += g.numel()
+
+    # ------------------------------------------------------------------ all-gather
+    def _start_gather(self, index: int) -> None:
+        chunk = self._chunks[index]
+        if chunk.fresh or chunk.gather is not None:
+            return
+        works = []
+        for bucket in chunk.buckets:
+            if self.group is None:
+                bucket.flat.copy_(bucket.shard)
+                works.append(None)
+            else:
+                works.append(dist.all_gather_single(
+                    bucket.flat, bucket.shard, group=self.group, async_op=True))
+        chunk.gather = works
+
+    @torch.no_grad()
+    def _wait_gather(self, index: int) -> None:
+        chunk = self._chunks[index]
+        if chunk.fresh:
+            return
+        self._start_gather(index)
+        with get_timers().span("dp.all_gather", kind="comm", op="all_gather", group="dp"):
+            for work in chunk.gather:
+                if work is not None:
+                    work.wait()
+        for bucket in chunk.buckets:
+            rows = bucket.flat.view(self.dp, bucket.region)
+            for slot in bucket.slots:
+                p = slot.param
+                values = rows[:, slot.offset: slot.offset + slot.piece].reshape(-1)
+                p.copy_(values[: p.numel()].view_as(p))
+        chunk.gather, chunk.fresh = None, True

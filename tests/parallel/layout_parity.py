@@ -1,0 +1,166 @@
+"""Layout parity harness: train a tiny GPT for a few steps on one process and on a parallel
+layout with the same global batch, and return what is needed to compare them.
+
+Each rank builds the model from the same seed, applies its layout with the real
+`build_runner`, and runs the trainer's step sequence (global token count over dp,
+forward/backward of the micro-batches, gradient sync, clipping across pp, optimizer step,
+parameter refresh, loss reduced to the true global mean). The final parameters are returned
+as (name, ShardSpec, array) pieces, so the parent can put whole parameters back together.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megascale.data import TokenBatch
+from megascale.model import GPT, IGNORE_INDEX
+from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
+from megascale.parallel.engine import build_runner, reduce_sum
+from megascale.parallel.sharding import shard_spec
+
+STEPS = 10
+GLOBAL_BATCH = 8
+SEED = 7
+
+
+@dataclass(frozen=True)
+class Case:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    optim: str = "adamw"
+    overlap: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return (
+            f"dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}-{self.optim}"
+            f"{'' if self.overlap else '-sync'}"
+        )
+
+
+def job_config(case: Case, steps: int = STEPS) -> JobConfig:
+    """A tiny model whose sizes also exercise ZeRO padding (hidden 12, odd bias lengths)."""
+    cfg = JobConfig(
+        model=ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=12, heads=2, block="serial"),
+        optim=OptimConfig(
+            name=case.optim, lr=1e-2, warmup_steps=2, weight_decay=0.1, grad_clip=0.3
+        ),
+        parallel=ParallelConfig(
+            dp=case.dp,
+            tp=case.tp,
+            pp=case.pp,
+            vpp=case.vpp,
+            dp_overlap=case.overlap,
+            backend="gloo",
+        ),
+        train=TrainConfig(
+            steps=steps,
+            global_batch=GLOBAL_BATCH,
+            micro_batch=1,
+            device="cpu",
+            eval_every=0,
+            tensorboard=False,
+        ),
+    )
+    cfg.validate()
+    return cfg
+
+
+def global_batches(cfg: JobConfig, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random tokens with a few ignored labels, so dp ranks hold different token counts."""
+    g = torch.Generator().manual_seed(SEED)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(
+            0, cfg.model.vocab_size, (GLOBAL_BATCH, cfg.model.seq_len + 1), generator=g
+        )
+        labels = tokens[:, 1:].clone()
+        labels[torch.rand(labels.shape, generator=g) < 0.2] = IGNORE_INDEX
+        out.append((tokens[:, :-1], labels))
+    return out
+
+
+def rank_batch(
+    inputs: torch.Tensor, labels: torch.Tensor, cfg: JobConfig, dp_rank: int
+) -> TokenBatch:
+    """This dp rank's contiguous slice of the global batch, as [micro_batches, micro, seq]."""
+    per = GLOBAL_BATCH // cfg.parallel.dp
+    sl = slice(dp_rank * per, (dp_rank + 1) * per)
+    shape = (cfg.micro_batches, cfg.train.micro_batch, cfg.model.seq_len)
+    return TokenBatch(inputs[sl].reshape(shape), labels[sl].reshape(shape))
+
+
+def train(case: Case, mesh=None, steps: int = STEPS) -> dict:
+    """Run `steps` steps of `case` on this rank (mesh None = one process)."""
+    cfg = job_config(case, steps)
+    torch.manual_seed(cfg.train.seed)
+    runner = build_runner(GPT(cfg.model), cfg, mesh)
+    optimizer = build_optimizer(runner.optimizer_tensors(), cfg.optim)
+    dp_group = mesh.dp_group if mesh else None
+    pp_group = mesh.pp_group if mesh else None
+    last_stage = mesh is None or mesh.is_last_stage
+    losses, norms = [], []
+    for step, (inputs, labels) in enumerate(global_batches(cfg, steps)):
+        batch = rank_batch(inputs, labels, cfg, mesh.dp_rank if mesh else 0)
+        tokens = reduce_sum((batch.labels != IGNORE_INDEX).sum(), dp_group)
+        runner.train()
+        loss_sum = runner.forward_backward(batch, int(tokens))
+        runner.finish_grads()
+        params = [t for _, t in runner.optimizer_tensors()]
+        norms.append(float(clip_grad_norm_(params, cfg.optim.grad_clip, across=[pp_group])))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.optim, steps)
+        optimizer.step()
+        runner.zero_grad()
+        runner.after_optimizer_step()
+        total = loss_sum.clone() if last_stage else torch.zeros((), dtype=torch.float64)
+        if last_stage:
+            reduce_sum(total, dp_group)
+        losses.append(float(reduce_sum(total, pp_group)) / int(tokens))
+    if runner.grad_sync is not None:
+        runner.grad_sync.wait_params()
+    # numpy, not tensors: tensors cross process boundaries as shared fds that die with the rank
+    pieces = [
+        (name, shard_spec(p), p.detach().numpy().copy()) for name, p in runner.named_parameters()
+    ]
+    return {"losses": losses, "norms": norms, "pieces": pieces}
+
+
+def assemble(per_rank: list[list[tuple]]) -> dict[str, torch.Tensor]:
+    """Whole parameters from every rank's (name, spec, tensor) pieces (tp slices joined)."""
+    slices: dict[str, dict[int, tuple]] = {}
+    for pieces in per_rank:
+        for name, spec, tensor in pieces:
+            slices.setdefault(name, {})[spec.tp_rank] = (spec, torch.as_tensor(tensor))
+    whole = {}
+    for name, by_rank in slices.items():
+        spec = by_rank[0][0]
+        if spec.tp_dim is None:
+            whole[name] = by_rank[0][1]
+        else:
+            whole[name] = torch.cat([by_rank[r][1] for r in range(spec.tp_size)], spec.tp_dim)
+    return whole
+
+
+def run_cases(cases: list[Case], ports: list[int]) -> list[dict]:
+    """Rank entry point for `run_local`: every case in turn, each on its own mesh and port."""
+    from megascale.parallel.mesh import init_mesh
+
+    out = []
+    for case, port in zip(cases, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        mesh = init_mesh(job_config(case).parallel, device="cpu")
+        try:
+            out.append(train(case, mesh))
+        finally:
+            mesh.destroy()
+    return out
