@@ -1,0 +1,252 @@
+"""Plays a pipeline schedule on this rank with decoupled, asynchronous point-to-point traffic.
+
+Each SEND is an `isend` whose handle is kept and waited lazily (completed ones are dropped as
+the step goes, the rest at its end), so a send never blocks the next receive or compute. Each
+RECV is an `irecv` posted where the schedule puts it (a couple of computes ahead), and a
+compute waits only for its own receive. In warm-up and cool-down a forward therefore depends
+on nothing but its input; in the steady phase the receives of the next actions and the sends
+of the previous ones are in flight while this one computes (MegaScale section 3.2).
+
+Every action is timed (`pp.forward`/`pp.backward` as compute; `pp.send`, `pp.recv` and
+`pp.send_wait` as p2p), so the bubble and the exposed communication of each rank are measured,
+not guessed.
+
+Activation shapes are not derived from the config (tensor/sequence parallel layouts change
+them): the first activation sent across each chunk boundary is preceded by a small shape
+message, and the receiver caches it. Gradients have the shape of the activation they answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megascale.config.schema import JobConfig
+from megascale.data import TokenBatch
+from megascale.diagnostics.timers import get_timers
+from megascale.parallel.engine import ModelRunner
+from megascale.parallel.pipeline.schedule import Action, Op, Schedule, build_schedule
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_META_LEN = 8  # [dtype code, ndim, up to 6 dims]
+_META_TAG = 1 << 28  # + boundary index; far above any message tag of a step
+
+
+@dataclass
+class _Recv:
+    """A receive: posted at once when its shape is known, else at its wait (first step)."""
+
+    peer: int
+    tag: int
+    shape: tuple[tuple[int, ...], torch.dtype] | None
+    work: dist.Work | None = None
+    buffer: torch.Tensor | None = None
+
+
+@dataclass
+class _Step:
+    """What one call of the schedule keeps between actions."""
+
+    batch: TokenBatch | None
+    token_count: int | None  # None: forward only
+    acts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    recvs: dict[tuple[Op, int, int], _Recv] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+
+
+class PipelineRunner(ModelRunner):
+    """Runs this rank's `v` chunks under the 1F1B (interleaved when v > 1) or GPipe schedule.
+
+    `decoupled=False` waits for each send right after posting it: a comparison mode for the
+    benchmark (what bundled send/recv costs), never the training default."""
+
+    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh, lookahead: int = 2,
+                 decoupled: bool = True) -> None:
+        super().__init__(chunks, cfg, mesh)
+        self.p = mesh.pp_size
+        self.v = len(chunks)
+        self.rank = mesh.pp_rank
+        self.kind = cfg.parallel.schedule
+        self.lookahead = lookahead
+        self.decoupled = decoupled
+        self.group = mesh.pp_group
+        c = mesh.coords
+        self._peers = [mesh.grid.rank_of(r, c.dp, c.tp) for r in range(self.p)]
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._last_backward: dict[tuple[str, int], dict[int, int]] = {}
+        self._in_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # by local chunk
+        self._out_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
+
+    # ------------------------------------------------------------------ the runner interface
+    def forward_backward(self, batch: TokenBatch | None, token_count: int) -> torch.Tensor:
+        return self._run(self.kind, _Step(batch, token_count))
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: TokenBatch | None) -> torch.Tensor:
+        return self._run("forward", _Step(batch, None))
+
+    def schedule(self, kind: str, m: int) -> Schedule:
+        key = (kind, m)
+        if key not in self._schedules:
+            sched = build_schedule(kind, self.p, self.v, m, self.lookahead)
+            self._schedules[key] = sched
+            self._last_backward[key] = sched.last_backward(self.rank)
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------ execution
+    def _run(self, kind: str, step: _Step) -> torch.Tensor:
+        m = self._micro_batches(step.batch)
+        sched = self.schedule(kind, m)
+        last_backward = self._last_backward[(kind, m)]
+        timers = get_timers()
+        for i, action in enumerate(sched.ranks[self.rank]):
+            op = action.op
+            if op is Op.FORWARD:
+                self._forward(action, step, timers)
+            elif op is Op.BACKWARD:
+                self._backward(action, step, timers)
+                if self.grad_sync is not None and last_backward[action.chunk] == i:
+                    self.grad_sync.after_backward(action.chunk)
+            elif op is Op.SEND_ACT:
+                self._send_act(action, step, timers)
+            elif op is Op.SEND_GRAD:
+                self._send(step.grads.pop((action.mb, action.chunk)), action, timers)
+            else:
+                self._post_recv(action, step)
+        with timers.span("pp.send_wait", kind="p2p", group="pp"):
+            for work, _, _ in self._sends:
+                work.wait()
+        self._sends.clear()
+        assert not step.acts and not step.grads and not step.recvs, "schedule left state behind"
+        if step.loss is None:
+            return torch.zeros((), dtype=torch.float64)
+        return step.loss.cpu()
+
+    def _forward(self, a: Action, step: _Step, timers) -> None:
+        chunk = self.chunks[a.chunk]
+        if self.grad_sync is not None:
+            self.grad_sync.before_forward(a.chunk)
+        if chunk.is_first:
+            x = step.batch.inputs[a.mb].to(self._device)
+        else:
+            x = self._wait_recv(step.recvs.pop((Op.RECV_ACT, a.mb, a.chunk)), a, timers)
+            x.requires_grad_(step.token_count is not None)
+        with timers.span("pp.forward", kind="compute", mb=a.mb, chunk=a.chunk):
+            if chunk.is_last:
+                out = chunk(x, step.batch.labels[a.mb].to(self._device))
+                loss = out.detach().double()
+                step.loss = loss if step.loss is None else step.loss + loss
+            else:
+                out = chunk(x)
+        if step.token_count is not None or not chunk.is_last:  # kept for backward or send
+            step.acts[(a.mb, a.chunk)] = (x, out)
+
+    def _backward(self, a: Action, step: _Step, timers) -> None:
+        chunk = self.chunks[a.chunk]
+        x, out = step.acts.pop((a.mb, a.chunk))
+        if chunk.is_last:
+            target, grad = out / step.token_count, None
+        else:
+            target = out
+            grad = self._wait_recv(step.recvs.pop((Op.RECV_GRAD, a.mb, a.chunk)), a, timers)
+        with timers.span("pp.backward", kind="compute", mb=a.mb, chunk=a.chunk):
+            torch.autograd.backward(target, grad)
+        if not chunk.is_first:
+            step.grads[(a.mb, a.chunk)] = x.grad
+
+    def _send_act(self, a: Action, step: _Step, timers) -> None:
+        key = (a.mb, a.chunk)
+        x, out = step.acts[key]
+        tensor = out.detach().contiguous()
+        if step.token_count is None:  # forward only: nothing to keep for a backward
+            del step.acts[key]
+        meta = (tuple(tensor.shape), tensor.dtype)
+        announced = self._out_shape.get(a.chunk)
+        if announced is None:
+            self._out_shape[a.chunk] = meta
+            encoded = _encode(meta, tensor.device)
+            tag = _META_TAG + a.chunk * self.p + self.rank
+            self._sends.append((self._isend(encoded, a.peer, tag), encoded, a.peer))
+        elif announced != meta:
+            raise RuntimeError(
+                f"pipeline activation of chunk {a.chunk * self.p + self.rank} changed from "
+                f"{announced} to {meta}; every micro-batch of a run must have one shape"
+            )
+        self._send(tensor, a, timers)
+
+    def _send(self, tensor: torch.Tensor, a: Action, timers) -> None:
+        peer = self._peers[a.peer]
+        with timers.span("pp.send", kind="p2p", group="pp", peer=peer, mb=a.mb, chunk=a.chunk):
+            work = self._isend(tensor, a.peer, a.tag)
+        if not self.decoupled:
+            with timers.span("pp.send_wait", kind="p2p", group="pp", peer=peer, mb=a.mb):
+                work.wait()
+            return
+        self._sends = [s for s in self._sends if not s[0].is_completed()]
+        self._sends.append((work, tensor, a.peer))
+
+    def _post_recv(self, a: Action, step: _Step) -> None:
+        shape = self._shapes(a.op is Op.RECV_ACT).get(a.chunk)
+        recv = _Recv(a.peer, a.tag, shape)
+        if shape is not None:
+            self._start_recv(recv)
+        step.recvs[(a.op, a.mb, a.chunk)] = recv
+
+    def _shapes(self, activation: bool) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        """Incoming activations have the shape announced by the previous chunk; a gradient has
+        the shape of the activation this chunk sent."""
+        return self._in_shape if activation else self._out_shape
+
+    def _start_recv(self, recv: _Recv) -> None:
+        shape, dtype = recv.shape
+        recv.buffer = torch.empty(shape, dtype=dtype, device=self._device)
+        recv.work = dist.irecv(recv.buffer, src=self._peers[recv.peer], group=self.group,
+                               tag=recv.tag)
+
+    def _wait_recv(self, recv: _Recv, a: Action, timers) -> torch.Tensor:
+        peer = self._peers[recv.peer]
+        with timers.span("pp.recv", kind="p2p", group="pp", peer=peer, mb=a.mb, chunk=a.chunk):
+            if recv.work is None:  # first activation over this boundary: learn its shape
+                if a.op is Op.FORWARD and a.chunk not in self._in_shape:
+                    meta = torch.empty(_META_LEN, dtype=torch.int64, device=self._device)
+                    boundary = a.chunk * self.p + self.rank - 1
+                    dist.recv(meta, src=peer, group=self.group, tag=_META_TAG + boundary)
+                    self._in_shape[a.chunk] = _decode(meta)
+                recv.shape = self._shapes(a.op is Op.FORWARD)[a.chunk]
+                self._start_recv(recv)
+            recv.work.wait()
+        return recv.buffer
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return dist.isend(tensor, dst=self._peers[peer], group=self.group, tag=tag)
+
+    def _micro_batches(self, batch: TokenBatch | None) -> int:
+        m = self.cfg.micro_batches
+        if batch is not None and batch.inputs.shape[0] != m:
+            raise ValueError(
+                f"batch has {batch.inputs.shape[0]} micro-batches but the layout expects {m} "
+                "(train.global_batch / (train.micro_batch * parallel.dp)); every pipeline stage "
+                "must run the same number"
+            )
+        needs = [c.is_first or c.is_last for c in self.chunks]
+        if batch is None and any(needs):
+            raise ValueError("the first and last pipeline stages need the batch (tokens/labels)")
+        return m
+
+
+def _encode(meta: tuple[tuple[int, ...], torch.dtype], device: torch.device) -> torch.Tensor:
+    shape, dtype = meta
+    if len(shape) > _META_LEN - 2:
+        raise ValueError(f"pipeline activations of rank {len(shape)} are not supported")
+    values = [_DTYPES.index(dtype), len(shape), *shape]
+    return torch.tensor(values + [0] * (_META_LEN - len(values)), dtype=torch.int64, device=device)
+
+
+def _decode(meta: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    values = meta.tolist()
+    return tuple(values[2:2 + values[1]]), _DTYPES[values[0]]

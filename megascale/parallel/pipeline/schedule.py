@@ -1,0 +1,241 @@
+"""Pipeline schedules as data: for each pipeline rank, the ordered list of actions it runs.
+
+A schedule is built without processes, so its properties (forward before backward, every send
+matched by a receive, no deadlock, the bubble, peak activation memory) are checked by unit
+tests and by `simulate` below, and the runtime only plays the list.
+
+Layout (Megatron interleaving): with `p` ranks and `v` chunks per rank the model is cut into
+`p*v` global chunks; chunk `c` of rank `r` is global chunk `c*p + r`. Activations flow from
+global chunk g to g+1 (so from rank r to r+1, and from the last rank back to rank 0 one chunk
+later), gradients the other way.
+
+Communication is decoupled (MegaScale): a SEND is posted right after the compute that made
+its tensor and is never waited for before the next action; a RECV is *posted* a few compute
+actions before the one that needs it (`lookahead`), and a compute action waits only for its own
+receive. Nothing on a rank ever waits for a peer to receive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from megascale.config.schema import ConfigError
+
+
+class Op(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "send_act"
+    RECV_ACT = "recv_act"
+    SEND_GRAD = "send_grad"
+    RECV_GRAD = "recv_grad"
+
+
+COMPUTE = (Op.FORWARD, Op.BACKWARD)
+SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
+RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
+KINDS = ("1f1b", "gpipe", "forward")  # "1f1b" is interleaved when v > 1; "forward" = eval
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program. `chunk` is the local chunk index (0..v-1); `peer` is the
+    pipeline rank at the other end of a send/recv; `tag` identifies the message (unique within
+    one schedule, identical on both ends)."""
+
+    op: Op
+    mb: int
+    chunk: int
+    peer: int | None = None
+    tag: int | None = None
+
+    def __str__(self) -> str:
+        peer = "" if self.peer is None else f"@{self.peer}"
+        return f"{self.op.value}({self.mb},{self.chunk}){peer}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str
+    p: int
+    v: int
+    m: int
+    ranks: tuple[tuple[Action, ...], ...]
+
+    def compute(self, rank: int) -> list[Action]:
+        return [a for a in self.ranks[rank] if a.op in COMPUTE]
+
+    def last_backward(self, rank: int) -> dict[int, int]:
+        """Local chunk -> index (in the rank's action list) of its last BACKWARD: where ZeRO's
+        reduce-scatter of that chunk may start."""
+        out: dict[int, int] = {}
+        for i, a in enumerate(self.ranks[rank]):
+            if a.op is Op.BACKWARD:
+                out[a.chunk] = i
+        return out
+
+    def describe(self, rank: int) -> str:
+        return " ".join(str(a) for a in self.compute(rank))
+
+
+def check_layout(p: int, v: int, m: int, kind: str = "1f1b") -> None:
+    """Raise a ConfigError naming the keys when (p, v, m) cannot fill the schedule."""
+    if kind not in KINDS:
+        raise ConfigError(f"parallel.schedule must be one of {KINDS[:2]}, got {kind!r}")
+    if p < 1 or v < 1 or m < 1:
+        raise ConfigError(
+            f"parallel.pp={p}, parallel.vpp={v} and the micro-batches per step ({m}) must be >= 1"
+        )
+    if v > 1 and p == 1:
+        raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
+    if v > 1 and kind == "1f1b" and m % p:
+        raise ConfigError(
+            f"interleaved 1F1B needs the micro-batches per step ({m} = train.global_batch / "
+            f"(train.micro_batch * parallel.dp)) to be a multiple of parallel.pp={p}"
+        )
+
+
+def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
+    """The (op, micro-batch, chunk) compute sequence of one rank.
+
+    Forwards walk micro-batches in groups of p through the chunks (Megatron's interleaving:
+    the k-th forward runs chunk (k // p) % v on micro-batch (k // (p*v)) * p + k % p; with
+    v = 1 simply micro-batch k, so any m works); backwards the same with chunks reversed.
+    1F1B runs `warmup` forwards, then alternates one forward and one backward, then drains the
+    backwards; GPipe runs all forwards first."""
+    check_layout(p, v, m, kind)
+    total = m * v
+
+    def mb_of(k: int) -> int:
+        return k if v == 1 else (k // (p * v)) * p + k % p
+
+    def fwd(k: int) -> tuple[Op, int, int]:
+        return Op.FORWARD, mb_of(k), (k // p) % v
+
+    def bwd(k: int) -> tuple[Op, int, int]:
+        return Op.BACKWARD, mb_of(k), v - 1 - (k // p) % v
+
+    if kind == "forward":
+        return [fwd(k) for k in range(total)]
+    if kind == "gpipe":
+        return [fwd(k) for k in range(total)] + [bwd(k) for k in range(total)]
+    warmup = min(total, p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p)
+    order = [fwd(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [fwd(warmup + i), bwd(i)]
+    order += [bwd(k) for k in range(total - warmup, total)]
+    return order
+
+
+def build_schedule(kind: str, p: int, v: int, m: int, lookahead: int = 1) -> Schedule:
+    """Every rank's action list: compute, each send right after the compute producing it, and
+    each receive posted `lookahead` compute actions before the one that consumes it."""
+    chunks = p * v
+    ranks = []
+    for rank in range(p):
+        order = compute_order(kind, p, v, m, rank)
+        recvs: list[list[Action]] = [[] for _ in order]
+        sends: list[list[Action]] = [[] for _ in order]
+        for i, (op, mb, chunk) in enumerate(order):
+            g = chunk * p + rank
+            need = needed_message(op, g, mb, p, v, m)
+            if need is not None:
+                recv = Op.RECV_ACT if op is Op.FORWARD else Op.RECV_GRAD
+                recvs[max(0, i - lookahead)].append(Action(recv, mb, chunk, need[0], need[1]))
+            if op is Op.FORWARD and g < chunks - 1:
+                sends[i].append(Action(Op.SEND_ACT, mb, chunk, (g + 1) % p,
+                                       message_tag(False, g, mb, m)))
+            if op is Op.BACKWARD and g > 0:
+                sends[i].append(Action(Op.SEND_GRAD, mb, chunk, (g - 1) % p,
+                                       message_tag(True, g - 1, mb, m)))
+        actions: list[Action] = []
+        for i, (op, mb, chunk) in enumerate(order):
+            actions += recvs[i]
+            actions.append(Action(op, mb, chunk))
+            actions += sends[i]
+        ranks.append(tuple(actions))
+    return Schedule(kind, p, v, m, tuple(ranks))
+
+
+def message_tag(grad: bool, boundary: int, mb: int, m: int) -> int:
+    """Unique tag of the message crossing the boundary after global chunk `boundary`."""
+    return 2 * (boundary * m + mb) + int(grad)
+
+
+def needed_message(op: Op, g: int, mb: int, p: int, v: int, m: int) -> tuple[int, int] | None:
+    """(source pipeline rank, tag) of the message a compute on global chunk g waits for: the
+    activation from chunk g-1 (forward), the gradient from chunk g+1 (backward), or None."""
+    if op is Op.FORWARD:
+        return None if g == 0 else ((g - 1) % p, message_tag(False, g - 1, mb, m))
+    return None if g == p * v - 1 else ((g + 1) % p, message_tag(True, g, mb, m))
+
+
+# --------------------------------------------------------------------------- simulation
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]  # compute time per rank
+    idle: list[float]  # makespan - busy, per rank
+    peak_activations: list[int]  # chunk-activations held at once (forward done, backward not)
+    timeline: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
+             coupled: bool = False, latency: float = 0.0) -> SimResult:
+    """Play every rank's actions in lock-step with fixed compute times.
+
+    Decoupled (default): a send costs nothing and never waits; a compute waits for its own
+    message, which arrives `latency` after the peer sent it. Coupled: a send also blocks its
+    rank until the peer has posted the matching receive (what bundled send/recv does).
+    Raises Deadlock, naming each rank's stuck action, if no rank can move."""
+    p = schedule.p
+    pos = [0] * p
+    clock = [0.0] * p
+    posted: dict[tuple[int, int], float] = {}  # (dst, tag) -> time the receive was posted
+    arrived: dict[tuple[int, int], float] = {}  # (dst, tag) -> time the data is there
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
+    live = [0] * p
+    peak = [0] * p
+    while True:
+        progressed = False
+        for r in range(p):
+            actions = schedule.ranks[r]
+            while pos[r] < len(actions):
+                a = actions[pos[r]]
+                if a.op in RECVS:
+                    posted[(r, a.tag)] = clock[r]
+                elif a.op in SENDS:
+                    key = (a.peer, a.tag)
+                    if coupled:
+                        if key not in posted:
+                            break
+                        clock[r] = max(clock[r], posted[key])
+                    arrived[key] = clock[r] + latency
+                else:
+                    need = needed_message(a.op, a.chunk * p + r, a.mb, p, schedule.v, schedule.m)
+                    if need is not None:
+                        key = (r, need[1])
+                        if key not in arrived or key not in posted:
+                            break
+                        clock[r] = max(clock[r], arrived[key])
+                    start = clock[r]
+                    clock[r] += t_fwd if a.op is Op.FORWARD else t_bwd
+                    timeline[r].append((start, clock[r], a))
+                    live[r] += 1 if a.op is Op.FORWARD else -1
+                    peak[r] = max(peak[r], live[r])
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] == len(schedule.ranks[r]) for r in range(p)):
+            break
+        if not progressed:
+            stuck = {r: str(schedule.ranks[r][pos[r]]) for r in range(p)
+                     if pos[r] < len(schedule.ranks[r])}
+            raise Deadlock(f"{schedule.kind} p={p} v={schedule.v} m={schedule.m}: stuck {stuck}")
+    makespan = max(clock)
+    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
+    return SimResult(makespan, busy, [makespan - b for b in busy], peak, timeline)

@@ -1,0 +1,100 @@
+"""Cut a GPT into the pipeline chunks one rank holds.
+
+The existing submodules are moved, never rebuilt, so a model whose blocks, embedding or head
+were already replaced by tensor-parallel ones (applied before splitting) keeps them. A chunk
+keeps the single-process parameter names ("embed.tokens.weight", "blocks.5.attn.qkv.weight",
+"head.out.weight"): its blocks live in a ModuleDict keyed by the global layer index, so the
+optimizer, checkpoints and resharding see one naming whatever the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megascale.config.schema import ConfigError
+from megascale.model.gpt import GPT
+
+
+class PipelineChunk(nn.Module):
+    """Consecutive layers of the model; the embedding on the first global chunk, the head and
+    the loss on the last. Forward: tokens (first) or hidden states in; hidden states out, or
+    the summed token loss on the last chunk (which then needs `labels`)."""
+
+    def __init__(self, index: int, count: int, layers: dict[int, nn.Module],
+                 embed: nn.Module | None, head: nn.Module | None) -> None:
+        super().__init__()
+        self.index = index  # global chunk index, 0 .. count-1
+        self.count = count
+        if embed is not None:
+            self.embed = embed
+        self.blocks = nn.ModuleDict({str(i): block for i, block in layers.items()})
+        if head is not None:
+            self.head = head
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(k) for k in self.blocks]
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.is_last:
+            if labels is None:
+                raise ValueError("the last pipeline chunk computes the loss: pass labels")
+            return self.head(x, labels)
+        return x
+
+    def extra_repr(self) -> str:
+        ids = self.layer_ids
+        span = f"layers {ids[0]}..{ids[-1]}" if ids else "no layers"
+        return f"chunk {self.index}/{self.count}, {span}"
+
+
+def chunk_layers(layers: int, pp: int, vpp: int) -> list[range]:
+    """Global chunk g -> the layer indices it holds (balanced, consecutive)."""
+    chunks = pp * vpp
+    if layers % chunks:
+        raise ConfigError(
+            f"model.layers={layers} must be divisible by parallel.pp * parallel.vpp = "
+            f"{pp} * {vpp} = {chunks} (each pipeline chunk holds the same number of layers)"
+        )
+    per = layers // chunks
+    return [range(g * per, (g + 1) * per) for g in range(chunks)]
+
+
+def split_model(model: GPT, pp: int, vpp: int, pp_rank: int) -> list[nn.Module]:
+    """The `vpp` chunks of pipeline rank `pp_rank`: local chunk c is global chunk c*pp + rank.
+
+    Moves `model.embed`, `model.blocks[i]` and `model.head` into the chunks; the model object
+    should not be used afterwards."""
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} out of range for parallel.pp={pp}")
+    head_weight = getattr(getattr(model.head, "out", None), "weight", None)
+    embed_weight = getattr(getattr(model.embed, "tokens", None), "weight", None)
+    if pp > 1 and head_weight is not None and head_weight is embed_weight:
+        raise ConfigError(
+            "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live on "
+            "different pipeline stages); set model.tie_embeddings=false"
+        )
+    ranges = chunk_layers(len(model.blocks), pp, vpp)
+    count = pp * vpp
+    chunks: list[nn.Module] = []
+    for c in range(vpp):
+        g = c * pp + pp_rank
+        chunks.append(PipelineChunk(
+            g, count, {i: model.blocks[i] for i in ranges[g]},
+            model.embed if g == 0 else None,
+            model.head if g == count - 1 else None,
+        ))
+    return chunks
