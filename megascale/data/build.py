@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from megascale.config.schema import JobConfig
 from megascale.data.corpus import ensure_default_corpus
 from megascale.data.dataset import GlobalOrder, split_windows
 from megascale.data.loader import EvalLoader, Shape, TrainLoader, read_dp_slices
 from megascale.data.shards import DataError, TokenStore
+from megascale.data.sharing import find_group, job_store, open_ring
 from megascale.data.tokenizer import load_tokenizer
 
+RING_SLOTS = 3  # shared-memory slots: the reader may run two steps ahead of the slowest rank
 VOCAB_PAD = 128  # a model vocabulary may be padded up to a multiple of this for GEMM efficiency
 
 
@@ -93,24 +98,63 @@ def fingerprint(cfg: JobConfig, stores: list[TokenStore], weights: list[float]) 
 
 
 def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
-    """This rank's loaders. `mesh` is a ParallelMesh, or None for one process."""
+    """This rank's loaders. `mesh` is a ParallelMesh, or None for one process.
+
+    Collective over the job when data.reader is 'node' or 'tp': every rank must call it."""
     dp_rank = mesh.dp_rank if mesh is not None else 0
     needs_data = mesh is None or mesh.is_first_stage or mesh.is_last_stage
     shape = Shape(cfg.micro_batches, cfg.train.micro_batch, cfg.model.seq_len)
-    order, stores = open_order(cfg, verify=cfg.data.verify_checksums and needs_data)
-    key = fingerprint(cfg, stores, order.weights)
+    store = job_store(mesh)
+    start_timeout, step_timeout = cfg.parallel.init_timeout_s, cfg.parallel.collective_timeout_s
+    group = find_group(cfg.data.reader, mesh, store, start_timeout) if store else None
+    verify = cfg.data.verify_checksums and needs_data and (group is None or group.is_reader)
+    error = None
+    try:
+        order, stores = open_order(cfg, verify)
+    except DataError as exc:
+        if group is None:
+            raise
+        error = exc
+    ring = None
+    if group is not None:
+        slot_shape = shape.empty(len(group.dp_ranks)).shape
+        ring = open_ring(group, store, slot_shape, RING_SLOTS, start_timeout,
+                         str(error) if error else None)
+    if error is not None:
+        raise error
 
-    def produce(step: int, consumed: list[int]):
+    def direct(step: int, consumed: list[int], stop: threading.Event) -> np.ndarray | None:
         if not needs_data:
             return None
         out = shape.empty()
         read_dp_slices(order, shape, step, consumed, [dp_rank], out)
         return out[0]
 
-    def close() -> None:
-        for store in stores:
-            store.close()
+    produce = direct
+    if group is not None and ring is not None:
+        part = group.dp_ranks.index(dp_rank)
+        if group.is_reader:
+            def produce(step: int, consumed: list[int], stop: threading.Event) -> np.ndarray:
+                slot = ring.slot_for_write(step, stop, step_timeout)
+                try:
+                    read_dp_slices(order, shape, step, consumed, list(group.dp_ranks), slot)
+                except Exception as exc:
+                    ring.fail(f"rank {group.me}: {exc}")
+                    raise
+                ring.publish(step)
+                return slot[part].copy()
+        else:
+            def produce(step: int, consumed: list[int], stop: threading.Event) -> np.ndarray:
+                return ring.copy(group.consumer_index, step, part, stop, step_timeout)
 
+    def close() -> None:
+        if ring is not None:
+            ring.close()
+        for store_ in stores:
+            store_.close()
+
+    key = fingerprint(cfg, stores, order.weights)
     train = TrainLoader(order, produce, cfg.data.prefetch, key, on_close=close)
+    train.reader_group = group
     evaluation = EvalLoader(order, shape, dp_rank, cfg.train.eval_batches, needs_data)
     return train, evaluation

@@ -59,8 +59,9 @@ def read_dp_slices(order: GlobalOrder, shape: Shape, step: int, consumed: list[i
         order.sequences(items, out[i].reshape(2, n, shape.seq_len))
 
 
-# produce(step, consumed) -> [2, M, B, L] int32 for this rank, or None (no tokens needed)
-Producer = Callable[[int, list[int]], "np.ndarray | None"]
+# produce(step, consumed, stop) -> [2, M, B, L] int32 for this rank, or None (no tokens needed);
+# `stop` is set when the loader halts, so that a producer waiting on another rank gives up.
+Producer = Callable[[int, list[int], threading.Event], "np.ndarray | None"]
 
 
 class TrainLoader:
@@ -72,6 +73,7 @@ class TrainLoader:
         self.fingerprint = fingerprint
         self._on_close = on_close
         self.wait_seconds = 0.0
+        self.reader_group = None  # set by build_loaders: the ranks sharing this rank's reader
         self._step = 0
         self._consumed = [0] * len(order.splits)
         self._thread: threading.Thread | None = None
@@ -89,7 +91,7 @@ class TrainLoader:
                 raise error
             assert step == self._step, (step, self._step)
         else:
-            pair = self._produce(self._step, self._consumed)
+            pair = self._produce(self._step, self._consumed, self._stop)
         self._consumed = self.order.advance(self._step, self._consumed)
         self._step += 1
         batch = None if pair is None else to_batch(pair)
@@ -129,7 +131,7 @@ class TrainLoader:
     def _run(self, step: int, consumed: list[int]) -> None:
         while not self._stop.is_set():
             try:
-                item = (step, self._produce(step, consumed), None)
+                item = (step, self._produce(step, consumed, self._stop), None)
             except BaseException as exc:  # handed to the trainer's thread
                 item = (step, None, exc)
             while not self._stop.is_set():

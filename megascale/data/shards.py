@@ -39,6 +39,17 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     raise DataError(f"vocabulary of {vocab_size} tokens does not fit in 32 bits")
 
 
+def pack(docs: list[np.ndarray], eod: int, dtype: np.dtype) -> np.ndarray:
+    """Documents joined into one array, each followed by `eod`."""
+    out = np.empty(sum(len(d) + 1 for d in docs), dtype=dtype)
+    pos = 0
+    for doc in docs:
+        out[pos:pos + len(doc)] = doc
+        out[pos + len(doc)] = eod
+        pos += len(doc) + 1
+    return out
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -60,19 +71,25 @@ class ShardWriter:
 
     def add(self, tokens: Iterable[int] | np.ndarray) -> None:
         """Write one document and its end-of-document token."""
+        self.add_packed(pack([np.asarray(tokens, dtype=np.int64)], self.eod, self.dtype), 1)
+
+    def add_packed(self, packed: np.ndarray, documents: int) -> None:
+        """Write `documents` whole documents, each already followed by the end-of-document token.
+        A shard is closed after the first batch that fills it, so shards end at a boundary."""
         if self._file is None:
             name = f"shard_{len(self.shards):05d}.bin"
             self._file = open(self.out_dir / name, "wb")  # noqa: SIM115 - closed in _close_shard
             self._name, self._tokens, self._docs = name, 0, 0
-        doc = np.asarray(tokens, dtype=np.int64)
-        out = np.empty(len(doc) + 1, dtype=self.dtype)
-        out[:-1] = doc
-        out[-1] = self.eod
-        self._file.write(out.tobytes())
-        self._tokens += len(out)
-        self._docs += 1
+        self._file.write(np.ascontiguousarray(packed, dtype=self.dtype).tobytes())
+        self._tokens += len(packed)
+        self._docs += documents
         if self._tokens >= self.shard_tokens:
             self._close_shard()
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens in the shard being written."""
+        return self._tokens if self._file is not None else 0
 
     def _close_shard(self) -> None:
         if self._file is None:
