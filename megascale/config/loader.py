@@ -80,9 +80,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return value
     if origin in (Union, types.UnionType):
         options = get_args(tp)
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
-            if type(None) in options:
-                return None
+        if (value is None or (isinstance(value, str) and value.lower() == "none")) and type(None) in options:
+            return None
         for option in options:
             if option is type(None):
                 continue
@@ -105,9 +104,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
+    elif tp is str and isinstance(value, str):
+        return value
     raise ConfigError(f"{key} must be {_describe(tp)}, got {value!r} ({type(value).__name__})")
 
 

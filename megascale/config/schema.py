@@ -184,12 +184,18 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | none | a checkpoint path
     async_save: bool = True
     when_busy: Literal["wait", "skip"] = "wait"
+    write_mb_per_s: float = 0.0  # cap on stage-2 write bandwidth per rank; 0 = unlimited
+    commit_timeout_s: float = 600.0  # rank 0 gives up on a save whose other ranks never finish
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:
             raise ConfigError(
                 f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every}, {self.keep}"
             )
+        if self.write_mb_per_s < 0:
+            raise ConfigError(f"checkpoint.write_mb_per_s must be >= 0, got {self.write_mb_per_s}")
+        if self.commit_timeout_s <= 0:
+            raise ConfigError(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
 
 
 @dataclass

@@ -55,6 +55,6 @@ class Lamb(torch.optim.Optimizer):
             w_norm = whole_sq_norms(params, params).sqrt()
             u_norm = whole_sq_norms(updates, params).sqrt()
             trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-            for p, update, ratio in zip(params, updates, trust.tolist()):
+            for p, update, ratio in zip(params, updates, trust.tolist(), strict=False):
                 p.add_(update, alpha=-group["lr"] * ratio)
         return loss

@@ -56,8 +56,7 @@ def global_grad_norm(
 
     `across` are groups holding disjoint parameters (pipeline stages) whose totals add up."""
     with_grad = [p for p in params if p.grad is not None]
-    device = with_grad[0].grad.device if with_grad else torch.device("cpu")
-    total = whole_sq_norms([p.grad for p in with_grad], with_grad).sum() if with_grad else torch.zeros((), device=device)
+    total = whole_sq_norms([p.grad for p in with_grad], with_grad).sum()
     for group in across:
         if group is not None:
             dist.all_reduce(total, group=group)
