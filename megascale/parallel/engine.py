@@ -102,9 +102,16 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
     """Apply every parallelism the layout asks for and return this rank's runner."""
     if mesh is None or mesh.world_size == 1:
         return ModelRunner([model], cfg, mesh)
-    if mesh.tp_size == 1 and mesh.pp_size == 1:
-        runner = ModelRunner([model], cfg, mesh)
-        runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
+    if mesh.tp_size == 1:
+        if mesh.pp_size > 1:
+            from megascale.parallel.pipeline import PipelineRunner, split_model  # imports engine
+
+            chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank)
+            runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
+        else:
+            runner = ModelRunner([model], cfg, mesh)
+        if mesh.dp_size > 1:
+            runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
         return runner
     raise NotImplementedError("parallel layouts are applied by megascale.parallel (in progress)")
 
