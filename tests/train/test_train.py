@@ -1,0 +1,72 @@
+"""The single-process trainer learns, logs every step and records its configuration."""
+
+import gc
+import json
+
+import pytest
+
+from megascale.config import load_config
+from megascale.train.trainer import Trainer
+
+TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.seq_len=64",
+        "--model.window=32", "--train.global_batch=8", "--train.micro_batch=4", "--optim.lr=3e-3",
+        "--train.tensorboard=false", "--checkpoint.every=0", "--checkpoint.resume=none"]
+
+
+def _trainer(tmp_path, *extra):
+    cfg = load_config("configs/default.toml", TINY + [
+        f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}", *extra])
+    return Trainer(cfg)
+
+
+def test_a_few_dozen_steps_lower_the_loss(tmp_path):
+    trainer = _trainer(tmp_path, "--train.steps=36", "--train.eval_every=12", "--train.gc_every=10")
+    try:
+        losses = trainer.fit()
+    finally:
+        trainer.close()
+    assert len(losses) == 36
+    assert sum(losses[-6:]) / 6 < losses[0] - 0.25, losses
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 37))
+    assert all(r["tokens_per_s"] > 0 and r["step_time"] > 0 for r in records)
+    assert sum("eval_loss" in r for r in records) == 3
+    assert (tmp_path / "run" / "config.toml").exists()
+    assert gc.isenabled(), "automatic GC must be restored after training"
+
+
+def test_gc_is_off_during_steps(tmp_path):
+    trainer = _trainer(tmp_path, "--train.steps=2")
+    seen = []
+    original = trainer.train_step
+
+    def spy(batch):
+        seen.append(gc.isenabled())
+        return original(batch)
+
+    trainer.train_step = spy
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert seen == [False, False]
+
+
+def test_deterministic_across_runs(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        trainer = _trainer(tmp_path / name, "--train.steps=4", "--train.eval_every=0")
+        try:
+            runs.append(trainer.fit())
+        finally:
+            trainer.close()
+    assert runs[0] == runs[1]
+
+
+def test_cuda_requested_without_cuda_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(RuntimeError, match="train.device='cuda'"):
+        _trainer(tmp_path, "--train.device=cuda")
