@@ -1,0 +1,303 @@
+"""`CheckpointManager`: the trainer's one entry point for saving and resuming.
+
+save = agree (one small collective on the checkpoint group: same step? a save in flight? a
+writer died?) -> stage 1 (copy into the host buffer; the training stall) -> hand the job to the
+stage-2 writer process and return. resume = find the newest checkpoint whose manifest checks,
+restore it (every byte read once; checksums verified on the way), fall back to the previous
+one if any file is corrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megascale.checkpoint.comm import Comm
+from megascale.checkpoint.restore import restore
+from megascale.checkpoint.snapshot import HostBuffer, layout
+from megascale.checkpoint.state import (
+    RNG,
+    Piece,
+    install_optimizer_state,
+    load_targets,
+    rng_from_arrays,
+    rng_pieces,
+    shared_pieces,
+    spec_to_json,
+)
+from megascale.checkpoint.storage import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    check_manifest,
+    checkpoint_bytes,
+    committed,
+    open_root,
+    step_name,
+)
+from megascale.checkpoint.writer import WriteJob, persist, serve
+from megascale.config import JobConfig, to_dict
+
+log = logging.getLogger("megascale.checkpoint")
+
+
+class CheckpointManager:
+    def __init__(self, cfg: JobConfig, mesh, run_dir: Path):
+        self.job_cfg, self.cfg, self.mesh = cfg, cfg.checkpoint, mesh
+        self.rank, self.world = mesh.rank, mesh.world_size
+        self.root = self.cfg.dir or str((Path(run_dir) / "checkpoints").resolve())
+        self.comm = Comm(mesh.checkpoint_group, self.rank, self.world)
+        self.run_id = self.comm.broadcast(secrets.token_hex(4))
+        self.last_saved_step = -1
+        self.last_stall_s = 0.0  # stage 1 of the newest save: the time training was blocked
+        self.last_result: tuple[str, int, Any] | None = None  # newest stage-2 outcome
+        self.last_restore: dict[str, Any] | None = None
+        self._buffer: HostBuffer | None = None
+        self._writes: tuple | None = None  # (piece keys, which of them this rank writes)
+        self._inflight: int | None = None
+        self._writer: mp.process.BaseProcess | None = None
+        if self.cfg.async_save:
+            ctx = mp.get_context("spawn")
+            self._jobs, self._results = ctx.Queue(), ctx.Queue()
+            self._abort = ctx.Value("q", -1)
+            self._start_writer()
+
+    # ------------------------------------------------------------------------------ saving
+    @property
+    def writer_pid(self) -> int | None:
+        return self._writer.pid if self._writer is not None else None
+
+    def maybe_save(self, trainer) -> None:
+        if self.cfg.every > 0 and trainer.step % self.cfg.every == 0:
+            self.save(trainer)
+
+    def save(self, trainer, blocking: bool = False) -> None:
+        self._poll()
+        start = time.perf_counter()
+        step = trainer.step
+        pieces, plain = shared_pieces(trainer)
+        keys = [p.key for p in pieces]
+        if not self._agree(step, keys, blocking):
+            return
+        rng, rng_meta = rng_pieces(self.rank, trainer.rng_state())
+        mine = [piece for piece, write in zip(pieces, self._writes[1], strict=True) if write]
+        written = mine + rng
+        offsets, nbytes = layout([p.tensor for p in written])
+        if self._buffer is None or self._buffer.nbytes != nbytes:
+            if self._buffer is not None:
+                self._buffer.close()
+            self._buffer = HostBuffer(nbytes, pin=any(p.tensor.is_cuda for p in written))
+        self._buffer.capture([p.tensor for p in written], offsets)  # stage 1
+        params = {p.param for p in mine}
+        index = {
+            "records": [_record(p, off) for p, off in zip(written, offsets, strict=True)],
+            "plain": {name: value for name, value in plain.items() if name in params},
+            "meta": {"rng": rng_meta, "loader": trainer.train_loader.state_dict()},
+        }
+        job = WriteJob(
+            step=step, root=self.root, tmp_name=f"{step_name(step)}.tmp-{self.run_id}",
+            rank=self.rank, world=self.world, shm_name=self._buffer.name, nbytes=nbytes,
+            index=index, commit=self._header(step) if self.rank == 0 else None,
+            keep=self.cfg.keep, bytes_per_s=self.cfg.write_mb_per_s * 1e6,
+            commit_timeout_s=self.cfg.commit_timeout_s,
+        )
+        self.last_saved_step = step
+        self._inflight = step
+        if self.cfg.async_save:
+            self._jobs.put(job)
+            self.last_stall_s = time.perf_counter() - start
+        else:
+            self._finish(self._persist_inline(job))
+            self.last_stall_s = time.perf_counter() - start
+        if blocking:
+            self._wait()
+
+    def _agree(self, step: int, keys: list, blocking: bool) -> bool:
+        """One collective: all ranks save the same step, wait or skip together, and learn
+        which replicated pieces they write (the lowest rank holding a piece writes it)."""
+        dead = self.cfg.async_save and not self._writer.is_alive()
+        if dead:
+            log.error("the checkpoint writer process died (exit code %s)%s; restarting it",
+                      self._writer.exitcode,
+                      f" while writing step {self._inflight}" if self._inflight is not None else "")
+            self._inflight = None
+            self._start_writer()
+        new_layout = self._writes is None or self._writes[0] != keys
+        views = self.comm.gather((step, self._inflight, dead, new_layout))
+        if len({v[0] for v in views}) > 1:
+            log.error("checkpoint skipped: ranks are at different steps %s",
+                      sorted({v[0] for v in views}))
+            return False
+        if any(v[2] for v in views) and self.rank == 0 and self._inflight is not None:
+            self._abort.value = self._inflight  # the committer would wait for a dead writer
+        if any(v[3] for v in views):
+            everyone = self.comm.gather(keys)
+            first: dict = {}
+            for rank, rank_keys in enumerate(everyone):
+                for key in rank_keys:
+                    first.setdefault(key, rank)
+            self._writes = (keys, [first[key] == self.rank for key in keys])
+        busy = [v[1] for v in views if v[1] is not None]
+        if busy:
+            if self.cfg.when_busy == "skip" and not blocking:
+                log.warning("checkpoint at step %d skipped: the save of step %d is still being "
+                            "written (checkpoint.when_busy=skip)", step, max(busy))
+                return False
+            log.info("checkpoint at step %d waits for the save of step %d to finish "
+                     "(checkpoint.when_busy=wait)", step, max(busy))
+            self._wait()
+        return True
+
+    def _header(self, step: int) -> dict[str, Any]:
+        grid = self.mesh.grid
+        return {
+            "format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
+            "layout": {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp,
+                       "vpp": self.job_cfg.parallel.vpp},
+            "config": to_dict(self.job_cfg), "created": time.time(), "run_id": self.run_id,
+            "torch": torch.__version__,
+        }
+
+    def _persist_inline(self, job: WriteJob) -> tuple[str, int, Any]:
+        try:
+            return ("ok", job.step, persist(job, self._buffer.shm.buf))
+        except Exception as exc:
+            return ("error", job.step, f"{type(exc).__name__}: {exc}")
+
+    def _start_writer(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._writer = ctx.Process(
+            target=serve, args=(self._jobs, self._results, self._abort, os.getpid()),
+            name=f"megascale-checkpoint-writer-{self.rank}", daemon=True,
+        )
+        self._writer.start()
+
+    def _poll(self) -> None:
+        """Report finished stage-2 writes without waiting."""
+        while self.cfg.async_save:
+            try:
+                self._finish(self._results.get_nowait())
+            except queue.Empty:
+                return
+
+    def _wait(self) -> None:
+        """Block until this rank's in-flight save has finished (or its writer died)."""
+        while self._inflight is not None and self.cfg.async_save:
+            try:
+                self._finish(self._results.get(timeout=0.5))
+            except queue.Empty:
+                if not self._writer.is_alive():
+                    self._finish(("error", self._inflight,
+                                  f"the writer process died (exit code {self._writer.exitcode})"))
+
+    def _finish(self, message: tuple[str, int, Any]) -> None:
+        kind, step, info = message
+        self.last_result = message
+        if step == self._inflight:
+            self._inflight = None
+        if kind == "ok":
+            if "path" in info:
+                log.info("checkpoint step %d committed: %s (%.1f MB, stage 2 %.2f s)%s", step,
+                         info["path"], info["total_bytes"] / 1e6, info["write_s"],
+                         f"; removed {', '.join(info['removed'])}" if info["removed"] else "")
+        else:
+            log.error("checkpoint at step %d FAILED on rank %d: %s -- training continues; "
+                      "older checkpoints are intact", step, self.rank, info)
+
+    # ------------------------------------------------------------------------------ resuming
+    def resume(self, trainer) -> bool:
+        """Load per `checkpoint.resume`: "auto" = the newest valid checkpoint under the
+        checkpoint dir (none = start fresh), "none", or a path (a checkpoint or a root)."""
+        mode = self.cfg.resume
+        if mode == "none":
+            log.info("checkpoint.resume=none: starting from scratch")
+            return False
+        fs, root = open_root(self.root if mode == "auto" else mode)
+        candidates = self._candidates(fs, root) if self.rank == 0 else []
+        while True:
+            choice = None
+            while self.rank == 0 and candidates and choice is None:
+                path = candidates.pop(0)
+                try:
+                    choice = (path, check_manifest(fs, path)[0])
+                except (CheckpointError, OSError) as exc:
+                    log.warning("skipping checkpoint %s: %s", path, exc)
+            choice = self.comm.broadcast(choice)
+            if choice is None:
+                if mode != "auto":
+                    raise CheckpointError(f"checkpoint.resume={mode!r}: no valid checkpoint there "
+                                          "(see the warnings above)")
+                log.info("no valid checkpoint under %s: starting from scratch", root)
+                return False
+            path, manifest = choice
+            try:
+                self._load(trainer, fs, path, manifest)
+                return True
+            except CheckpointError as exc:
+                log.warning("checkpoint %s cannot be used: %s -- trying the previous one",
+                            path, exc)
+
+    def _candidates(self, fs, root: str) -> list[str]:
+        if fs.exists(f"{root}/manifest.json"):
+            return [root]
+        return [entry.path for entry in committed(fs, root)]
+
+    def _load(self, trainer, fs, path: str, manifest: dict) -> None:
+        start = time.perf_counter()
+        fields: dict[str, set[str]] = defaultdict(set)
+        for rec in manifest["tensors"]:
+            if not rec["param"].startswith(RNG):
+                fields[rec["param"]].add(rec["field"])
+        targets = load_targets(trainer, fields)
+        restored = restore(fs, path, manifest, targets, self.comm)
+        install_optimizer_state(trainer, targets, manifest["plain"])
+        trainer.step = manifest["step"]
+        ranks = manifest["ranks"]
+        meta = ranks.get(str(self.rank), ranks["0"])
+        trainer.train_loader.load_state_dict(meta["loader"])
+        if restored.rng and str(self.rank) in ranks:
+            trainer.set_rng_state(rng_from_arrays(restored.rng, ranks[str(self.rank)]["rng"]))
+        else:
+            log.warning("rank %d has no RNG state in %s (saved by %d ranks): it keeps its seeded "
+                        "RNG", self.rank, path, manifest["world_size"])
+        read = sum(self.comm.gather(restored.bytes_read))
+        read += manifest["manifest_bytes"]
+        size = checkpoint_bytes(manifest)
+        self.last_saved_step = trainer.step
+        self.last_restore = {"path": path, "step": trainer.step, "bytes_read": read,
+                             "checkpoint_bytes": size, "seconds": time.perf_counter() - start}
+        saved = manifest["layout"]
+        log.info("resumed from %s at step %d (saved as pp=%d dp=%d tp=%d, %d ranks; read %d of "
+                 "%d stored bytes, %.2f s)", path, trainer.step, saved["pp"], saved["dp"],
+                 saved["tp"], manifest["world_size"], read, size, self.last_restore["seconds"])
+        if manifest["config"].get("model") != to_dict(self.job_cfg)["model"]:
+            log.warning("the checkpoint's model config differs from this job's (shapes match)")
+
+    def close(self) -> None:
+        """Wait for the in-flight save, stop the writer and free the host buffer."""
+        self._wait()
+        if self._writer is not None and self._writer.is_alive():
+            self._jobs.put(None)
+            self._writer.join(timeout=30)
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+
+def _record(piece: Piece, offset: int) -> dict[str, Any]:
+    return {"param": piece.param, "field": piece.field, "spec": spec_to_json(piece.spec),
+            "dtype": str(piece.tensor.dtype).removeprefix("torch."),
+            "shape": list(piece.tensor.shape), "offset": offset,
+            "nbytes": piece.tensor.numel() * piece.tensor.element_size()}
+
+
+

@@ -1,0 +1,177 @@
+"""Stage 2: persist a rank's host snapshot to storage, and (rank 0) commit the checkpoint.
+
+Runs in a background process per rank (or inline for `checkpoint.async_save=false`). It reads
+the snapshot from shared memory, so the training process only pays for stage 1. Each rank
+writes its data file and then its index; rank 0 waits for every rank's index, writes the
+manifest (sizes and sha256 of every file) last, renames the directory to its committed name,
+updates `latest` and prunes. This module imports no torch, so the process starts quickly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import queue
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+from megascale.checkpoint.storage import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    data_file,
+    failed_file,
+    join,
+    open_root,
+    prune,
+    read_json,
+    sidecar_file,
+    step_name,
+    write_json,
+)
+
+CHUNK = 4 << 20
+
+
+@dataclass
+class WriteJob:
+    step: int
+    root: str  # checkpoint root (local path or fsspec URL)
+    tmp_name: str  # step_<N>.tmp-<run id>
+    rank: int
+    world: int
+    shm_name: str
+    nbytes: int  # this rank's data file: the first nbytes of the shared buffer
+    index: dict[str, Any]  # records and rank metadata, written as the rank's sidecar
+    commit: dict[str, Any] | None  # manifest header; set on rank 0 only
+    keep: int
+    bytes_per_s: float  # 0 = unlimited
+    commit_timeout_s: float
+
+
+def persist(job: WriteJob, buffer: memoryview, abort: Any = None) -> dict[str, Any]:
+    """Write this rank's part; commit on rank 0. Raises on any failure (nothing committed).
+    `abort` (a shared integer) cancels rank 0's wait for the other ranks of steps <= its value."""
+    fs, root = open_root(job.root)
+    tmp = join(root, job.tmp_name)
+    start = time.perf_counter()
+    try:
+        fs.makedirs(tmp, exist_ok=True)
+        digest = _write_data(fs, join(tmp, data_file(job.rank)), buffer[: job.nbytes],
+                             job.bytes_per_s)
+        index = dict(job.index, file=data_file(job.rank), size=job.nbytes, sha256=digest)
+        write_json(fs, join(tmp, sidecar_file(job.rank)), index)
+    except Exception as exc:
+        _report_failure(fs, join(tmp, failed_file(job.rank)), exc)
+        raise
+    result: dict[str, Any] = {"bytes": job.nbytes, "write_s": time.perf_counter() - start}
+    if job.commit is not None:
+        result.update(_commit(fs, root, tmp, job, abort))
+    return result
+
+
+def _write_data(fs, path: str, data: memoryview, bytes_per_s: float) -> str:
+    digest = hashlib.sha256()
+    start = time.perf_counter()
+    with fs.open(path, "wb") as f:
+        for offset in range(0, len(data), CHUNK):
+            chunk = data[offset: offset + CHUNK]
+            f.write(chunk)
+            digest.update(chunk)
+            if bytes_per_s > 0:  # stay under the configured bandwidth
+                ahead = (offset + len(chunk)) / bytes_per_s - (time.perf_counter() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+    return digest.hexdigest()
+
+
+def _report_failure(fs, path: str, exc: BaseException) -> None:
+    """Tell rank 0's committer not to wait for this rank (best effort: storage may be gone)."""
+    with contextlib.suppress(Exception):
+        fs.pipe(path, f"{type(exc).__name__}: {exc}".encode())
+
+
+def _commit(fs, root: str, tmp: str, job: WriteJob, abort: Any) -> dict[str, Any]:
+    indexes = _wait_for_ranks(fs, tmp, job, abort)
+    files, tensors, ranks = {}, [], {}
+    for rank, index in sorted(indexes.items()):
+        files[index["file"]] = {"size": index["size"], "sha256": index["sha256"]}
+        tensors += [dict(record, file=index["file"]) for record in index["records"]]
+        ranks[str(rank)] = index["meta"]
+    plain: dict[str, Any] = {}
+    for index in indexes.values():
+        plain.update(index["plain"])
+    manifest = dict(job.commit, files=files, tensors=tensors, ranks=ranks, plain=plain)
+    write_json(fs, join(tmp, MANIFEST), manifest)  # last: the checkpoint is now complete
+    for rank in range(job.world):
+        fs.rm(join(tmp, sidecar_file(rank)))
+    final = join(root, step_name(job.step))
+    replaced = None
+    if fs.exists(final):  # the same step saved again (e.g. after resuming from it)
+        replaced = join(root, f"{step_name(job.step)}.replaced-{job.tmp_name.rsplit('-', 1)[1]}")
+        fs.mv(final, replaced, recursive=True)
+    fs.mv(tmp, final, recursive=True)
+    if replaced is not None:
+        fs.rm(replaced, recursive=True)
+    latest_part = join(root, LATEST + ".part")
+    fs.pipe(latest_part, step_name(job.step).encode())
+    fs.mv(latest_part, join(root, LATEST))
+    removed = prune(fs, root, job.keep, job.step)
+    total = sum(f["size"] for f in files.values())
+    return {"path": final, "total_bytes": total, "removed": removed}
+
+
+def _wait_for_ranks(fs, tmp: str, job: WriteJob, abort: Any) -> dict[int, dict]:
+    deadline = time.monotonic() + job.commit_timeout_s
+    pending = set(range(job.world))
+    indexes: dict[int, dict] = {}
+    while pending:
+        names = {os.path.basename(p.rstrip("/")) for p in fs.ls(tmp, detail=False)}
+        for rank in sorted(pending):
+            if sidecar_file(rank) in names:
+                indexes[rank] = read_json(fs, join(tmp, sidecar_file(rank)))[0]
+                pending.discard(rank)
+            elif failed_file(rank) in names:
+                reason = fs.cat(join(tmp, failed_file(rank))).decode(errors="replace")
+                raise CheckpointError(f"rank {rank} could not write its part: {reason}")
+        if not pending:
+            break
+        if abort is not None and abort.value >= job.step:
+            raise CheckpointError(f"aborted: the writer of rank(s) {sorted(pending)} died")
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"ranks {sorted(pending)} did not finish writing within "
+                f"checkpoint.commit_timeout_s={job.commit_timeout_s:g}"
+            )
+        time.sleep(0.02)
+    return indexes
+
+
+def serve(jobs: mp.Queue, results: mp.Queue, abort: Any, parent: int) -> None:
+    """The writer process: one job at a time, a result message for each."""
+    mapped: dict[str, shared_memory.SharedMemory] = {}
+    while True:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the trainer is gone
+                return
+            continue
+        if job is None:
+            break
+        try:
+            if job.shm_name not in mapped:
+                for old in mapped.values():
+                    old.close()
+                # the trainer owns (and unlinks) the buffer; spawn shares its resource tracker
+                mapped = {job.shm_name: shared_memory.SharedMemory(name=job.shm_name)}
+            result = persist(job, mapped[job.shm_name].buf, abort)
+            results.put(("ok", job.step, result))
+        except Exception as exc:
+            results.put(("error", job.step, f"{type(exc).__name__}: {exc}"))
+    for shm in mapped.values():
+        shm.close()
