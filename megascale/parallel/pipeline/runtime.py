@@ -28,7 +28,13 @@ from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
 from megascale.parallel.engine import ModelRunner
-from megascale.parallel.pipeline.schedule import Action, Op, Schedule, build_schedule
+from megascale.parallel.pipeline.schedule import (
+    DEFAULT_LOOKAHEAD,
+    Action,
+    Op,
+    Schedule,
+    build_schedule,
+)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _META_LEN = 8  # [dtype code, ndim, up to 6 dims]
@@ -64,8 +70,8 @@ class PipelineRunner(ModelRunner):
     `decoupled=False` waits for each send right after posting it: a comparison mode for the
     benchmark (what bundled send/recv costs), never the training default."""
 
-    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh, lookahead: int = 2,
-                 decoupled: bool = True) -> None:
+    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh,
+                 lookahead: int = DEFAULT_LOOKAHEAD, decoupled: bool = True) -> None:
         super().__init__(chunks, cfg, mesh)
         self.p = mesh.pp_size
         self.v = len(chunks)

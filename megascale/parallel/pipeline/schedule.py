@@ -36,6 +36,9 @@ COMPUTE = (Op.FORWARD, Op.BACKWARD)
 SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
 RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
 KINDS = ("1f1b", "gpipe", "forward")  # "1f1b" is interleaved when v > 1; "forward" = eval
+# Receives are posted two computes ahead: one is enough for decoupled sends, but the coupled
+# comparison mode (a send waits for its receive) deadlocks interleaved 1F1B with one.
+DEFAULT_LOOKAHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op
     return order
 
 
-def build_schedule(kind: str, p: int, v: int, m: int, lookahead: int = 1) -> Schedule:
+def build_schedule(kind: str, p: int, v: int, m: int,
+                   lookahead: int = DEFAULT_LOOKAHEAD) -> Schedule:
     """Every rank's action list: compute, each send right after the compute producing it, and
     each receive posted `lookahead` compute actions before the one that consumes it."""
     chunks = p * v
@@ -190,8 +194,9 @@ def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
     """Play every rank's actions in lock-step with fixed compute times.
 
     Decoupled (default): a send costs nothing and never waits; a compute waits for its own
-    message, which arrives `latency` after the peer sent it. Coupled: a send also blocks its
-    rank until the peer has posted the matching receive (what bundled send/recv does).
+    message, which arrives `latency` after the peer sent it. Coupled: a send blocks its rank
+    until the peer has posted the matching receive and the transfer is over (what waiting on
+    each send, or bundling it with the next receive, does).
     Raises Deadlock, naming each rank's stuck action, if no rank can move."""
     p = schedule.p
     pos = [0] * p
@@ -211,11 +216,13 @@ def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
                     posted[(r, a.tag)] = clock[r]
                 elif a.op in SENDS:
                     key = (a.peer, a.tag)
-                    if coupled:
+                    if coupled:  # blocked until the transfer into the posted receive is done
                         if key not in posted:
                             break
-                        clock[r] = max(clock[r], posted[key])
-                    arrived[key] = clock[r] + latency
+                        clock[r] = max(clock[r], posted[key]) + latency
+                        arrived[key] = clock[r]
+                    else:
+                        arrived[key] = clock[r] + latency
                 else:
                     need = needed_message(a.op, a.chunk * p + r, a.mb, p, schedule.v, schedule.m)
                     if need is not None:
