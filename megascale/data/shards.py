@@ -134,11 +134,11 @@ class TokenStore:
 
     def __init__(self, root: str | Path, verify: bool = True):
         self.root = Path(root)
+        self.shards: list[_Shard] = []
         self.manifest = read_manifest(self.root)
         self.dtype = np.dtype(self.manifest["dtype"])
         self.eod = int(self.manifest["eod"])
         self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
-        self.shards: list[_Shard] = []
         start = 0
         for entry in self.manifest["shards"]:
             path = self.root / entry["file"]

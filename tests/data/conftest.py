@@ -46,6 +46,8 @@ def _toml(value: object) -> str:
         return str(value).lower()
     if isinstance(value, str):
         return "'" + value + "'"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"'{k}' = {_toml(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 

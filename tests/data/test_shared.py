@@ -25,81 +25,87 @@ def shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)}
 
 
-def _rank(path: str, reader: str, prefetch: bool, kill_reader_at: int, out: str) -> dict:
-    cfg = job(path, parallel__dp=2, parallel__tp=2, data__reader=reader, data__prefetch=prefetch,
-              parallel__collective_timeout_s=60.0)
-    mesh = init_mesh(cfg.parallel, device="cpu")
-    train, _ = build_loaders(cfg, mesh)
-    dist.barrier()  # every group's handshake is over
-    group = train.reader_group
-    result = {"rank": mesh.rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "pid": os.getpid(),
-              "group": group.ranks if group else None,
-              "reader": bool(group and group.is_reader), "segments_after_build": shm_segments()}
-    batches, error = [train.next_batch()], None
-    io_before = psutil.Process().io_counters().read_chars
-    try:
-        for step in range(1, STEPS):
-            if step == kill_reader_at and result["reader"]:
-                torch.save(result, Path(out) / f"rank{mesh.rank}.pt")
-                os.kill(os.getpid(), signal.SIGKILL)
-            batches.append(train.next_batch())
-    except DataError as exc:
-        error = str(exc)
-    result.update(error=error, read_chars=psutil.Process().io_counters().read_chars - io_before,
-                  inputs=torch.stack([b.inputs for b in batches]),
-                  labels=torch.stack([b.labels for b in batches]))
-    torch.save(result, Path(out) / f"rank{mesh.rank}.pt")
-    train.close()
-    if error is None:
-        mesh.destroy()
-    return {"rank": mesh.rank}
+def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: str) -> None:
+    """Each (reader mode, prefetch) in turn on one mesh; results go to files (a killed rank
+    returns nothing)."""
+    mesh = None
+    for mode, prefetch in modes:
+        cfg = job(path, parallel__dp=2, parallel__tp=2, data__reader=mode,
+                  data__prefetch=prefetch, parallel__collective_timeout_s=60.0)
+        mesh = mesh or init_mesh(cfg.parallel, device="cpu")
+        train, _ = build_loaders(cfg, mesh)
+        dist.barrier()  # every group's handshake is over
+        group = train.reader_group
+        result = {"rank": mesh.rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank,
+                  "group": group.ranks if group else None,
+                  "reader": bool(group and group.is_reader), "segments_after_build": shm_segments()}
+        batches, error = [train.next_batch()], None
+        io_before = psutil.Process().io_counters().read_chars
+        try:
+            for step in range(1, STEPS):
+                if step == kill_reader_at and result["reader"]:
+                    torch.save(result, Path(out) / f"{mode}-rank{mesh.rank}.pt")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                batches.append(train.next_batch())
+        except DataError as exc:
+            error = str(exc)
+        result.update(error=error, read_chars=psutil.Process().io_counters().read_chars - io_before,
+                      inputs=torch.stack([b.inputs for b in batches]),
+                      labels=torch.stack([b.labels for b in batches]))
+        torch.save(result, Path(out) / f"{mode}-rank{mesh.rank}.pt")
+        train.close()
+        if error is not None:
+            return
+        dist.barrier()  # the next mode's reader must not start before this one's consumers end
+    mesh.destroy()
 
 
-def run_four(path: Path, tmp: Path, reader: str, prefetch: bool, kill_reader_at: int = -1):
+def run_four(path: Path, tmp: Path, modes: list[tuple[str, bool]], kill_reader_at: int = -1
+             ) -> dict[str, list[dict]]:
     before = shm_segments()
-    args = (str(path), reader, prefetch, kill_reader_at, str(tmp))
+    args = (str(path), modes, kill_reader_at, str(tmp))
     env = {"LOCAL_WORLD_SIZE": "4"}
     if kill_reader_at < 0:
         run_local(_rank, 4, args, env=env, timeout_s=150)
     else:
         with pytest.raises(RuntimeError, match="died"):
             run_local(_rank, 4, args, env=env, timeout_s=150)
-    results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert shm_segments() <= before, "shared memory segments leaked"
-    return results
+    return {mode: [torch.load(tmp / f"{mode}-rank{r}.pt", weights_only=False) for r in range(4)]
+            for mode, _ in modes}
 
 
-@pytest.mark.parametrize(("reader", "prefetch"), [("node", True), ("tp", False)])
-def test_shared_memory_batches_tp2_dp2(dataset, tmp_path, reader, prefetch):
+def test_shared_memory_batches_tp2_dp2(dataset, tmp_path):
+    """node (prefetch on) then tp (prefetch off): right batches, one reader per group."""
     path, _ = dataset
-    results = run_four(path, tmp_path, reader, prefetch)
-    by = {(r["dp"], r["tp"]): r for r in results}
-    for dp in (0, 1):  # tp peers identical
-        assert torch.equal(by[dp, 0]["inputs"], by[dp, 1]["inputs"])
-        assert torch.equal(by[dp, 0]["labels"], by[dp, 1]["labels"])
-    assert not torch.equal(by[0, 0]["inputs"], by[1, 0]["inputs"])  # dp peers differ
     single, _ = build_loaders(job(path), None)  # the same global batches as one process
-    for step in range(STEPS):
-        whole = single.next_batch()
-        assert torch.equal(torch.cat([by[0, 0]["inputs"][step], by[1, 0]["inputs"][step]]),
-                           whole.inputs)
-        assert torch.equal(torch.cat([by[0, 0]["labels"][step], by[1, 0]["labels"][step]]),
-                           whole.labels)
+    expected = [single.next_batch() for _ in range(STEPS)]
     single.close()
-    readers = [r for r in results if r["reader"]]
-    groups = {r["group"] for r in results}
-    if reader == "node":
-        assert [r["rank"] for r in readers] == [0] and groups == {(0, 1, 2, 3)}
-    else:
-        assert [r["rank"] for r in readers] == [0, 2] and groups == {(0, 1), (2, 3)}
-    for r in results:
-        assert not r["segments_after_build"], "the segment name must be gone once all attached"
-        if not r["reader"]:
-            assert r["read_chars"] < 4096, f"rank {r['rank']} read {r['read_chars']} bytes itself"
+    runs = run_four(path, tmp_path, [("node", True), ("tp", False)])
+    for reader, results in runs.items():
+        by = {(r["dp"], r["tp"]): r for r in results}
+        for dp in (0, 1):  # tp peers identical
+            assert torch.equal(by[dp, 0]["inputs"], by[dp, 1]["inputs"])
+            assert torch.equal(by[dp, 0]["labels"], by[dp, 1]["labels"])
+        assert not torch.equal(by[0, 0]["inputs"], by[1, 0]["inputs"])  # dp peers differ
+        for step, whole in enumerate(expected):
+            for key in ("inputs", "labels"):
+                parts = [by[0, 0][key][step], by[1, 0][key][step]]
+                assert torch.equal(torch.cat(parts), getattr(whole, key))
+        readers = [r["rank"] for r in results if r["reader"]]
+        groups = {r["group"] for r in results}
+        if reader == "node":
+            assert readers == [0] and groups == {(0, 1, 2, 3)}
+        else:
+            assert readers == [0, 2] and groups == {(0, 1), (2, 3)}
+        for r in results:
+            assert not r["segments_after_build"], "the name must be gone once all attached"
+            if not r["reader"]:
+                assert r["read_chars"] < 4096, f"rank {r['rank']} read {r['read_chars']} bytes"
 
 
 def test_reader_killed_consumers_fail_and_nothing_leaks(dataset, tmp_path):
-    results = run_four(dataset[0], tmp_path, "node", prefetch=False, kill_reader_at=3)
+    results = run_four(dataset[0], tmp_path, [("node", False)], kill_reader_at=3)["node"]
     reader, consumers = results[0], results[1:]
     assert reader["reader"] and reader["rank"] == 0
     for r in consumers:
