@@ -2,9 +2,9 @@
 layout with the same global batch, and return what is needed to compare them.
 
 Each rank builds the model from the same seed, applies its layout with the real
-`build_runner`, and runs the trainer's step sequence (global token count over dp,
+`build_runner`, and runs the real `Trainer.train_step` (global token count over dp,
 forward/backward of the micro-batches, gradient sync, clipping across pp, optimizer step,
-parameter refresh, loss reduced to the true global mean). The final parameters are returned
+parameter refresh, loss reduced to the true global mean: what the trainer reports). The final parameters are returned
 as (name, ShardSpec, array) pieces, so the parent can put whole parameters back together.
 """
 
@@ -17,12 +17,21 @@ import torch
 
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
+from megascale.diagnostics.timers import Timers
 from megascale.model import GPT, IGNORE_INDEX
-from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
-from megascale.parallel.engine import build_runner, reduce_sum
+from megascale.optim import build_optimizer
+from megascale.parallel.engine import build_runner
+from megascale.parallel.mesh import ParallelMesh, init_mesh
 from megascale.parallel.sharding import shard_spec
+from megascale.train.trainer import Trainer
 
 STEPS = 10
+# fp32 everywhere. A layout changes only the order in which contributions are summed (per
+# micro-batch, per rank, across dp/tp/pp), which perturbs gradients at ~1e-7 relative; after
+# ten AdamW/LAMB steps at lr 1e-2 the weights differ by ~1e-7..1e-6. Losses (and gradient
+# norms) must agree to 1e-5 relative, every final parameter element to 1e-5 absolute.
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
 GLOBAL_BATCH = 8
 SEED = 7
 
@@ -99,39 +108,34 @@ def rank_batch(
     return TokenBatch(inputs[sl].reshape(shape), labels[sl].reshape(shape))
 
 
-def train(case: Case, mesh=None, steps: int = STEPS) -> dict:
+class StepTrainer(Trainer):
+    """The real `Trainer.train_step` (token count, sync, clipping, loss reduction) on a model
+    built here, without the data loaders, checkpoints and metrics of a full run."""
+
+    def __init__(self, cfg: JobConfig, mesh: ParallelMesh) -> None:
+        self.cfg, self.mesh, self.step = cfg, mesh, 0
+        torch.manual_seed(cfg.train.seed)
+        self.runner = build_runner(GPT(cfg.model), cfg, mesh)
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.timers = Timers(mesh.rank, {}, "", None, enabled=False)
+
+
+def train(case: Case, mesh: ParallelMesh | None = None, steps: int = STEPS) -> dict:
     """Run `steps` steps of `case` on this rank (mesh None = one process)."""
     cfg = job_config(case, steps)
-    torch.manual_seed(cfg.train.seed)
-    runner = build_runner(GPT(cfg.model), cfg, mesh)
-    optimizer = build_optimizer(runner.optimizer_tensors(), cfg.optim)
-    dp_group = mesh.dp_group if mesh else None
-    pp_group = mesh.pp_group if mesh else None
-    last_stage = mesh is None or mesh.is_last_stage
+    trainer = StepTrainer(cfg, mesh or init_mesh(cfg.parallel, device="cpu"))
     losses, norms = [], []
-    for step, (inputs, labels) in enumerate(global_batches(cfg, steps)):
-        batch = rank_batch(inputs, labels, cfg, mesh.dp_rank if mesh else 0)
-        tokens = reduce_sum((batch.labels != IGNORE_INDEX).sum(), dp_group)
-        runner.train()
-        loss_sum = runner.forward_backward(batch, int(tokens))
-        runner.finish_grads()
-        params = [t for _, t in runner.optimizer_tensors()]
-        norms.append(float(clip_grad_norm_(params, cfg.optim.grad_clip, across=[pp_group])))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, steps)
-        optimizer.step()
-        runner.zero_grad()
-        runner.after_optimizer_step()
-        total = loss_sum.clone() if last_stage else torch.zeros((), dtype=torch.float64)
-        if last_stage:
-            reduce_sum(total, dp_group)
-        losses.append(float(reduce_sum(total, pp_group)) / int(tokens))
+    for inputs, labels in global_batches(cfg, steps):
+        record = trainer.train_step(rank_batch(inputs, labels, cfg, trainer.mesh.dp_rank))
+        trainer.step += 1
+        losses.append(record["loss"])
+        norms.append(record["grad_norm"])
+    runner = trainer.runner
     if runner.grad_sync is not None:
         runner.grad_sync.wait_params()
     # numpy, not tensors: tensors cross process boundaries as shared fds that die with the rank
-    pieces = [
-        (name, shard_spec(p), p.detach().numpy().copy()) for name, p in runner.named_parameters()
-    ]
+    pieces = [(name, shard_spec(p), p.detach().numpy().copy())
+              for name, p in runner.named_parameters()]
     return {"losses": losses, "norms": norms, "pieces": pieces}
 
 
@@ -153,8 +157,6 @@ def assemble(per_rank: list[list[tuple]]) -> dict[str, torch.Tensor]:
 
 def run_cases(cases: list[Case], ports: list[int]) -> list[dict]:
     """Rank entry point for `run_local`: every case in turn, each on its own mesh and port."""
-    from megascale.parallel.mesh import init_mesh
-
     out = []
     for case, port in zip(cases, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
@@ -164,3 +166,24 @@ def run_cases(cases: list[Case], ports: list[int]) -> list[dict]:
         finally:
             mesh.destroy()
     return out
+
+
+def compare(case: Case, ranks: list[dict], ref: dict) -> dict[str, float]:
+    """Assert that every rank reports the reference losses and that the whole parameters put
+    together from all ranks equal the reference's; returns the largest differences."""
+    loss_err = 0.0
+    for r, run in enumerate(ranks):
+        for got, want in ((run["losses"], ref["losses"]), (run["norms"], ref["norms"])):
+            err = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            assert err < LOSS_RTOL, f"{case} rank {r}: {got} != {want}"
+            loss_err = max(loss_err, err)
+    got = assemble([run["pieces"] for run in ranks])
+    want = assemble([ref["pieces"]])
+    assert got.keys() == want.keys(), f"{case}: parameter names differ"
+    param_err = 0.0
+    for name in want:
+        assert got[name].shape == want[name].shape, f"{case}: {name} shape"
+        err = (got[name] - want[name]).abs().max().item()
+        assert err < PARAM_ATOL, f"{case}: {name} differs by {err:.2e}"
+        param_err = max(param_err, err)
+    return {"loss_rel": loss_err, "param_abs": param_err}
