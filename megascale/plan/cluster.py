@@ -67,7 +67,7 @@ class NetworkSpec:
     efficiency: float = 0.85  # achievable fraction of line rate for a collective (RoCE/IB)
     hop_latency_s: float = 8e-6  # per ring step across the network (NIC + switches + software)
     uplinks_per_tor: int = 32
-    split_downlinks: bool = True  # a 400G port split into 2x200G downlinks (MegaScale 6.3)
+    split_downlinks: bool = True  # a 400G port split into 2x200G downlinks (MegaScale)
 
     @property
     def nodes_per_pod(self) -> int:

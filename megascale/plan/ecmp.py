@@ -10,7 +10,7 @@ independent per flow. A link shared by more flows than its capacity (in NIC rate
 fairly; a ring moves at the speed of its slowest flow, and the collective ends with the slowest
 ring. The slowdown is that end time over the time with no collisions.
 
-With 400G ports split into 2x200G downlinks (MegaScale section 6.3) each uplink carries two
+With 400G ports split into 2x200G downlinks (MegaScale, "network performance tuning") each uplink carries two
 full-rate NIC flows, so collisions start at three flows per link instead of two.
 """
 

@@ -1,6 +1,6 @@
 """Environment a cluster run should set so that a flapping link slows it down instead of killing it.
 
-MegaScale (section 5, "network interface flapping") saw NICs go down for seconds and come back;
+MegaScale ("network performance tuning": retransmit timeouts) saw NIC links flap for seconds;
 with default timeouts the collectives failed and the whole job restarted. The remedy is layered:
 RDMA retransmits long enough to ride out a flap, a collective timeout longer than the worst
 retransmit sequence (but short enough to catch a real hang), and the Flight Recorder on, so a

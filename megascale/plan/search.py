@@ -94,7 +94,7 @@ class AblationRow:
 
 def ablate(work: Workload, gpus: int, cluster: ClusterSpec, swa_window: int | None = None,
            lamb_scale: int = 4, space: SearchSpace | None = None) -> list[AblationRow]:
-    """MFU with each MegaScale optimisation turned on in turn (paper section 5, table 3 style).
+    """MFU with each MegaScale optimisation turned on in turn (the paper's ablation, one row per optimisation).
 
     The baseline is a serial block, full attention, no overlaps and AdamW at batch/lamb_scale
     (the largest batch AdamW tolerates); LAMB's step multiplies the batch by `lamb_scale`. The
