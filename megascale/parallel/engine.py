@@ -17,6 +17,7 @@ from torch import nn
 from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
+from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
 
 
@@ -102,18 +103,19 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
     """Apply every parallelism the layout asks for and return this rank's runner."""
     if mesh is None or mesh.world_size == 1:
         return ModelRunner([model], cfg, mesh)
-    if mesh.tp_size == 1:
-        if mesh.pp_size > 1:
-            from megascale.parallel.pipeline import PipelineRunner, split_model  # imports engine
+    if mesh.tp_size > 1:
+        apply_tensor_parallel(model, cfg, mesh)
+    if mesh.pp_size > 1:
+        from megascale.parallel.pipeline import PipelineRunner, split_model  # imports engine
 
-            chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank)
-            runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
-        else:
-            runner = ModelRunner([model], cfg, mesh)
-        if mesh.dp_size > 1:
-            runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
-        return runner
-    raise NotImplementedError("parallel layouts are applied by megascale.parallel (in progress)")
+        chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank)
+        runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
+    else:
+        runner = ModelRunner([model], cfg, mesh)
+    if mesh.dp_size > 1 or mesh.tp_size > 1:
+        # ZeRO-2 per chunk; with dp = 1 it only sums sequence-parallel gradients over tp
+        runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
+    return runner
 
 
 def reduce_sum(value: torch.Tensor, *groups) -> torch.Tensor:
