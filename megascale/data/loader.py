@@ -86,15 +86,14 @@ class TrainLoader:
     def next_batch(self) -> TokenBatch | None:
         start = time.perf_counter()
         if self._thread is not None:
-            step, pair, error = self._queue.get()
+            step, batch, error = self._queue.get()
             if error is not None:
                 raise error
             assert step == self._step, (step, self._step)
         else:
-            pair = self._produce(self._step, self._consumed, self._stop)
+            batch = self._batch(self._step, self._consumed)
         self._consumed = self.order.advance(self._step, self._consumed)
         self._step += 1
-        batch = None if pair is None else to_batch(pair)
         self.wait_seconds = time.perf_counter() - start
         return batch
 
@@ -131,7 +130,7 @@ class TrainLoader:
     def _run(self, step: int, consumed: list[int]) -> None:
         while not self._stop.is_set():
             try:
-                item = (step, self._produce(step, consumed, self._stop), None)
+                item = (step, self._batch(step, consumed), None)
             except BaseException as exc:  # handed to the trainer's thread
                 item = (step, None, exc)
             while not self._stop.is_set():
@@ -144,6 +143,10 @@ class TrainLoader:
                 return
             consumed = self.order.advance(step, consumed)
             step += 1
+
+    def _batch(self, step: int, consumed: list[int]) -> TokenBatch | None:
+        pair = self._produce(step, consumed, self._stop)
+        return None if pair is None else to_batch(pair)
 
     def _halt(self) -> None:
         if self._thread is None:
