@@ -9,11 +9,14 @@ one if any file is corrupt.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
-import multiprocessing as mp
-import os
 import queue
 import secrets
+import subprocess
+import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -44,7 +47,7 @@ from megascale.checkpoint.storage import (
     open_root,
     step_name,
 )
-from megascale.checkpoint.writer import WriteJob, persist, serve
+from megascale.checkpoint.writer import WriteJob, persist
 from megascale.config import JobConfig, to_dict
 
 log = logging.getLogger("megascale.checkpoint")
@@ -64,16 +67,15 @@ class CheckpointManager:
         self._buffer: HostBuffer | None = None
         self._writes: tuple | None = None  # (piece keys, which of them this rank writes)
         self._inflight: int | None = None
-        self._writer: mp.process.BaseProcess | None = None
+        self._writer: subprocess.Popen | None = None
+        self._results: queue.Queue = queue.Queue()
         if self.cfg.async_save:
-            ctx = mp.get_context("spawn")
-            self._jobs, self._results = ctx.Queue(), ctx.Queue()
-            self._abort = ctx.Value("q", -1)
             self._start_writer()
 
     # ------------------------------------------------------------------------------ saving
     @property
     def writer_pid(self) -> int | None:
+        """The stage-2 writer process (fault tests kill it)."""
         return self._writer.pid if self._writer is not None else None
 
     def maybe_save(self, trainer) -> None:
@@ -113,7 +115,7 @@ class CheckpointManager:
         self.last_saved_step = step
         self._inflight = step
         if self.cfg.async_save:
-            self._jobs.put(job)
+            self._send({"job": dataclasses.asdict(job)})
             self.last_stall_s = time.perf_counter() - start
         else:
             self._finish(self._persist_inline(job))
@@ -124,10 +126,10 @@ class CheckpointManager:
     def _agree(self, step: int, keys: list, blocking: bool) -> bool:
         """One collective: all ranks save the same step, wait or skip together, and learn
         which replicated pieces they write (the lowest rank holding a piece writes it)."""
-        dead = self.cfg.async_save and not self._writer.is_alive()
+        dead = self.cfg.async_save and self._writer.poll() is not None
         if dead:
             log.error("the checkpoint writer process died (exit code %s)%s; restarting it",
-                      self._writer.exitcode,
+                      self._writer.returncode,
                       f" while writing step {self._inflight}" if self._inflight is not None else "")
             self._inflight = None
             self._start_writer()
@@ -138,7 +140,7 @@ class CheckpointManager:
                       sorted({v[0] for v in views}))
             return False
         if any(v[2] for v in views) and self.rank == 0 and self._inflight is not None:
-            self._abort.value = self._inflight  # the committer would wait for a dead writer
+            self._send({"abort": self._inflight})  # the committer would wait for a dead writer
         if any(v[3] for v in views):
             everyone = self.comm.gather(keys)
             first: dict = {}
@@ -174,12 +176,26 @@ class CheckpointManager:
             return ("error", job.step, f"{type(exc).__name__}: {exc}")
 
     def _start_writer(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._writer = ctx.Process(
-            target=serve, args=(self._jobs, self._results, self._abort, os.getpid()),
-            name=f"megascale-checkpoint-writer-{self.rank}", daemon=True,
+        """A plain child process (not multiprocessing: it works under daemonic launchers and
+        never re-imports the trainer's main module); results come back on its stdout."""
+        self._writer = subprocess.Popen(
+            [sys.executable, "-m", "megascale.checkpoint.writer"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
-        self._writer.start()
+        threading.Thread(target=self._collect, args=(self._writer,), daemon=True,
+                         name=f"megascale-checkpoint-results-{self.rank}").start()
+
+    def _collect(self, writer: subprocess.Popen) -> None:
+        for line in writer.stdout:
+            message = json.loads(line)
+            self._results.put((message["kind"], message["step"], message["info"]))
+
+    def _send(self, message: dict) -> None:
+        try:
+            self._writer.stdin.write(json.dumps(message) + "\n")
+            self._writer.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            log.error("cannot reach the checkpoint writer process: %s", exc)
 
     def _poll(self) -> None:
         """Report finished stage-2 writes without waiting."""
@@ -195,9 +211,9 @@ class CheckpointManager:
             try:
                 self._finish(self._results.get(timeout=0.5))
             except queue.Empty:
-                if not self._writer.is_alive():
+                if self._writer.poll() is not None and self._results.empty():
                     self._finish(("error", self._inflight,
-                                  f"the writer process died (exit code {self._writer.exitcode})"))
+                                  f"the writer process died (exit code {self._writer.returncode})"))
 
     def _finish(self, message: tuple[str, int, Any]) -> None:
         kind, step, info = message
@@ -285,9 +301,12 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the in-flight save, stop the writer and free the host buffer."""
         self._wait()
-        if self._writer is not None and self._writer.is_alive():
-            self._jobs.put(None)
-            self._writer.join(timeout=30)
+        if self._writer is not None and self._writer.poll() is None:
+            self._writer.stdin.close()
+            try:
+                self._writer.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._writer.kill()
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None

@@ -172,7 +172,7 @@ def restore(fs, path: str, manifest: dict, targets: list[Target], comm: Comm) ->
         for rec in plan.phase_a(src, comm.rank):
             raw = received[src][offset: offset + rec.nbytes]
             offset += rec.nbytes
-            tensor = raw.view(rec.dtype).view(rec.shape)
+            tensor = _typed(raw, rec.dtype).view(rec.shape)
             if rec.rng_rank is not None:
                 restored.rng[rec.field] = tensor.clone()
             else:
@@ -198,7 +198,7 @@ def restore(fs, path: str, manifest: dict, targets: list[Target], comm: Comm) ->
             nbytes = plan.piece_bytes(comm.rank, i)
             target = targets[i]
             dtype = plan.saved[(target.param, target.field)][0].dtype
-            value = received[src][offset: offset + nbytes].view(dtype)
+            value = _typed(received[src][offset: offset + nbytes], dtype)
             offset += nbytes
             with torch.no_grad():
                 target.tensor.copy_(value.view(target.tensor.shape))
@@ -253,6 +253,13 @@ def _place(whole: torch.Tensor, spec: ShardSpec, data: torch.Tensor) -> None:
     flat = view.contiguous().reshape(-1)
     flat[start:valid_end] = data.reshape(-1)[: valid_end - start]
     view.copy_(flat.view(view.shape))
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View bytes as `dtype`, copying first when they are not aligned for it."""
+    if raw.storage_offset() % _itemsize(dtype):
+        raw = raw.clone()
+    return raw.view(dtype)
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor:

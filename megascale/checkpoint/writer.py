@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import multiprocessing as mp
+import json
 import os
 import queue
+import sys
+import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 from megascale.checkpoint.storage import (
@@ -151,27 +153,51 @@ def _wait_for_ranks(fs, tmp: str, job: WriteJob, abort: Any) -> dict[int, dict]:
     return indexes
 
 
-def serve(jobs: mp.Queue, results: mp.Queue, abort: Any, parent: int) -> None:
-    """The writer process: one job at a time, a result message for each."""
+class Abort:
+    """Steps <= value are cancelled (set by the trainer when another rank's writer died)."""
+
+    value = -1
+
+
+def serve() -> None:
+    """The writer process: jobs and aborts as JSON lines on stdin, one result line per job on
+    stdout. It ends at end of input (the trainer closed it or died), after the current job."""
+    jobs: queue.Queue = queue.Queue()
+    abort = Abort()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            message = json.loads(line)
+            if "abort" in message:
+                abort.value = max(abort.value, message["abort"])
+            else:
+                jobs.put(WriteJob(**message["job"]))
+        jobs.put(None)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
     mapped: dict[str, shared_memory.SharedMemory] = {}
-    while True:
-        try:
-            job = jobs.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:  # the trainer is gone
-                return
-            continue
-        if job is None:
-            break
+    while (job := jobs.get()) is not None:
         try:
             if job.shm_name not in mapped:
                 for old in mapped.values():
                     old.close()
-                # the trainer owns (and unlinks) the buffer; spawn shares its resource tracker
-                mapped = {job.shm_name: shared_memory.SharedMemory(name=job.shm_name)}
-            result = persist(job, mapped[job.shm_name].buf, abort)
-            results.put(("ok", job.step, result))
+                mapped = {job.shm_name: _attach(job.shm_name)}
+            message = {"kind": "ok", "step": job.step,
+                       "info": persist(job, mapped[job.shm_name].buf, abort)}
         except Exception as exc:
-            results.put(("error", job.step, f"{type(exc).__name__}: {exc}"))
+            message = {"kind": "error", "step": job.step, "info": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
     for shm in mapped.values():
         shm.close()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Map the trainer's buffer; the trainer owns and unlinks it, so untrack it here."""
+    shm = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")
+    return shm
+
+
+if __name__ == "__main__":
+    serve()
