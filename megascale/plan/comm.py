@@ -37,6 +37,8 @@ class Link:
 class GroupSpan:
     size: int
     per_node: int  # members sharing one node
+    per_tor: int  # members sharing one ToR
+    per_pod: int  # members sharing one pod
     nodes: int
     tors: int
     pods: int
@@ -44,15 +46,16 @@ class GroupSpan:
 
 def group_span(cluster: ClusterSpec, size: int, stride: int) -> GroupSpan:
     """Where a group of `size` ranks `stride` apart lands when nodes are filled in order."""
-    gpn = cluster.gpus_per_node
-    per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
-    extent_gpus = (size - 1) * stride + 1
-    nodes = max(-(-size // per_node), -(-extent_gpus // gpn))
-    node_extent = -(-extent_gpus // gpn)
     net = cluster.network
-    tors = max(1, -(-node_extent // net.nodes_per_tor)) if nodes > 1 else 1
-    pods = max(1, -(-node_extent // net.nodes_per_pod)) if nodes > 1 else 1
-    return GroupSpan(size=size, per_node=per_node, nodes=nodes, tors=tors, pods=pods)
+    gpus_per_tor = cluster.gpus_per_node * net.nodes_per_tor
+    gpus_per_pod = gpus_per_tor * net.tors_per_pod
+
+    def per(gpus: int) -> int:
+        return max(1, min(size, gpus // stride))
+
+    per_node, per_tor, per_pod = per(cluster.gpus_per_node), per(gpus_per_tor), per(gpus_per_pod)
+    return GroupSpan(size=size, per_node=per_node, per_tor=per_tor, per_pod=per_pod,
+                     nodes=-(-size // per_node), tors=-(-size // per_tor), pods=-(-size // per_pod))
 
 
 def group_link(cluster: ClusterSpec, size: int, stride: int,
@@ -75,14 +78,12 @@ def group_link(cluster: ClusterSpec, size: int, stride: int,
     scope = "tor"
     if span.tors > 1:
         scope = "pod"
-        members_per_tor = min(size, span.per_node * net.nodes_per_tor)
-        bandwidth = min(bandwidth, members_per_tor * per_gpu / net.oversubscription[0])
+        bandwidth = min(bandwidth, span.per_tor * per_gpu / net.oversubscription[0])
         bandwidth /= network_slowdown
     if span.pods > 1:
         scope = "cluster"
-        members_per_pod = min(size, span.per_node * net.nodes_per_pod)
         over = net.oversubscription[0] * net.oversubscription[1]
-        bandwidth = min(bandwidth, members_per_pod * per_gpu / over)
+        bandwidth = min(bandwidth, span.per_pod * per_gpu / over)
     return Link(bandwidth, net.hop_latency_s, scope)
 
 

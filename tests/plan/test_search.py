@@ -102,3 +102,27 @@ def test_cli_rejects_bad_layout(capsys):
 def test_layout_overrides_round_trip():
     layout = Layout(dp=2, tp=1, pp=1)
     assert "--parallel.dp=2" in layout.overrides()
+
+
+def test_oversubscription_limits_only_sparse_groups(a100):
+    over = a100.with_network(oversubscription=(4.0, 1.0))
+    dense = (256, 8)  # dp=256 over tp=8: 8 members under each 8-node ToR
+    sparse = (4, 512)  # 4 members 64 nodes apart: one per ToR
+    assert group_link(over, *dense).bytes_per_s == group_link(a100, *dense).bytes_per_s
+    assert group_link(over, *sparse).bytes_per_s == pytest.approx(
+        group_link(a100, *sparse).bytes_per_s / 4)
+    assert group_link(a100, *sparse, network_slowdown=2.0).bytes_per_s == pytest.approx(
+        group_link(a100, *sparse).bytes_per_s / 2)
+
+
+def test_cli_placement_from_host_file(tmp_path, capsys):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("".join(f"n{i} {i % 5} 0\n" for i in range(40)))  # 5 ToRs, interleaved
+    order = tmp_path / "order.txt"
+    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--gpus", "256",
+                 "--batch", "768", "--top", "1", "--hosts", str(hosts), "--placement-out",
+                 str(order)])
+    assert code == 0
+    names = order.read_text().split()
+    assert len(names) == 32 and len(set(names)) == 32
+    assert "dp group spans" in capsys.readouterr().out
