@@ -113,6 +113,7 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import LogNorm
 
     rows = compute_ratios(conn, warmup_steps)
     if not rows:
@@ -128,8 +129,9 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
         grid[index[r["rank"]], col[r["step"]]] = r["ratio"]
     height = min(2 + 0.25 * len(ranks), 40)
     fig, ax = plt.subplots(figsize=(min(4 + 0.12 * len(steps), 24), height))
-    span = max(0.25, float(np.nanmax(np.abs(grid - 1.0))))
-    im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=1 - span, vmax=1 + span,
+    positive = np.where(grid > 0, grid, np.nan)
+    span = max(1.25, float(np.nanmax(np.maximum(positive, 1 / positive))))  # symmetric in log
+    im = ax.imshow(positive, aspect="auto", cmap="RdBu_r", norm=LogNorm(1 / span, span),
                    interpolation="nearest",
                    extent=(steps[0] - 0.5, steps[-1] + 0.5, len(ranks) - 0.5, -0.5))
     if len(ranks) <= 128:

@@ -46,7 +46,7 @@ class _Span:
         self.thread = threading.get_ident()
         t._open.setdefault(self.thread, []).append(self)
         if t._cuda:
-            self.ev_start = torch.cuda.Event(enable_timing=True)
+            self.ev_start = t._event()
             self.ev_start.record()
         self.start = time.perf_counter()
         return self
@@ -55,7 +55,7 @@ class _Span:
         self.end = time.perf_counter()
         t = self.timers
         if t._cuda:
-            self.ev_end = torch.cuda.Event(enable_timing=True)
+            self.ev_end = t._event()
             self.ev_end.record()
         stack = t._open.get(self.thread)
         if stack:
@@ -86,6 +86,7 @@ class Timers:
         self._epoch = time.time() - time.perf_counter()
         self._step_start = time.perf_counter()
         self._pending: tuple[int, float, list[_Span], list] | None = None  # GPU: previous step
+        self._pool: list[torch.cuda.Event] = []  # events are reused: creating one is a driver call
         self._anchor = self._new_anchor() if self._cuda else None
         self.path: Path | None = None
         self._file = None
@@ -177,8 +178,11 @@ class Timers:
             self._file = None
 
     # ---- internals -------------------------------------------------------------------------
+    def _event(self) -> torch.cuda.Event:
+        return self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+
     def _new_anchor(self) -> tuple[torch.cuda.Event, float]:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self._event()
         ev.record()
         return ev, time.perf_counter()
 
@@ -193,11 +197,15 @@ class Timers:
         step, wall, closed, recorded, (anchor, anchor_host) = pending
         rows = []
         if closed:
+            # finished long ago: these are the previous step's. One wait covers the events
+            # recorded before the last one on the same stream; elapsed_time checks the rest.
+            closed[-1].ev_end.synchronize()
             for s in closed:
-                s.ev_end.synchronize()  # finished long ago: these are the previous step's
-                start = anchor_host + anchor.elapsed_time(s.ev_start) / 1e3
-                rows.append((s.name, s.kind, start, start + s.ev_start.elapsed_time(s.ev_end) / 1e3,
+                start = anchor_host + _elapsed(anchor, s.ev_start)
+                rows.append((s.name, s.kind, start, start + _elapsed(s.ev_start, s.ev_end),
                              s.attrs))
+                self._pool += (s.ev_start, s.ev_end)
+        self._pool.append(anchor)
         rows.extend(recorded)
         return self._emit(step, rows, wall)
 
@@ -220,6 +228,15 @@ class Timers:
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
         return totals
+
+
+def _elapsed(a: torch.cuda.Event, b: torch.cuda.Event) -> float:
+    """Seconds between two recorded events, waiting for `b` only if it is not done yet."""
+    try:
+        return a.elapsed_time(b) / 1e3
+    except RuntimeError:  # recorded on another stream that is still behind
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
 
 
 def self_times(intervals: list[tuple[float, float]]) -> list[float]:

@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from megascale.diagnostics.timers import Timers, get_timers, self_times, set_timers
 
@@ -71,3 +72,33 @@ def test_process_wide_instance() -> None:
         assert get_timers() is mine
     finally:
         set_timers(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_spans_time_the_gpu_and_resolve_a_step_late(tmp_path) -> None:
+    dev = torch.device("cuda")
+    t = Timers(0, {"pp": 0}, "gpu0", tmp_path, device=dev)
+    cycles = 20_000_000  # tens of ms of GPU time whatever the clock
+    torch.cuda._sleep(10 * cycles)  # let the clocks ramp up first
+    for step in range(3):
+        torch.cuda.synchronize()  # as loss.item() would: the previous step is done on the GPU
+        with t.span("forward"):
+            torch.cuda._sleep(2 * cycles)  # the host returns at once; the GPU is busy
+            with t.span("all_reduce", "comm", op="all_reduce", group="dp"):
+                torch.cuda._sleep(cycles)
+        host_after = time.perf_counter()
+        totals = t.end_step(step)
+        assert time.perf_counter() - host_after < 0.005  # end_step did not wait for step's GPU
+        if step == 0:
+            assert totals == {}
+        else:  # GPU time, not the microseconds the host spent launching
+            assert totals["comm"] > 0.002, totals
+            assert 1.5 < totals["compute"] / totals["comm"] < 3.0, totals
+    t.close()
+    rows = [json.loads(line) for line in (tmp_path / "timers" / "rank00000.jsonl").open()]
+    assert sorted({r["step"] for r in rows}) == [0, 1, 2]
+    for fwd, comm in zip([r for r in rows if r["name"] == "forward"],
+                         [r for r in rows if r["name"] == "all_reduce"], strict=True):
+        assert fwd["start"] < comm["start"] and comm["dur"] > 0.002
+        assert abs(fwd["dur"] - fwd["self"] - comm["dur"]) < 1e-4  # nested time left out
