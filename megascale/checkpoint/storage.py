@@ -97,7 +97,7 @@ def temporaries(fs: fsspec.AbstractFileSystem, root: str) -> list[Entry]:
 def _entries(fs: fsspec.AbstractFileSystem, root: str, pattern: re.Pattern) -> list[Entry]:
     try:
         listing = fs.ls(root, detail=True)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing saved there yet
         return []
     out = []
     for info in listing:
