@@ -27,13 +27,16 @@ def shm_segments() -> set[str]:
 
 def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: str) -> None:
     """Each (reader mode, prefetch) in turn on one mesh; results go to files (a killed rank
-    returns nothing)."""
-    mesh = None
+    returns nothing). Mode "resume" restarts a node-reader loader from step 3 of the first."""
+    mesh, resume_state = None, None
     for mode, prefetch in modes:
-        cfg = job(path, parallel__dp=2, parallel__tp=2, data__reader=mode,
+        cfg = job(path, parallel__dp=2, parallel__tp=2, data__reader=mode.replace("resume", "node"),
                   data__prefetch=prefetch, parallel__collective_timeout_s=60.0)
         mesh = mesh or init_mesh(cfg.parallel, device="cpu")
         train, _ = build_loaders(cfg, mesh)
+        if mode == "resume":
+            train.next_batch()  # the ring is in use before the seek
+            train.load_state_dict(resume_state)
         dist.barrier()  # every group's handshake is over
         group = train.reader_group
         result = {"rank": mesh.rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank,
@@ -42,7 +45,9 @@ def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: st
         batches, error = [train.next_batch()], None
         io_before = psutil.Process().io_counters().read_chars
         try:
-            for step in range(1, STEPS):
+            for step in range(1, STEPS - 3 if mode == "resume" else STEPS):
+                if step == 3 and resume_state is None:
+                    resume_state = train.state_dict()
                 if step == kill_reader_at and result["reader"]:
                     torch.save(result, Path(out) / f"{mode}-rank{mesh.rank}.pt")
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -76,12 +81,16 @@ def run_four(path: Path, tmp: Path, modes: list[tuple[str, bool]], kill_reader_a
 
 
 def test_shared_memory_batches_tp2_dp2(dataset, tmp_path):
-    """node (prefetch on) then tp (prefetch off): right batches, one reader per group."""
+    """node (prefetch on), tp (prefetch off), node resumed: right batches, one reader per
+    group, the resumed run continues with the batches of the first."""
     path, _ = dataset
     single, _ = build_loaders(job(path), None)  # the same global batches as one process
     expected = [single.next_batch() for _ in range(STEPS)]
     single.close()
-    runs = run_four(path, tmp_path, [("node", True), ("tp", False)])
+    runs = run_four(path, tmp_path, [("node", True), ("tp", False), ("resume", True)])
+    for r, again in zip(runs["node"], runs.pop("resume"), strict=True):  # resumed at step 3
+        assert torch.equal(r["inputs"][3:], again["inputs"])
+        assert torch.equal(r["labels"][3:], again["labels"])
     for reader, results in runs.items():
         by = {(r["dp"], r["tp"]): r for r in results}
         for dp in (0, 1):  # tp peers identical
