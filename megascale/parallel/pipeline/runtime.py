@@ -68,7 +68,9 @@ class PipelineRunner(ModelRunner):
     """Runs this rank's `v` chunks under the 1F1B (interleaved when v > 1) or GPipe schedule.
 
     `decoupled=False` waits for each send right after posting it: a comparison mode for the
-    benchmark (what bundled send/recv costs), never the training default."""
+    benchmark (what bundled send/recv costs), never the training default. It takes effect
+    from the second call: the first one learns activation shapes with receives posted only
+    when needed, which a send waiting for its receive could deadlock."""
 
     def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh,
                  lookahead: int = DEFAULT_LOOKAHEAD, decoupled: bool = True) -> None:
@@ -87,6 +89,7 @@ class PipelineRunner(ModelRunner):
         self._in_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # by local chunk
         self._out_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self._warm = False  # a whole step has run: every activation shape is known
 
     # ------------------------------------------------------------------ the runner interface
     def forward_backward(self, batch: TokenBatch | None, token_count: int) -> torch.Tensor:
@@ -128,6 +131,7 @@ class PipelineRunner(ModelRunner):
             for work, _, _ in self._sends:
                 work.wait()
         self._sends.clear()
+        self._warm = True
         assert not step.acts and not step.grads and not step.recvs, "schedule left state behind"
         if step.loss is None:
             return torch.zeros((), dtype=torch.float64)
@@ -189,7 +193,7 @@ class PipelineRunner(ModelRunner):
         peer = self._peers[a.peer]
         with timers.span("pp.send", kind="p2p", group="pp", peer=peer, mb=a.mb, chunk=a.chunk):
             work = self._isend(tensor, a.peer, a.tag)
-        if not self.decoupled:
+        if not self.decoupled and self._warm:
             with timers.span("pp.send_wait", kind="p2p", group="pp", peer=peer, mb=a.mb):
                 work.wait()
             return
