@@ -6,7 +6,7 @@ block in forward and backward hooks, and a `comm` span per block's gradient (an 
 for the reduce-scatter wait that sits inside backward), so each step records dozens of spans.
 "On" writes the per-rank JSONL file as in production; "off" is a disabled `Timers`. Rounds of
 each mode alternate (on/off, off/on, ...) so machine noise hits both alike; the figure is the
-ratio of the median step times. Target: < 2 %.
+median over rounds of each round's on/off ratio of median step times. Target: < 2 %.
 
     python bench/timers_overhead.py [--device cuda] [--rounds 10] [--steps 5]
 """
@@ -73,6 +73,19 @@ def run_steps(model, opt, batch, timers: Timers, holder: dict, steps: int, sync)
     return times
 
 
+def span_cost_us(timers: Timers, sync, n: int = 2000) -> float:
+    """Host time of one empty span (with its CUDA events on GPU); call after `close()`."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        with timers.span("probe", "compute", layer=0):
+            pass
+    cost = (time.perf_counter() - start) / n * 1e6
+    timers.end_step(-1)
+    sync()
+    return cost
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -102,14 +115,20 @@ def main() -> None:
     run_steps(model, opt, batch, off, holder, 2, sync)
     t_on: list[float] = []
     t_off: list[float] = []
+    paired: list[float] = []  # per round: median on / median off, measured minutes apart
     for r in range(args.rounds):
         order = ((on, t_on), (off, t_off)) if r % 2 == 0 else ((off, t_off), (on, t_on))
+        medians = {}
         for timers, sink in order:
-            sink.extend(run_steps(model, opt, batch, timers, holder, args.steps, sync))
+            times = run_steps(model, opt, batch, timers, holder, args.steps, sync)
+            sink.extend(times)
+            medians[timers.enabled] = statistics.median(times)
+        paired.append(medians[True] / medians[False])
     end_step_ms = holder["end_step_s_on"] / (len(t_on) + 2) * 1e3
     on.close()
     spans_per_step = len(on.path.read_text().splitlines()) / (len(t_on) + 2) - 1  # - step row
-    ratio = statistics.median(t_on) / statistics.median(t_off)
+    span_us = span_cost_us(on, sync) - span_cost_us(off, sync)
+    ratio = statistics.median(paired)
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
         or platform.machine(),
@@ -122,14 +141,21 @@ def main() -> None:
         "step_s_on_median": statistics.median(t_on),
         "step_s_off_median": statistics.median(t_off),
         "end_step_ms_on": end_step_ms,
-        "overhead_ratio": ratio,
+        "span_us": span_us,  # enter+exit of one empty span, on minus off
+        # the timers' own time per step over the step time: robust to a noisy machine
+        "direct_overhead_pct": (spans_per_step * span_us / 1e3 + end_step_ms)
+        / (statistics.median(t_off) * 1e3) * 100,
+        "paired_ratios": [round(p, 4) for p in paired],
+        "overhead_ratio": ratio,  # median over rounds of the paired on/off ratios
+        "ratio_of_medians": statistics.median(t_on) / statistics.median(t_off),
         "overhead_pct": (ratio - 1) * 100,
         "target_pct": 2.0,
     }
     print(f"step time timers on {result['step_s_on_median'] * 1e3:.2f} ms | off "
           f"{result['step_s_off_median'] * 1e3:.2f} ms | on/off {ratio:.4f} "
           f"({result['overhead_pct']:+.2f} %, {spans_per_step:.0f} spans/step, end_step "
-          f"{end_step_ms:.2f} ms, target < 2 %)")
+          f"{end_step_ms:.2f} ms; direct cost {result['direct_overhead_pct']:.2f} %, "
+          "target < 2 %)")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(path.read_text()) if path.is_file() else {}

@@ -216,15 +216,16 @@ class Timers:
             totals[kind] += own
         totals["step"] = wall[1] - wall[0]
         if self._file is not None and rows:
-            base = {"step": step, "rank": self.rank, "coords": self.coords, "host": self.host}
-            lines = []
-            for (name, kind, start, end, attrs), own in zip(rows, selfs, strict=True):
-                rec = dict(base, name=name, kind=kind, start=round(self._epoch + start, 6),
-                           dur=round(end - start, 7), self=round(own, 7), attrs=attrs)
-                lines.append(json.dumps(rec, default=str))
-            lines.append(json.dumps(dict(base, name="step", kind="step",
-                                         start=round(self._epoch + wall[0], 6),
-                                         dur=round(wall[1] - wall[0], 7), self=0.0, attrs={})))
+            # the fields shared by every line are encoded once per step
+            head = json.dumps({"step": step, "rank": self.rank, "coords": self.coords,
+                               "host": self.host})[:-1]
+            dumps, epoch = json.dumps, self._epoch
+            lines = [f'{head}, "name": {dumps(name)}, "kind": "{kind}", '
+                     f'"start": {epoch + start:.6f}, "dur": {end - start:.7f}, "self": {own:.7f}, '
+                     f'"attrs": {dumps(attrs, default=str) if attrs else "{}"}}}'
+                     for (name, kind, start, end, attrs), own in zip(rows, selfs, strict=True)]
+            lines.append(f'{head}, "name": "step", "kind": "step", "start": {epoch + wall[0]:.6f}, '
+                         f'"dur": {wall[1] - wall[0]:.7f}, "self": 0.0, "attrs": {{}}}}')
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
         return totals
