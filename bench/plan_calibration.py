@@ -10,8 +10,9 @@ of one small kernel, gloo bandwidth and latency between two processes), turned i
   * `megascale train` runs of the layouts dp x tp x pp = 1x1x1, 2x1x1, 1x2x1, 1x1x2 (median step
     time from metrics.jsonl). A layout the trainer cannot run yet is skipped with its error.
 
-Machine figures and step times are measured alternately in one run (the machine is shared and
-noisy). Writes bench/results/plan_calibration.json.
+Machine figures are measured right before and after each run (the machine is shared and noisy),
+and the GEMM rate also during it (between in-process steps; by a sampling thread beside
+`megascale train`); both errors are reported. Writes bench/results/plan_calibration.json.
 
     OMP_NUM_THREADS=1 python bench/plan_calibration.py [--steps 4] [--layouts 1x1x1,2x1x1]
 """
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -91,6 +93,31 @@ def measure_attention_flops(cfg: JobConfig, seconds: float = 1.0) -> float:
     fwd_flops = 2 * 2 * mean_attention_span(m.seq_len, m.window) * m.hidden * m.seq_len * b
     return _median_rate((1 + eff.ATTN_BWD_FLOPS_RATIO) * fwd_flops,
                         lambda: causal_attention(q, k, v, m.window).sum().backward(), seconds)
+
+
+class GemmSampler:
+    """Times one probe GEMM every `interval` seconds on a thread while a run goes on elsewhere:
+    the CPU share this machine gives a process during that run (about 3% of one core)."""
+
+    def __init__(self, interval: float = 2.0):
+        self.interval, self.rates = interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        a, b = torch.randn(PROBE_SIZE, PROBE_SIZE), torch.randn(PROBE_SIZE, PROBE_SIZE)
+        while not self._stop.wait(self.interval):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            self.rates.append(2 * PROBE_SIZE**3 / (time.perf_counter() - start))
+
+    def __enter__(self) -> GemmSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def measure_machine(cfg: JobConfig) -> dict[str, float]:
@@ -163,16 +190,18 @@ def cpu_cluster(gemm: float, mem_bw: float, attn: float, overhead: float, gloo_b
                        notes="measured by bench/plan_calibration.py")
 
 
-def measure_in_process(cfg: JobConfig, steps: int) -> list[float]:
-    """Seconds per optimizer step of the GPT on one process: fwd+bwd per micro-batch, clip, step."""
+def measure_in_process(cfg: JobConfig, steps: int) -> list[tuple[float, float]]:
+    """(seconds, GEMM FLOP/s probed right before and after) per optimizer step of the GPT on
+    one process: forward + backward per micro-batch, gradient clipping, optimizer step."""
     torch.manual_seed(0)
     m, t = cfg.model, cfg.train
     model = GPT(m)
     opt = build_optimizer(model.named_parameters(), cfg.optim)
     micro = t.global_batch // t.micro_batch
     tokens = torch.randint(0, m.vocab_size, (micro, t.micro_batch, m.seq_len + 1))
-    times = []
+    out = []
     for _ in range(steps + 1):
+        probe = measure_gemm_flops(0.3)
         start = time.perf_counter()
         for i in range(micro):
             loss = model(tokens[i, :, :-1], tokens[i, :, 1:]) / (t.global_batch * m.seq_len)
@@ -180,8 +209,9 @@ def measure_in_process(cfg: JobConfig, steps: int) -> list[float]:
         clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return times[1:]  # the first step pays for allocations
+        elapsed = time.perf_counter() - start
+        out.append((elapsed, (probe + measure_gemm_flops(0.3)) / 2))
+    return out[1:]  # the first step pays for allocations
 
 
 def measure_train(config: str, layout: Layout, steps: int) -> tuple[float | None, str]:
@@ -231,23 +261,34 @@ def main() -> int:
     for kind, text in runs:
         layout = parse_layout(text, mb)
         before = measure_machine(cfg)  # machine figures on both sides of the run: it is shared
+        per_step: list[tuple[float, float]] = []
         if kind == "GPT in-process":
-            measured, why = statistics.median(measure_in_process(cfg, args.steps)), "ok"
+            per_step = measure_in_process(cfg, args.steps)
+            measured, why = statistics.median(t for t, _ in per_step), "ok"
         else:
-            measured, why = measure_train(args.config, layout, args.steps)
+            with GemmSampler() as sampler:
+                measured, why = measure_train(args.config, layout, args.steps)
+            if measured is not None and sampler.rates:  # one step's worth of GEMM share
+                per_step = [(measured, statistics.median(sampler.rates))]
         after = measure_machine(cfg)
         figures = {k: (before[k] + after[k]) / 2 for k in before}
         cluster = cpu_cluster(**figures, gloo_bw=gloo[0], gloo_lat=gloo[1], cfg=cfg)
         pred = estimate(work, layout, cluster, Features.from_job(cfg))
         err = None if measured is None else (pred.step_time - measured) / measured
+        # the same prediction with the GEMM rate probed during the run (per step in-process,
+        # a thread sampling alongside `megascale train`): contention varies within a run
+        step_errors = [(pred.step_time * figures["gemm"] / g - t) / t for t, g in per_step]
         note = "" if measured is not None else f"SKIPPED: the trainer could not run it ({why})"
         rows.append({"run": f"{kind} {text}", "layout": layout.label(),
                      "predicted_s": pred.step_time, "measured_s": measured, "error": err,
                      "note": note, "predicted_breakdown_s": pred.breakdown(),
+                     "error_with_in_run_probe": step_errors,
                      "machine_before": before, "machine_after": after,
                      "gloo_bytes_per_s": gloo[0], "gloo_latency_s": gloo[1]})
         shown = "-" if measured is None else f"{measured:.3f} s"
         extra = "" if err is None else f"  error {err:+.1%}"
+        if step_errors:
+            extra += f" (with in-run probe: {statistics.median(step_errors):+.1%})"
         print(f"{kind} {text:<8} predicted {pred.step_time:.3f} s  measured {shown}{extra}  "
               f"(GEMM {before['gemm'] / 1e9:.1f}->{after['gemm'] / 1e9:.1f} GFLOP/s) {note}")
 
@@ -256,8 +297,12 @@ def main() -> int:
         "config": args.config, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "torch": torch.__version__, "load_average": os.getloadavg(), "rows": rows}, indent=2))
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    probed = [abs(statistics.median(r["error_with_in_run_probe"])) for r in rows
+              if r["error_with_in_run_probe"]]
     if errors:
-        print(f"mean |error| {statistics.mean(errors):.1%} over {len(errors)} runs")
+        print(f"mean |error| {statistics.mean(errors):.1%} over {len(errors)} runs with machine "
+              f"figures measured before/after; {statistics.mean(probed):.1%} with the GEMM rate "
+              "probed during each run")
     print(f"wrote {args.out}")
     return 0
 
