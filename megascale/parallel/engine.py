@@ -90,6 +90,12 @@ class ModelRunner:
         if self.grad_sync is not None:
             self.grad_sync.zero_grad()
 
+    def close(self) -> None:
+        """Wait for communication still in flight (the next step's parameter prefetch), so that
+        destroying the process groups cannot abort a pending collective."""
+        if self.grad_sync is not None:
+            self.grad_sync.wait_params()
+
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
             chunk.train(mode)

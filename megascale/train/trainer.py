@@ -190,6 +190,7 @@ class Trainer:
         return record["loss"]
 
     def close(self) -> None:
+        self.runner.close()
         self.checkpoints.close()
         self.train_loader.close()
         self.metrics.close()
