@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from megascale.config.schema import JobConfig
 from megascale.data.corpus import ensure_default_corpus
 from megascale.data.dataset import GlobalOrder, split_windows
-from megascale.data.loader import EvalLoader, Shape, TrainLoader, read_dp_slices
+from megascale.data.loader import EvalLoader, Producer, TrainLoader
 from megascale.data.shards import DataError, TokenStore
 from megascale.data.sharing import find_group, job_store, open_ring
+from megascale.data.sources import OwnReads, RingReader, RingWriter, Shape
 from megascale.data.tokenizer import load_tokenizer
 
 RING_SLOTS = 3  # shared-memory slots: the reader may run two steps ahead of the slowest rank
@@ -123,29 +121,14 @@ def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
     if error is not None:
         raise error
 
-    def direct(step: int, consumed: list[int], stop: threading.Event) -> np.ndarray | None:
-        if not needs_data:
-            return None
-        out = shape.empty()
-        read_dp_slices(order, shape, step, consumed, [dp_rank], out)
-        return out[0]
-
-    produce = direct
+    produce: Producer = OwnReads(order, shape, dp_rank, needs_data)
     if group is not None and ring is not None:
         part = group.dp_ranks.index(dp_rank)
         if group.is_reader:
-            def produce(step: int, consumed: list[int], stop: threading.Event) -> np.ndarray:
-                slot = ring.slot_for_write(step, stop, step_timeout)
-                try:
-                    read_dp_slices(order, shape, step, consumed, list(group.dp_ranks), slot)
-                except Exception as exc:
-                    ring.fail(f"rank {group.me}: {exc}")
-                    raise
-                ring.publish(step)
-                return slot[part].copy()
+            produce = RingWriter(order, shape, ring, list(group.dp_ranks), part, group.me,
+                                 step_timeout)
         else:
-            def produce(step: int, consumed: list[int], stop: threading.Event) -> np.ndarray:
-                return ring.copy(group.consumer_index, step, part, stop, step_timeout)
+            produce = RingReader(ring, group.consumer_index, part, step_timeout)
 
     def close() -> None:
         if ring is not None:

@@ -1,7 +1,7 @@
 """The trainer's view of the data: one `TokenBatch` per optimizer step, prepared ahead.
 
-`TrainLoader` pulls step batches from a producer (this rank reading the shards itself, the
-node's reader writing to shared memory, or a copy out of shared memory) and, with
+`TrainLoader` pulls step batches from a source (`sources.py`: this rank reading the shards
+itself, the node's reader writing to shared memory, or a copy out of shared memory) and, with
 `data.prefetch`, runs that producer one step ahead in a background thread, so the batch for step
 k+1 is ready when step k ends. `wait_seconds` is what the trainer records as data wait.
 """
@@ -19,6 +19,7 @@ import torch
 
 from megascale.data.dataset import GlobalOrder
 from megascale.data.shards import DataError
+from megascale.data.sources import Shape
 
 
 @dataclass
@@ -27,40 +28,13 @@ class TokenBatch:
     labels: torch.Tensor  # same shape; -100 where no loss
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Sequences of one dp rank per step, laid out as micro-batches."""
-
-    micro_batches: int
-    micro_batch: int
-    seq_len: int
-
-    @property
-    def sequences(self) -> int:
-        return self.micro_batches * self.micro_batch
-
-    def empty(self, ranks: int = 1) -> np.ndarray:
-        """[ranks, 2 (inputs, labels), micro_batches, micro_batch, seq_len] int32."""
-        return np.empty((ranks, 2, self.micro_batches, self.micro_batch, self.seq_len), np.int32)
-
-
 def to_batch(pair: np.ndarray) -> TokenBatch:
     """[2, M, B, L] int32 -> TokenBatch of int64 tensors (a copy, owned by the caller)."""
     return TokenBatch(torch.from_numpy(pair[0].astype(np.int64)),
                       torch.from_numpy(pair[1].astype(np.int64)))
 
 
-def read_dp_slices(order: GlobalOrder, shape: Shape, step: int, consumed: list[int],
-                   dp_ranks: list[int], out: np.ndarray) -> None:
-    """Fill `out[i]` with dp rank `dp_ranks[i]`'s sequences of `step`."""
-    n = shape.sequences
-    for i, r in enumerate(dp_ranks):
-        items = order.train_items(step, consumed, r * n, (r + 1) * n)
-        order.sequences(items, out[i].reshape(2, n, shape.seq_len))
-
-
-# produce(step, consumed, stop) -> [2, M, B, L] int32 for this rank, or None (no tokens needed);
-# `stop` is set when the loader halts, so that a producer waiting on another rank gives up.
+# source(step, consumed, stop) -> [2, M, B, L] int32 for this rank, or None (see sources.py)
 Producer = Callable[[int, list[int], threading.Event], "np.ndarray | None"]
 
 
