@@ -1,11 +1,15 @@
 """Pipeline parity on real gloo processes: loss, every gradient and ten optimizer steps equal the
-single-process model with the same weights, for (p, v) in {(2,1), (2,2), (4,1), (4,2)} and GPipe.
+single-process model with the same weights, for (p, v) in {(2,1), (2,2), (4,1), (4,2)} and GPipe;
+and, on two ranks, the ZeRO hooks' placement and the per-action timer spans.
 
 One spawn per world size; each rank loops over the cases and also computes the single-process
 reference itself (the model is tiny), so a mismatch names the rank, the case and the parameter.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,12 +106,52 @@ def pipelined(cfg: JobConfig, mesh, data: list[TokenBatch]) -> tuple[list[float]
     return losses, first_grads, eval_loss
 
 
-def _rank_main(cases: list[tuple[int, int, int, str]]) -> dict:
+class HookRecorder:
+    """Stands where ZeRO's grad_sync goes: records the hook calls, and at `after_backward(c)`
+    copies chunk c's gradients, which must already be final then."""
+
+    def __init__(self, chunks: list) -> None:
+        self.chunks = chunks
+        self.calls: list[tuple[str, int]] = []
+        self.grads_at_hook: dict[int, list[torch.Tensor]] = {}
+
+    def before_forward(self, chunk: int) -> None:
+        self.calls.append(("before_forward", chunk))
+
+    def after_backward(self, chunk: int) -> None:
+        self.calls.append(("after_backward", chunk))
+        self.grads_at_hook[chunk] = [p.grad.clone() for p in self.chunks[chunk].parameters()]
+
+
+def hooks_and_timers(mesh, out_dir: str) -> dict:
+    """One interleaved step with the hook recorder and file-backed timers."""
+    cfg = job(2, 2, 4)
+    timers = Timers(mesh.rank, mesh.coords._asdict(), "test", out_dir, enabled=True)
+    set_timers(timers)
+    torch.manual_seed(0)
+    chunks = split_model(GPT(cfg.model), 2, 2, mesh.pp_rank)
+    runner = PipelineRunner(chunks, cfg, mesh)
+    runner.grad_sync = recorder = HookRecorder(chunks)
+    batch = batches(cfg, 1)[0]
+    runner.forward_backward(batch, token_count(batch))
+    timers.end_step(1)
+    timers.close()
+    final_ok = all(
+        torch.equal(g, p.grad)
+        for c, grads in recorder.grads_at_hook.items()
+        for g, p in zip(grads, chunks[c].parameters(), strict=True)
+    )
+    return {"calls": recorder.calls, "final_ok": final_ok, "path": str(timers.path)}
+
+
+def _rank_main(cases: list[tuple[int, int, int, str]], out_dir: str | None = None) -> dict:
     p = cases[0][0]
     mesh = init_mesh(ParallelConfig(pp=p), device="cpu")
     set_timers(Timers(mesh.rank, mesh.coords._asdict(), "test", None, enabled=True))
     report = {}
     try:
+        if out_dir is not None:
+            report["hooks"] = hooks_and_timers(mesh, out_dir)
         for p_, v, m, schedule in cases:
             cfg = job(p_, v, m, schedule)
             data = batches(cfg, STEPS)
@@ -146,9 +190,33 @@ def _check(results: list[dict], cases, layers: int = 8) -> None:
     assert any(n.startswith(f"blocks.{layers - 1}.") for n in all_names)
 
 
-def test_pipeline_parity_two_stages():
+def _check_hooks_and_timers(results: list[dict]) -> None:
+    m, v = 4, 2
+    for rank, res in enumerate(results):
+        hooks = res.pop("hooks")
+        calls = hooks["calls"]
+        assert calls.count(("before_forward", 0)) == calls.count(("before_forward", 1)) == m
+        assert [c for c in calls if c[0] == "after_backward"] == [("after_backward", 1),
+                                                                  ("after_backward", 0)]
+        assert calls[-1] == ("after_backward", 0)
+        assert hooks["final_ok"], f"rank {rank}: after_backward came before a chunk's last backward"
+        spans = [json.loads(line) for line in Path(hooks["path"]).read_text().splitlines()]
+        fwd = [s for s in spans if s["name"] == "pp.forward"]
+        bwd = [s for s in spans if s["name"] == "pp.backward"]
+        assert len(fwd) == len(bwd) == m * v
+        assert all(s["kind"] == "compute" for s in fwd + bwd)
+        assert {(s["attrs"]["mb"], s["attrs"]["chunk"]) for s in fwd} == {
+            (mb, c) for mb in range(m) for c in range(v)}
+        p2p = [s for s in spans if s["kind"] == "p2p"]
+        assert {s["name"] for s in p2p} >= {"pp.send", "pp.recv"}
+        assert {s["attrs"]["peer"] for s in p2p if "peer" in s["attrs"]} == {1 - rank}
+
+
+def test_pipeline_parity_two_stages(tmp_path):
     cases = [(2, 1, 3, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 4, "gpipe")]
-    _check(run_local(_rank_main, 2, (cases,), timeout_s=240), cases)
+    results = run_local(_rank_main, 2, (cases, str(tmp_path)), timeout_s=240)
+    _check_hooks_and_timers(results)
+    _check(results, cases)
 
 
 def test_pipeline_parity_four_stages():

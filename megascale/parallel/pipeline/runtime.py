@@ -8,7 +8,8 @@ on nothing but its input; in the steady phase the receives of the next actions a
 of the previous ones are in flight while this one computes (MegaScale section 3.2).
 
 Every action is timed (`pp.forward`/`pp.backward` as compute; `pp.send`, `pp.recv` and
-`pp.send_wait` as p2p), so the bubble and the exposed communication of each rank are measured,
+`pp.send_wait` as p2p; `pp.send_drain` is the end-of-step wait for the last sends, when the
+rank has no work left), so the bubble and the exposed communication of each rank are measured,
 not guessed.
 
 Activation shapes are not derived from the config (tensor/sequence parallel layouts change
@@ -127,7 +128,7 @@ class PipelineRunner(ModelRunner):
                 self._send(step.grads.pop((action.mb, action.chunk)), action, timers)
             else:
                 self._post_recv(action, step)
-        with timers.span("pp.send_wait", kind="p2p", group="pp"):
+        with timers.span("pp.send_drain", kind="p2p", group="pp"):  # this rank's work is done
             for work, _, _ in self._sends:
                 work.wait()
         self._sends.clear()

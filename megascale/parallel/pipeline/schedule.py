@@ -17,6 +17,7 @@ receive. Nothing on a rank ever waits for a peer to receive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -190,8 +191,10 @@ class Deadlock(RuntimeError):
 
 
 def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
-             coupled: bool = False, latency: float = 0.0) -> SimResult:
-    """Play every rank's actions in lock-step with fixed compute times.
+             coupled: bool = False, latency: float = 0.0,
+             duration: Callable[[int, Action], float] | None = None) -> SimResult:
+    """Play every rank's actions in lock-step with fixed compute times (or `duration(rank,
+    action)`, e.g. times measured on a real run, to predict its bubble with ideal links).
 
     Decoupled (default): a send costs nothing and never waits; a compute waits for its own
     message, which arrives `latency` after the peer sent it. Coupled: a send blocks its rank
@@ -231,7 +234,10 @@ def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
                             break
                         clock[r] = max(clock[r], arrived[key])
                     start = clock[r]
-                    clock[r] += t_fwd if a.op is Op.FORWARD else t_bwd
+                    if duration is not None:
+                        clock[r] += duration(r, a)
+                    else:
+                        clock[r] += t_fwd if a.op is Op.FORWARD else t_bwd
                     timeline[r].append((start, clock[r], a))
                     live[r] += 1 if a.op is Op.FORWARD else -1
                     peak[r] = max(peak[r], live[r])
