@@ -249,7 +249,7 @@ def _placement(args: argparse.Namespace, layout: Layout, cluster, work: Workload
                              "cross_tor_flows": res.cross_tor_flows, "mfu": slowed.mfu})
                 print(f"  {name:<16} {'2x200G split' if split else 'unsplit     '} "
                       f"cross-ToR flows {res.cross_tor_flows:>6}/{res.network_flows:<6} "
-                      f"slowed {res.collided_flows:>6.1%}  DP slowdown {res.slowdown:.2f}x "
+                      f"slowed {res.collided_flows:>6.2%}  DP slowdown {res.slowdown:.2f}x "
                       f"(worst {res.worst_slowdown:.2f}x)  MFU {slowed.mfu:.1%}")
         out["ecmp"] = rows
     return out
