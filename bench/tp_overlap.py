@@ -121,7 +121,9 @@ def summarise(per_rank: list[dict], names: list[str]) -> dict:
                              for row in rows))
         out[name] = {
             "step_s": statistics.median(walls),
+            "step_min_s": min(walls),
             "exposed_fused_comm_s": statistics.median(fused),
+            "exposed_fused_comm_min_s": min(fused),
             "exposed_other_comm_s": statistics.median(other),
             "steps": len(walls),
         }
@@ -149,20 +151,23 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/tp_overlap.json")
     args = vars(p.parse_args())
     names = list(variants(args["chunks"]))
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         per_rank = run_local(_rank, 2, (args, tmp), timeout_s=3600,
                              env={"OMP_NUM_THREADS": str(args["threads"])})
     summary = summarise(per_rank, names)
     print(f"tp=2 gloo, {args['block']} block, hidden {args['hidden']}, seq {args['seq']}, "
           f"batch {args['batch']}, layers {args['layers']}, {args['threads']} thread(s)/rank, "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'variant':>8} {'step s':>8} {'vs off':>7} {'exposed AG/RS ms':>17} {'vs off':>7} "
+          f"{os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print("medians over steps (min in brackets) of the slower rank")
+    print(f"{'variant':>8} {'step s':>16} {'vs off':>7} {'exposed AG/RS ms':>20} {'vs off':>7} "
           f"{'other comm ms':>14}")
     for name in names:
         s = summary[name]
         ratio = s["fused_comm_ratio_vs_off"]
-        print(f"{name:>8} {s['step_s']:8.3f} {s['step_ratio_vs_off']:7.3f} "
-              f"{1e3 * s['exposed_fused_comm_s']:17.2f} "
+        step = f"{s['step_s']:.3f} ({s['step_min_s']:.3f})"
+        comm = f"{1e3 * s['exposed_fused_comm_s']:.1f} ({1e3 * s['exposed_fused_comm_min_s']:.1f})"
+        print(f"{name:>8} {step:>16} {s['step_ratio_vs_off']:7.3f} {comm:>20} "
               f"{'n/a' if ratio is None else f'{ratio:.3f}':>7} {1e3 * s['exposed_other_comm_s']:14.2f}")
     result = {
         "benchmark": "tp_overlap",
@@ -170,6 +175,7 @@ def main() -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "args": args,
         "summary": summary,
         "per_rank": per_rank,
