@@ -80,3 +80,37 @@ def test_full_recompute_adds_one_forward(tiny, a100):
     # the recomputed forward is the layers' forward (not the head's)
     assert full.recompute == pytest.approx(base.micro_batches * 2 * base.detail["layer_fwd"])
     assert full.mfu < base.mfu  # recomputation is not useful work
+
+
+@pytest.mark.parametrize("block", ["parallel", "serial"])
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_terms_match_the_real_model(block, positions):
+    """Parameter split equals megascale.model's GPT; saved activations match autograd's."""
+    import torch
+
+    from megascale.config import ModelConfig
+    from megascale.model import GPT, Block
+    from megascale.plan.layout import Workload
+
+    cfg = ModelConfig(vocab_size=100, seq_len=64, layers=2, hidden=64, heads=4, block=block,
+                      positions=positions)
+    work = Workload(cfg, global_batch=8, dtype="fp32")
+    split = param_split(work)
+    assert split.stage(2, 1) == sum(p.numel() for p in GPT(cfg).parameters())
+    layer = Block(cfg)
+    assert split.layer == sum(p.numel() for p in layer.parameters())
+
+    saved: dict[int, int] = {}
+    params = {p.data_ptr() for p in layer.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel())
+        return t
+
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    per_token = sum(saved.values()) / (2 * 64)
+    predicted = activation_elements_per_token(work, "none") + cfg.heads  # + log-sum-exp
+    assert per_token == pytest.approx(predicted, rel=0.03)
