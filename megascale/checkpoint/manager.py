@@ -288,7 +288,6 @@ class CheckpointManager:
         read = sum(self.comm.gather(restored.bytes_read))
         read += manifest["manifest_bytes"]
         size = checkpoint_bytes(manifest)
-        self.last_saved_step = trainer.step
         self.last_restore = {"path": path, "step": trainer.step, "bytes_read": read,
                              "checkpoint_bytes": size, "seconds": time.perf_counter() - start}
         saved = manifest["layout"]
