@@ -4,7 +4,7 @@ Model FLOPs count the work the model needs, not the work the system does: forwar
 (3x the forward GEMMs), attention over the span each token really attends to (causal, and
 capped at the window under SWA), and never activation recomputation. Peak FLOP/s comes from a
 table of known devices or, on CPU, from a GEMM probe measured on this machine. With no known
-peak there is no MFU: `peak_flops()` returns None and callers print nothing.
+peak there is no MFU: `peak_flops()` returns a `Peak` whose value is None and callers print none.
 """
 
 from __future__ import annotations
@@ -98,15 +98,30 @@ def measure_cpu_gemm_flops(size: int = 1024, seconds: float = 0.5) -> float:
     return best
 
 
-def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
-    """(peak FLOP/s or None, where it came from) for the device training runs on."""
+@dataclass
+class Peak:
+    """Peak FLOP/s of the device training runs on, and where the figure came from.
+
+    A measured (CPU) peak is a maximum: a probe that ran while other processes held the cores
+    reads low and would inflate MFU, so `refresh()` measures again and can only raise it."""
+
+    value: float | None
+    source: str
+    measured: bool = False
+
+    def refresh(self) -> None:
+        if self.measured:
+            self.value = max(self.value or 0.0, measure_cpu_gemm_flops(seconds=0.3))
+
+
+def peak_flops(device: torch.device, dtype: str) -> Peak:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = device_peak_flops(name, dtype)
-        return peak, (f"table:{name}" if peak else f"unknown device {name!r}: no MFU")
+        return Peak(peak, f"table:{name}" if peak else f"unknown device {name!r}: no MFU")
     if device.type == "cpu" and dtype == "fp32":
-        return measure_cpu_gemm_flops(), "measured CPU GEMM probe"
-    return None, f"no known peak for {device.type}/{dtype}: no MFU"
+        return Peak(measure_cpu_gemm_flops(), "measured CPU GEMM probe, best so far", measured=True)
+    return Peak(None, f"no known peak for {device.type}/{dtype}: no MFU")
 
 
 def mfu(tokens_per_second: float, flops_per_token_training: float, peak: float | None) -> float | None:

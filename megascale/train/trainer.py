@@ -29,6 +29,7 @@ from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
 from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh
+from megascale.resilience.faults import after_step
 from megascale.train.metrics import MetricsWriter, progress_line, setup_logging
 
 log = logging.getLogger("megascale")
@@ -73,12 +74,12 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard)
         self.step = 0
         self.flops_per_token = flops_per_token(cfg.model).training
-        self.peak, peak_source = peak_flops(self.device, cfg.train.dtype)
+        self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
             "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %d micro-batches/step; peak %s",
             sum(p.numel() for p in model.parameters()) / 1e6, cfg.parallel.pp, cfg.parallel.dp,
             cfg.parallel.tp, cfg.parallel.vpp, cfg.micro_batches,
-            f"{self.peak / 1e9:.1f} GFLOP/s ({peak_source})" if self.peak else peak_source,
+            f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
 
     # ---------------------------------------------------------------- state for checkpoints
@@ -173,6 +174,7 @@ class Trainer:
             record["eval_loss"] = self.evaluate()
         if cfg.gc_every and self.step % cfg.gc_every == 0:
             gc.collect()
+            self.peak.refresh()
         self.checkpoints.maybe_save(self)
         step_time = time.perf_counter() - start
         tokens_per_s = cfg.global_batch * self.cfg.model.seq_len / step_time
@@ -181,10 +183,11 @@ class Trainer:
             step_time=step_time,
             tokens_per_s=tokens_per_s,
             data_wait=self.train_loader.wait_seconds,
-            mfu=mfu(tokens_per_s / world, self.flops_per_token, self.peak),
+            mfu=mfu(tokens_per_s / world, self.flops_per_token, self.peak.value),
         )
         record.update({f"time_{k}": v for k, v in self.timers.end_step(self.step).items()})
         self.metrics.write(self.step, record)
+        after_step(self.rank, self.step, step_time)  # progress for the executor; test faults
         if self.step % cfg.log_every == 0 or self.step == cfg.steps:
             log.info(progress_line(self.step, cfg.steps, record))
         return record["loss"]
