@@ -210,7 +210,7 @@ def plot_hang(analysis: HangAnalysis, path: str | Path) -> Path:
     colours = {"waiting": "#9ecae1", "busy": "#fdae6b", "diverged": "#fdae6b",
                "silent": "#fcbba1", "stuck": "#de2d26"}
     gap = 1
-    fig, ax = plt.subplots(figsize=(min(3 + 2.2 * g.pp * g.tp, 30), min(2 + 1.2 * g.dp, 30)))
+    fig, ax = plt.subplots(figsize=(min(3 + 2.2 * g.pp * g.tp, 30), min(2.5 + 1.4 * g.dp, 30)))
     centre = {}
     for r, s in analysis.ranks.items():
         x = s.coords["pp"] * (g.tp + gap) + s.coords["tp"]
@@ -226,12 +226,14 @@ def plot_hang(analysis: HangAnalysis, path: str | Path) -> Path:
     edges = [(r, d) for r, s in analysis.ranks.items() for d in s.depends_on][:400]
     for r, d in edges:
         ax.annotate("", xy=centre[d], xytext=centre[r],
-                    arrowprops={"arrowstyle": "->", "color": "grey", "alpha": 0.5, "lw": 0.7})
+                    arrowprops={"arrowstyle": "-|>", "color": "#333333", "alpha": 0.7,
+                                "lw": 1.0, "shrinkA": 18, "shrinkB": 18,
+                                "connectionstyle": "arc3,rad=0.25"})
     for p in range(g.pp):
         ax.text(p * (g.tp + gap) + g.tp / 2, g.dp + 0.1, f"pp stage {p} (x: tp, y: dp)",
                 ha="center", fontsize=9)
     ax.set_xlim(-0.2, g.pp * (g.tp + gap) - gap + 0.2)
-    ax.set_ylim(-0.2, g.dp + 0.5)
+    ax.set_ylim(-0.6, g.dp + 0.5)
     ax.set_axis_off()
     ax.legend(handles=[Patch(color=c, label=k) for k, c in colours.items()],
               loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5, fontsize=8)

@@ -5,6 +5,7 @@ apart from communication. Every span is buffered in memory and written once per 
 line per span) to `out_dir/timers/rank{rank:05d}.jsonl`, so the cost per span is a few
 microseconds. On GPU a span records two CUDA events on the current stream; they are read one
 step later (when the GPU has long finished them), so the step's stream is never synchronised.
+`data` spans stay on the host clock even on GPU: waiting for the loader is the host's time.
 
 Accounting: per-kind totals use each span's *self time* -- the part of its interval not covered
 by a nested span -- so a `comm` span inside a `compute` span (the wait of a collective issued in
@@ -45,16 +46,16 @@ class _Span:
         t = self.timers
         self.thread = threading.get_ident()
         t._open.setdefault(self.thread, []).append(self)
-        if t._cuda:
+        self.start = time.perf_counter()  # before the event: a bound used by gpu_origin()
+        if t._cuda and self.kind != "data":  # a data wait is the host's: timed on the host
             self.ev_start = t._event()
             self.ev_start.record()
-        self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.end = time.perf_counter()
         t = self.timers
-        if t._cuda:
+        if self.ev_start is not None:
             self.ev_end = t._event()
             self.ev_end.record()
         stack = t._open.get(self.thread)
@@ -183,8 +184,9 @@ class Timers:
 
     def _new_anchor(self) -> tuple[torch.cuda.Event, float]:
         ev = self._event()
+        host = time.perf_counter()
         ev.record()
-        return ev, time.perf_counter()
+        return ev, host
 
     def _host_rows(self, closed: list[_Span], recorded: list) -> list[tuple]:
         rows = [(s.name, s.kind, s.start, s.end, s.attrs) for s in closed]
@@ -195,16 +197,17 @@ class Timers:
         if pending is None:
             return {}
         step, wall, closed, recorded, (anchor, anchor_host) = pending
-        rows = []
-        if closed:
+        timed = [s for s in closed if s.ev_start is not None]
+        if timed:
             # finished long ago: these are the previous step's. One wait covers the events
             # recorded before the last one on the same stream; elapsed_time checks the rest.
-            closed[-1].ev_end.synchronize()
-            for s in closed:
-                start = anchor_host + _elapsed(anchor, s.ev_start)
-                rows.append((s.name, s.kind, start, start + _elapsed(s.ev_start, s.ev_end),
-                             s.attrs))
-                self._pool += (s.ev_start, s.ev_end)
+            timed[-1].ev_end.synchronize()
+        gpu = [(s, _elapsed(anchor, s.ev_start), _elapsed(s.ev_start, s.ev_end)) for s in timed]
+        origin = gpu_origin(anchor_host, [(s.start, s.end, a, d) for s, a, d in gpu])
+        rows = [(s.name, s.kind, origin + a, origin + a + d, s.attrs) for s, a, d in gpu]
+        rows += [(s.name, s.kind, s.start, s.end, s.attrs) for s in closed if s.ev_start is None]
+        for s in timed:
+            self._pool += (s.ev_start, s.ev_end)
         self._pool.append(anchor)
         rows.extend(recorded)
         return self._emit(step, rows, wall)
@@ -229,6 +232,21 @@ class Timers:
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
         return totals
+
+
+def gpu_origin(anchor_host: float, spans: list[tuple[float, float, float, float]]) -> float:
+    """Host time (perf_counter) at which the GPU ran the step's anchor event, without a sync.
+
+    The anchor is recorded at host time `anchor_host` but runs when the GPU gets to it, later
+    if the GPU is behind. No event can run before the host records it, so for a span with host
+    times (start, end) and GPU offsets from the anchor (a, a + d), the anchor ran at or after
+    start - a and end - (a + d). The largest bound is exact whenever the GPU had caught up with
+    the host at some span boundary of the step -- after any host sync such as `loss.item()`.
+    """
+    bounds = [anchor_host]
+    for start, end, a, d in spans:
+        bounds += (start - a, end - a - d)
+    return max(bounds)
 
 
 def _elapsed(a: torch.cuda.Event, b: torch.cuda.Event) -> float:

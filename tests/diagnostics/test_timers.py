@@ -8,13 +8,22 @@ import time
 import pytest
 import torch
 
-from megascale.diagnostics.timers import Timers, get_timers, self_times, set_timers
+from megascale.diagnostics.timers import Timers, get_timers, gpu_origin, self_times, set_timers
 
 
 def test_self_times_nested_and_overlapping() -> None:
     assert self_times([(0, 10), (2, 5), (3, 4)]) == [7, 2, 1]
     assert self_times([(0, 10), (8, 12)]) == [8, 4]  # loose overlap: the later one owns 8..12
     assert self_times([]) == []
+
+
+def test_gpu_origin_is_exact_once_the_gpu_has_caught_up() -> None:
+    # anchor recorded at host t=10 while the GPU was 0.5 s behind: it ran at t=10.5.
+    # span 1 recorded at t=10.1 ran at 10.5..10.7 (queued); after a host sync at t=11,
+    # span 2 recorded at t=11.0 ran at once, 11.0..11.2.
+    spans = [(10.1, 10.12, 0.0, 0.2), (11.0, 11.01, 0.5, 0.2)]
+    assert gpu_origin(10.0, spans) == 10.5
+    assert gpu_origin(10.0, []) == 10.0  # nothing to learn from: the record time
 
 
 def test_comm_inside_compute_is_not_compute(tmp_path) -> None:
@@ -83,6 +92,8 @@ def test_cuda_spans_time_the_gpu_and_resolve_a_step_late(tmp_path) -> None:
     torch.cuda._sleep(10 * cycles)  # let the clocks ramp up first
     for step in range(3):
         torch.cuda.synchronize()  # as loss.item() would: the previous step is done on the GPU
+        with t.span("data", "data"):
+            time.sleep(0.01)  # waiting for the loader: host time, not GPU time
         with t.span("forward"):
             torch.cuda._sleep(2 * cycles)  # the host returns at once; the GPU is busy
             with t.span("all_reduce", "comm", op="all_reduce", group="dp"):
@@ -95,6 +106,7 @@ def test_cuda_spans_time_the_gpu_and_resolve_a_step_late(tmp_path) -> None:
         else:  # GPU time, not the microseconds the host spent launching
             assert totals["comm"] > 0.002, totals
             assert 1.5 < totals["compute"] / totals["comm"] < 3.0, totals
+            assert 0.009 < totals["data"] < 0.05, totals
     t.close()
     rows = [json.loads(line) for line in (tmp_path / "timers" / "rank00000.jsonl").open()]
     assert sorted({r["step"] for r in rows}) == [0, 1, 2]
