@@ -51,7 +51,8 @@ class TrainLoader:
         self._step = 0
         self._consumed = [0] * len(order.splits)
         self._thread: threading.Thread | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._credit = threading.Lock()  # released by each next_batch: prepare one more
         self._stop = threading.Event()
         if prefetch:
             self._start()
@@ -60,7 +61,7 @@ class TrainLoader:
     def next_batch(self) -> TokenBatch | None:
         start = time.perf_counter()
         if self._thread is not None:
-            step, batch, error = self._queue.get()
+            step, batch, error = self._ready.get()
             if error is not None:
                 raise error
             assert step == self._step, (step, self._step)
@@ -69,6 +70,9 @@ class TrainLoader:
         self._consumed = self.order.advance(self._step, self._consumed)
         self._step += 1
         self.wait_seconds = time.perf_counter() - start
+        if self._thread is not None:
+            # Last: the woken thread may take the GIL at once; it then runs during the step.
+            self._credit.release()
         return batch
 
     def state_dict(self) -> dict:
@@ -96,25 +100,25 @@ class TrainLoader:
     # -- background preparation ------------------------------------------------------------
     def _start(self) -> None:
         self._stop.clear()
-        self._queue = queue.Queue(maxsize=1)
+        self._ready, self._credit = queue.SimpleQueue(), threading.Lock()
+        self._credit.acquire()
         self._thread = threading.Thread(target=self._run, args=(self._step, list(self._consumed)),
                                         name="megascale-data-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self, step: int, consumed: list[int]) -> None:
+        """Prepare the batch of `step`, hand it over, wait until it is taken, go on with the next:
+        one batch ahead. C-level primitives only (SimpleQueue, Lock), so that taking a ready
+        batch never wakes this thread while the trainer's thread still holds the GIL."""
         while not self._stop.is_set():
             try:
-                item = (step, self._batch(step, consumed), None)
+                self._ready.put((step, self._batch(step, consumed), None))
             except BaseException as exc:  # handed to the trainer's thread
-                item = (step, None, exc)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if item[2] is not None:
+                self._ready.put((step, None, exc))
                 return
+            while not self._credit.acquire(timeout=0.1):
+                if self._stop.is_set():
+                    return
             consumed = self.order.advance(step, consumed)
             step += 1
 
