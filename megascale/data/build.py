@@ -14,7 +14,7 @@ from typing import Any
 from megascale.config.schema import JobConfig
 from megascale.data.corpus import ensure_default_corpus
 from megascale.data.dataset import GlobalOrder, split_windows
-from megascale.data.loader import EvalLoader, Producer, TrainLoader
+from megascale.data.loader import EvalLoader, Source, TrainLoader
 from megascale.data.shards import DataError, TokenStore
 from megascale.data.sharing import find_group, job_store, open_ring
 from megascale.data.sources import OwnReads, RingReader, RingWriter, Shape
@@ -121,7 +121,7 @@ def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
     if error is not None:
         raise error
 
-    produce: Producer = OwnReads(order, shape, dp_rank, needs_data)
+    produce: Source = OwnReads(order, shape, dp_rank, needs_data)
     if group is not None and ring is not None:
         part = group.dp_ranks.index(dp_rank)
         if group.is_reader:

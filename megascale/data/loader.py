@@ -2,7 +2,7 @@
 
 `TrainLoader` pulls step batches from a source (`sources.py`: this rank reading the shards
 itself, the node's reader writing to shared memory, or a copy out of shared memory) and, with
-`data.prefetch`, runs that producer one step ahead in a background thread, so the batch for step
+`data.prefetch`, runs that source one step ahead in a background thread, so the batch for step
 k+1 is ready when step k ends. `wait_seconds` is what the trainer records as data wait.
 """
 
@@ -35,13 +35,13 @@ def to_batch(pair: np.ndarray) -> TokenBatch:
 
 
 # source(step, consumed, stop) -> [2, M, B, L] int32 for this rank, or None (see sources.py)
-Producer = Callable[[int, list[int], threading.Event], "np.ndarray | None"]
+Source = Callable[[int, list[int], threading.Event], "np.ndarray | None"]
 
 
 class TrainLoader:
     """Step batches for this rank, in order, resumable; optionally one step ahead."""
 
-    def __init__(self, order: GlobalOrder, produce: Producer, prefetch: bool,
+    def __init__(self, order: GlobalOrder, produce: Source, prefetch: bool,
                  fingerprint: str, on_close: Callable[[], None] | None = None):
         self.order, self._produce, self.prefetch = order, produce, prefetch
         self.fingerprint = fingerprint

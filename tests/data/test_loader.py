@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -117,3 +118,28 @@ def test_eval_batches_are_fixed_and_disjoint_from_training(dataset):
                   for s in b.inputs.reshape(-1, 32)}
     assert not val_seqs & train_seqs
     train.close()
+
+
+def test_prefetch_prepares_the_next_batch_during_the_step(dataset):
+    """A slow source (0.2 s per batch, like slow storage): with prefetch the batch is ready after
+    a 0.4 s step, without it every call waits the full read."""
+    from megascale.data.loader import TrainLoader
+
+    base, _ = build_loaders(job(dataset[0], data__prefetch=False), None)
+
+    def slow(step, consumed, stop):
+        time.sleep(0.2)
+        return base._produce(step, consumed, stop)
+
+    waits = {}
+    for prefetch in (True, False):
+        loader = TrainLoader(base.order, slow, prefetch, base.fingerprint)
+        loader.next_batch()
+        waits[prefetch] = []
+        for _ in range(3):
+            time.sleep(0.4)
+            loader.next_batch()
+            waits[prefetch].append(loader.wait_seconds)
+        loader.close()
+    base.close()
+    assert max(waits[True]) < 0.1 and min(waits[False]) >= 0.2, waits
