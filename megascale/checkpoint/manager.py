@@ -187,7 +187,11 @@ class CheckpointManager:
 
     def _collect(self, writer: subprocess.Popen) -> None:
         for line in writer.stdout:
-            message = json.loads(line)
+            try:
+                message = json.loads(line)
+            except ValueError:  # something else printed: pass it on
+                log.info("checkpoint writer: %s", line.rstrip())
+                continue
             self._results.put((message["kind"], message["step"], message["info"]))
 
     def _send(self, message: dict) -> None:

@@ -1,0 +1,38 @@
+"""Ctrl-C saves a checkpoint of the step reached and exits cleanly; the next run resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.checkpoint.conftest import TINY
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_ctrl_c_saves_and_resume_continues(tmp_path):
+    args = [sys.executable, "-m", "megascale.cli", "train", *TINY, f"--train.run_dir={tmp_path}",
+            "--train.steps=100000", "--checkpoint.every=0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+            not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, proc.stderr.read().decode()[-2000:]
+    manifests = list((tmp_path / "checkpoints").glob("step_*/manifest.json"))
+    assert len(manifests) == 1
+    saved = json.loads(manifests[0].read_text())["step"]
+    assert saved >= 3
+    done = subprocess.run(args[:-2] + [f"--train.steps={saved + 1}"], env=env,
+                          capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"at step {saved}" in (tmp_path / "rank00000.log").read_text()
