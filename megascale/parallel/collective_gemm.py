@@ -50,9 +50,21 @@ def _issue(pending: Pending, tp: TPContext) -> Pending:
 
 
 def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a^T b over the flattened leading dimensions (a weight-gradient GEMM)."""
-    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-    return a2.t() @ b2 if acc is None else acc.addmm_(a2.t(), b2)
+    """acc + a^T b over the flattened leading dimensions (a weight-gradient GEMM), summed over
+    chunks in fp32 whatever the compute dtype."""
+    part = a.reshape(-1, a.shape[-1]).t() @ b.reshape(-1, b.shape[-1])
+    return part.float() if acc is None else acc.add_(part)
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Cast to the autocast dtype when autocast is on, as `F.linear` would: the chunks, the
+    collectives and the saved activations then all run in the compute dtype (bf16 on GPU).
+    The Functions run their GEMMs with autocast off and return gradients in the input dtypes."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 class _AllGatherMatmul(Function):
@@ -61,16 +73,19 @@ class _AllGatherMatmul(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 tp: TPContext) -> torch.Tensor:
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        x, weight, bias = _compute_dtype(x, weight, bias)
         batch, local, _ = x.shape
         ranges = _plan(tp, local)
         pending = [_issue(start_all_gather(x[:, r0:r1], tp), tp) for r0, r1 in ranges]
         out = x.new_empty(batch, tp.size, local, weight.shape[0])
         gathered = []
-        for (r0, r1), p in zip(ranges, pending, strict=True):
-            chunk = p.wait()  # [tp, b, r1-r0, k]: AG(c+1..) still in flight while this GEMM runs
-            out[:, :, r0:r1] = F.linear(chunk, weight, bias).transpose(0, 1)
-            gathered.append(chunk)
-        ctx.tp, ctx.ranges, ctx.has_bias = tp, ranges, bias is not None
+        with torch.autocast(x.device.type, enabled=False):
+            for (r0, r1), p in zip(ranges, pending, strict=True):
+                chunk = p.wait()  # [tp, b, r1-r0, k]: AG(c+1..) in flight while this GEMM runs
+                out[:, :, r0:r1] = F.linear(chunk, weight, bias).transpose(0, 1)
+                gathered.append(chunk)
+        ctx.tp, ctx.ranges = tp, ranges
         ctx.save_for_backward(weight, *gathered)
         return out.view(batch, tp.size * local, -1)
 
@@ -78,21 +93,24 @@ class _AllGatherMatmul(Function):
     def backward(ctx, grad_out: torch.Tensor):
         weight, *gathered = ctx.saved_tensors
         tp: TPContext = ctx.tp
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
         batch, seq, n = grad_out.shape
         local = seq // tp.size
-        grad = grad_out.reshape(batch, tp.size, local, n)
+        grad = grad_out.to(weight.dtype).reshape(batch, tp.size, local, n)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        pending, grad_w = [], None
-        for (r0, r1), chunk in zip(ctx.ranges, gathered, strict=True):
-            g = grad[:, :, r0:r1].transpose(0, 1)  # [tp, b, c, n], the order of `chunk`
-            if need_x:
-                pending.append(_issue(start_reduce_scatter(g.matmul(weight), tp), tp))
-            if need_w:  # runs while the reduce-scatter of this chunk is in flight
-                grad_w = _accumulate(grad_w, g, chunk)
-        grad_b = grad_out.sum((0, 1)) if ctx.has_bias and need_b else None
-        grad_x = None
+        pending, grad_w, grad_b, grad_x = [], None, None, None
+        with torch.autocast(grad.device.type, enabled=False):
+            for (r0, r1), chunk in zip(ctx.ranges, gathered, strict=True):
+                g = grad[:, :, r0:r1].transpose(0, 1)  # [tp, b, c, n], the order of `chunk`
+                if need_x:
+                    pending.append(_issue(start_reduce_scatter(g.matmul(weight), tp), tp))
+                if need_w:  # runs while the reduce-scatter of this chunk is in flight
+                    grad_w = _accumulate(grad_w, g, chunk)
+            grad_w = None if grad_w is None else grad_w.to(w_dtype)
+            if b_dtype is not None and need_b:
+                grad_b = grad_out.sum((0, 1), dtype=torch.float32).to(b_dtype)
         if need_x:
-            grad_x = grad_out.new_empty(batch, local, weight.shape[1])
+            grad_x = grad.new_empty(batch, local, weight.shape[1], dtype=x_dtype)
             for (r0, r1), p in zip(ctx.ranges, pending, strict=True):
                 grad_x[:, r0:r1] = p.wait()
         return grad_x, grad_w, grad_b, None
@@ -103,15 +121,19 @@ class _MatmulReduceScatter(Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.dtypes = (x.dtype, weight.dtype)
+        x, weight = _compute_dtype(x, weight)
         batch, seq, k = x.shape
         start, end = tp.seq_range(seq)
         local = end - start
         ranges = _plan(tp, local)
         parts = x.reshape(batch, tp.size, local, k)
-        pending = [
-            _issue(start_reduce_scatter(F.linear(parts[:, :, r0:r1].transpose(0, 1), weight), tp), tp)
-            for r0, r1 in ranges  # GEMM(c+1) runs while RS(c) is in flight
-        ]
+        with torch.autocast(x.device.type, enabled=False):
+            pending = [  # GEMM(c+1) runs while RS(c) is in flight
+                _issue(start_reduce_scatter(F.linear(parts[:, :, r0:r1].transpose(0, 1), weight),
+                                            tp), tp)
+                for r0, r1 in ranges
+            ]
         out = x.new_empty(batch, local, weight.shape[0])
         for (r0, r1), p in zip(ranges, pending, strict=True):
             out[:, r0:r1] = p.wait()
@@ -123,19 +145,23 @@ class _MatmulReduceScatter(Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         tp: TPContext = ctx.tp
+        x_dtype, w_dtype = ctx.dtypes
         batch, seq, k = x.shape
         local = seq // tp.size
         parts = x.reshape(batch, tp.size, local, k)
         need_x, need_w = ctx.needs_input_grad[:2]
+        grad_out = grad_out.to(weight.dtype)
         pending = [_issue(start_all_gather(grad_out[:, r0:r1], tp), tp) for r0, r1 in ctx.ranges]
-        grad_x = x.new_empty(batch, tp.size, local, k) if need_x else None
+        grad_x = x.new_empty(batch, tp.size, local, k, dtype=x_dtype) if need_x else None
         grad_w = None
-        for (r0, r1), p in zip(ctx.ranges, pending, strict=True):
-            g = p.wait()  # [tp, b, c, n]; the gathers of later chunks land meanwhile
-            if need_x:
-                grad_x[:, :, r0:r1] = g.matmul(weight).transpose(0, 1)
-            if need_w:
-                grad_w = _accumulate(grad_w, g, parts[:, :, r0:r1].transpose(0, 1))
+        with torch.autocast(x.device.type, enabled=False):
+            for (r0, r1), p in zip(ctx.ranges, pending, strict=True):
+                g = p.wait()  # [tp, b, c, n]; the gathers of later chunks land meanwhile
+                if need_x:
+                    grad_x[:, :, r0:r1] = g.matmul(weight).transpose(0, 1)
+                if need_w:
+                    grad_w = _accumulate(grad_w, g, parts[:, :, r0:r1].transpose(0, 1))
+        grad_w = None if grad_w is None else grad_w.to(w_dtype)
         return (grad_x.view(batch, seq, k) if need_x else None), grad_w, None
 
 

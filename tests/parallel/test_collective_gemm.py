@@ -143,6 +143,32 @@ def test_single_rank_group_and_gradcheck():
     assert torch.autograd.gradcheck(lambda x, w: matmul_reduce_scatter(x, w, tp), (x, w))
 
 
+def test_bf16_autocast_casts_like_linear():
+    """Under autocast the GEMMs (and so the collectives) run in bf16, gradients come back in
+    the inputs' fp32, and the weight gradient is accumulated over chunks in fp32."""
+    tp = TPContext(None, 0, 1, True, True, 3)
+    t = whole_tensors(1)
+    cases = (
+        (lambda x, w, b: all_gather_matmul(x, w, b, tp), (t["x"], t["w"], t["b"])),
+        (lambda x, w: matmul_reduce_scatter(x, w, tp), (t["x_row"], t["w_row"])),
+    )
+    for call, args in cases:
+        fp32 = [leaf(a) for a in args]
+        bf16 = [leaf(a) for a in args]
+        want = call(*fp32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = call(*bf16)
+        assert got.dtype == torch.bfloat16
+        want.sum().backward()
+        got.float().sum().backward()
+        for a, b in zip(bf16, fp32, strict=True):
+            assert a.grad.dtype == torch.float32
+            scale = float(b.grad.abs().max())
+            torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2 * scale)
+        scale = float(want.detach().abs().max())
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * scale)
+
+
 def test_chunk_ranges():
     assert chunk_ranges(6, 4) == [(0, 1), (1, 3), (3, 4), (4, 6)]
     assert chunk_ranges(6, 1) == [(0, 6)]

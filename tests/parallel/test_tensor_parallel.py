@@ -58,12 +58,13 @@ def batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def forward_backward(model: GPT, tokens, labels, mesh=None) -> dict:
-    loss = model(tokens, labels)
-    loss.backward()
-    sync_sequence_parallel_grads(model.parameters(), mesh)
-    with torch.no_grad():
-        logits = model(tokens)
+def forward_backward(model: GPT, tokens, labels, mesh=None, bf16: bool = False) -> dict:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(tokens, labels)
+        loss.backward()
+        sync_sequence_parallel_grads(model.parameters(), mesh)
+        with torch.no_grad():
+            logits = model(tokens).float()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"loss": loss.detach(), "logits": logits, "grads": grads, "model": model}
 
@@ -75,14 +76,16 @@ def close(got: torch.Tensor, want: torch.Tensor, label: str, rtol: float = RTOL)
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{label}: {m}")
 
 
-def compare(got: dict, want: dict, label: str) -> None:
+def compare(got: dict, want: dict, label: str, rtol: float = RTOL) -> None:
     """`got` is a tensor-parallel run, `want` the single-process one (whole gradients)."""
-    close(got["loss"], want["loss"], label)
-    close(got["logits"], want["logits"], label)
+    close(got["loss"], want["loss"], label, rtol)
+    close(got["logits"], want["logits"], label, rtol)
     params = dict(got["model"].named_parameters())
     assert params.keys() == want["grads"].keys(), label
     for name, grad in got["grads"].items():
-        close(grad, tp_slice(want["grads"][name], shard_spec(params[name])), f"{label}: {name}")
+        assert grad.dtype == torch.float32, f"{label}: {name} gradient is {grad.dtype}"
+        expected = tp_slice(want["grads"][name], shard_spec(params[name]))
+        close(grad, expected, f"{label}: {name}", rtol)
 
 
 def _cases(tp: int) -> list[tuple[str, ModelConfig, bool, bool, int]]:
@@ -128,6 +131,19 @@ def _parity_rank(tp: int) -> list[str]:
                 for name, grad in got["grads"].items():
                     close(grad, on["grads"][name], f"{label}: {name}", rtol=1e-6)
             done.append(label)
+        # bf16 autocast (the GPU training path, here on CPU): the collective GEMMs cast like
+        # F.linear, communicate bf16 and return fp32 gradients; bf16 rounding tolerance
+        for block in ("serial", "parallel"):
+            mcfg = model_config(block=block, window=8)
+            tokens, labels = batch(mcfg.vocab_size, seed=7)
+            torch.manual_seed(0)
+            reference = GPT(mcfg)
+            model = copy.deepcopy(reference)
+            want = forward_backward(reference, tokens, labels, bf16=True)
+            apply_tensor_parallel(model, job_config(mcfg, tp, True, True, 2), mesh)
+            got = forward_backward(model, tokens, labels, mesh, bf16=True)
+            compare(got, want, f"tp={tp} {block} bf16 autocast", rtol=3e-2)
+            done.append(f"tp={tp} {block} bf16")
         # a model the mesh cannot split stops before any collective: the group stays in step
         five_heads = model_config(hidden=40, heads=5)
         with pytest.raises(ConfigError, match=rf"tp={tp} must divide model.heads=5"):
@@ -143,7 +159,7 @@ def _parity_rank(tp: int) -> list[str]:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parity_matrix(tp):
     done = run_local(_parity_rank, tp, (tp,), timeout_s=280)
-    assert done[0] == done[-1] and len(done[0]) == len(_cases(tp))
+    assert done[0] == done[-1] and len(done[0]) == len(_cases(tp)) + 2
 
 
 def test_tp1_rewrite_in_process():
