@@ -13,6 +13,7 @@ import queue
 import socket
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ def run_local(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
+        "MEGASCALE_JOB_ID": uuid.uuid4().hex[:12],  # a fresh key namespace on shared stores
         **(env or {}),
     }
     procs = [
@@ -81,6 +83,26 @@ def run_local(
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+def run_with_stores(
+    fn: Callable[..., Any],
+    world_size: int,
+    redis_url: str,
+    args: tuple = (),
+    timeout_s: float = 120.0,
+) -> dict[str, list[Any]]:
+    """Run `fn(overrides, *args)` on TCPStore, then on Redis; results by store name.
+
+    `overrides` are `--parallel.store=...`/`--parallel.redis_url=...` strings for
+    `load_config`, so a training entry point runs unchanged on either store and a parity
+    test compares the two result lists.
+    """
+    out = {}
+    for store in ("tcp", "redis"):
+        overrides = [f"--parallel.store={store}", f"--parallel.redis_url={redis_url}"]
+        out[store] = run_local(fn, world_size, (overrides, *args), timeout_s=timeout_s)
+    return out
 
 
 def _describe(errors: dict[int, str]) -> str:

@@ -184,15 +184,7 @@ def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
         groups: dict[str, ProcessGroup | None] = {dim: None for dim in DIMS}
         return ParallelMesh(grid, 0, dev, backend, groups, stats, timeout, None)
 
-    if dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is already initialised; init_mesh creates the default group "
-            "itself (call mesh.destroy() before creating another mesh)"
-        )
-    counter = CountingStore(create_store(cfg, rank, env_world, StoreAddress.from_env()))
-    dist.init_process_group(
-        backend=backend, store=counter, rank=rank, world_size=env_world, timeout=timeout
-    )
+    counter = join_world(cfg, rank, env_world, backend, timeout)
     init_ops = counter.total_ops
     groups, created = create_groups(grid, rank, timeout)
     stats = StartupStats(
@@ -206,6 +198,22 @@ def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
     )
     log.info("rank %d %s", rank, stats.summary())
     return ParallelMesh(grid, rank, dev, backend, groups, stats, timeout, counter)
+
+
+def join_world(
+    cfg: ParallelConfig, rank: int, world_size: int, backend: str, timeout: timedelta
+) -> CountingStore:
+    """Create the default group on the configured store; the counter sees all later traffic."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialised; init_mesh creates the default group "
+            "itself (call mesh.destroy() before creating another mesh)"
+        )
+    counter = CountingStore(create_store(cfg, rank, world_size, StoreAddress.from_env()))
+    dist.init_process_group(
+        backend=backend, store=counter, rank=rank, world_size=world_size, timeout=timeout
+    )
+    return counter
 
 
 def create_groups(

@@ -1,0 +1,312 @@
+"""Start-up benchmark (issue 10): group creation schemes and rendezvous stores, side by side.
+
+Part 1 -- the full (pp, dp, tp) mesh on CPU/gloo, processes on this machine, world 4, 8, 16:
+  naive-tcp    Megatron-LM style: every rank enters `new_group` for every group of the job and
+               each creation ends with a store barrier over the whole world (PyTorch < 2.1
+               behaviour, restored here with TORCH_DIST_INIT_BARRIER=1). Kept only here.
+  local-tcp    megascale's `init_mesh`: each rank creates only its own groups, no global barrier
+  local-redis  the same on the Redis store
+Time is from a common start line (all ranks imported and waiting) to the last rank done;
+store operations are counted per rank by `CountingStore`.
+
+Part 2 -- store load: simulated ranks (threads spread over a few processes, one client each)
+do the start-up's pattern (publish an address, read 7 peers' addresses, join a global barrier)
+against a TCPStore and a redis-server, for worlds 256, 1024, 4096.
+
+    python bench/startup.py [--reps 2] [--worlds 4 8 16] [--load-worlds 256 1024 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megascale.config import ParallelConfig
+from megascale.parallel.grid import DIMS, Dim, RankGrid
+from megascale.parallel.launch import run_local
+from megascale.parallel.mesh import create_groups, init_mesh, join_world
+from megascale.parallel.redis_server import RedisServer
+from megascale.parallel.redis_store import RedisStore
+
+LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2), 16: (4, 2, 2)}  # (pp, dp, tp)
+SCHEMES = ("naive-tcp", "local-tcp", "local-redis")
+TIMEOUT = timedelta(seconds=300)
+
+
+def create_groups_naive(grid: RankGrid, dims: tuple[Dim, ...] = DIMS) -> int:
+    """Every rank creates every group, with a global store barrier after each; returns count.
+
+    Same skip rules as the project (size-1, world-sized and duplicate groups are not created),
+    so the only differences measured are the global barrier and who enters each creation.
+    """
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
+    made: set[tuple[int, ...]] = set()
+    try:
+        for dim in dims:
+            for ranks in grid.groups(dim):
+                if len(ranks) in (1, grid.world_size) or tuple(ranks) in made:
+                    continue
+                made.add(tuple(ranks))
+                dist.new_group(ranks, timeout=TIMEOUT)
+    finally:
+        del os.environ["TORCH_DIST_INIT_BARRIER"]
+    return len(made)
+
+
+def creation_ops(layout: tuple[int, int, int], dims: tuple[Dim, ...]) -> dict:
+    """One rank: store ops and barriers of creating `dims` locally, then the naive way.
+
+    Both phases run on one default group (TCPStore), so the world's rendezvous is not counted.
+    """
+    grid = RankGrid(*layout)
+    rank = int(os.environ["RANK"])
+    cfg = _config(layout, "tcp", "")
+    counter = join_world(cfg, rank, grid.world_size, "gloo", TIMEOUT)
+    try:
+        out = {}
+        for phase in ("local", "naive"):
+            counter.reset()
+            if phase == "local":
+                _, created = create_groups(grid, rank, TIMEOUT, dims)
+            else:
+                created = create_groups_naive(grid, dims)
+            out[phase] = {"ops": counter.total_ops, "barriers": counter.barriers, "groups": created}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def startup_rank(gate_port: int, scheme: str, layout: tuple[int, int, int], url: str) -> dict:
+    """One rank of one timed start-up: wait at the gate, build the mesh, check it, report."""
+    gate = dist.TCPStore("127.0.0.1", gate_port, is_master=False, wait_for_workers=False)
+    gate.add("ready", 1)
+    gate.wait(["go"])
+    cfg = _config(layout, "redis" if scheme.endswith("redis") else "tcp", url)
+    if scheme.startswith("naive"):
+        os.environ["TORCH_DIST_INIT_BARRIER"] = "1"  # the init barrier of that era too
+        counter = join_world(cfg, int(os.environ["RANK"]), cfg.world_size, "gloo", TIMEOUT)
+        created = create_groups_naive(RankGrid(*layout))
+        ops, barriers = counter.total_ops, counter.barriers
+    else:
+        mesh = init_mesh(cfg, device="cpu")
+        s = mesh.startup
+        ops, barriers, created = s.total_store_ops, s.barriers, s.groups_created
+    t1 = time.time()
+    check = torch.ones(1)
+    dist.all_reduce(check)  # a broken start-up must not look fast
+    assert int(check.item()) == cfg.world_size
+    dist.destroy_process_group()  # the store (counter/mesh) stays referenced until here
+    return {"t1": t1, "ops": ops, "barriers": barriers, "groups": created}
+
+
+def gated_run(world: int, scheme: str, layout: tuple[int, int, int], url: str) -> tuple[float, list[dict]]:
+    """Run `startup_rank` on `world` processes, released together once all are ready.
+
+    Returns the release time (the common start line) and every rank's report.
+    """
+    gate = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    released: list[float] = []
+
+    def release() -> None:
+        while gate.add("ready", 0) < world:
+            time.sleep(0.05)
+        released.append(time.time())
+        gate.set("go", "1")
+
+    opener = threading.Thread(target=release, daemon=True)
+    opener.start()
+    # The launcher hosts the TCPStore, as torchrun's agent does, so no rank races its start.
+    env = {"MASTER_PORT": str(gate.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    results = run_local(startup_rank, world, (gate.port, scheme, layout, url), env, timeout_s=600)
+    return released[0], results
+
+
+def bench_mesh(worlds: list[int], reps: int, url: str) -> list[dict]:
+    rows = []
+    for world in worlds:
+        layout = LAYOUTS[world]
+        times: dict[str, list[float]] = {s: [] for s in SCHEMES}
+        per_rank: dict[str, dict] = {}
+        for rep in range(reps if world < 16 else 1):
+            for scheme in SCHEMES:  # interleaved, so machine noise hits all schemes alike
+                start, res = gated_run(world, scheme, layout, url)
+                times[scheme].append(max(r["t1"] for r in res) - start)
+                per_rank[scheme] = {
+                    "ops_mean": statistics.mean(r["ops"] for r in res),
+                    "ops_max": max(r["ops"] for r in res),
+                    "barriers": res[0]["barriers"],
+                    "groups_per_rank": res[0]["groups"],
+                }
+                print(f"  world {world} rep {rep} {scheme}: {times[scheme][-1]:.3f}s", flush=True)
+        for scheme in SCHEMES:
+            rows.append(
+                {
+                    "world": world,
+                    "layout_pp_dp_tp": layout,
+                    "scheme": scheme,
+                    "time_s": statistics.median(times[scheme]),
+                    "times_s": times[scheme],
+                    **per_rank[scheme],
+                }
+            )
+    return rows
+
+
+# -- part 2: store load ------------------------------------------------------------------------
+GROUP = 8  # peers whose address each simulated rank reads (its tp/dp neighbourhood)
+
+
+def _client(kind: str, addr: str, prefix: str) -> dist.Store:
+    if kind == "redis":
+        return RedisStore(addr, prefix=prefix, timeout=TIMEOUT)
+    host, port = addr.split(":")
+    tcp = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=TIMEOUT)
+    return dist.PrefixStore(prefix, tcp)
+
+
+def _simulated_rank(store: dist.Store, rank: int, world: int, go: threading.Event, done: list[float]) -> None:
+    go.wait()
+    store.set(f"addr/{rank}", os.urandom(64))
+    base = rank // GROUP * GROUP
+    for peer in range(base, min(base + GROUP, world)):
+        if peer != rank:
+            store.get(f"addr/{peer}")
+    if store.add("barrier", 1) == world:
+        store.set("barrier/done", b"1")
+    store.wait(["barrier/done"])
+    done.append(time.time())
+
+
+def _load_worker(
+    kind: str,
+    addr: str,
+    prefix: str,
+    ranks: list[int],
+    world: int,
+    ready: mp.Queue,
+    go: mp.Event,
+    out: mp.Queue,
+) -> None:
+    clients = [_client(kind, addr, prefix) for _ in ranks]  # connections are made before the clock
+    local_go = threading.Event()
+    done: list[float] = []
+    threads = [
+        threading.Thread(target=_simulated_rank, args=(c, r, world, local_go, done))
+        for c, r in zip(clients, ranks, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    ready.put(len(ranks))
+    go.wait()
+    local_go.set()
+    for t in threads:
+        t.join()
+    out.put(max(done))
+
+
+def load_test(kind: str, addr: str, prefix: str, world: int, procs: int) -> float:
+    """Seconds from release to the last simulated rank through the barrier."""
+    ctx = mp.get_context("spawn")
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    shards = [list(range(world))[i::procs] for i in range(procs)]
+    workers = [ctx.Process(target=_load_worker, args=(kind, addr, prefix, s, world, ready, go, out)) for s in shards]
+    for w in workers:
+        w.start()
+    for _ in workers:
+        ready.get(timeout=300)
+    start = time.time()
+    go.set()
+    end = max(out.get(timeout=600) for _ in workers)
+    for w in workers:
+        w.join()
+    return end - start
+
+
+def bench_load(worlds: list[int], procs: int, reps: int, server: RedisServer) -> list[dict]:
+    tcp_server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rows = []
+    for world in worlds:
+        times: dict[str, list[float]] = {"tcp": [], "redis": []}
+        for rep in range(reps):
+            for kind in ("tcp", "redis"):
+                addr = f"127.0.0.1:{tcp_server.port}" if kind == "tcp" else server.url
+                prefix = f"load/{world}/{rep}/"  # a fresh key space per run
+                times[kind].append(load_test(kind, addr, prefix, world, procs))
+                print(f"  load world {world} rep {rep} {kind}: {times[kind][-1]:.3f}s", flush=True)
+        for kind, ts in times.items():
+            rows.append(
+                {
+                    "world": world,
+                    "store": kind,
+                    "time_s": statistics.median(ts),
+                    "times_s": ts,
+                    "ops_per_rank": GROUP + 2,
+                }
+            )
+    return rows
+
+
+def _config(layout: tuple[int, int, int], store: str, url: str) -> ParallelConfig:
+    pp, dp, tp = layout
+    return ParallelConfig(pp=pp, dp=dp, tp=tp, store=store, redis_url=url or "redis://x:1/0")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--reps", type=int, default=2, help="repetitions (world 16: once)")
+    parser.add_argument("--load-worlds", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--load-procs", type=int, default=4)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "startup.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with RedisServer() as server:
+        print("mesh start-up (CPU, gloo):", flush=True)
+        mesh_rows = bench_mesh(args.worlds, args.reps, server.url)
+        print("store load (simulated ranks):", flush=True)
+        load_rows = bench_load(args.load_worlds, args.load_procs, args.reps, server)
+    print_tables(mesh_rows, load_rows)
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "mesh": mesh_rows,
+        "load": load_rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+def print_tables(mesh_rows: list[dict], load_rows: list[dict]) -> None:
+    print(
+        f"\n{'world':>5} {'scheme':<12} {'time s':>7} {'vs naive':>8} {'ops/rank':>9} "
+        f"{'max ops':>8} {'barriers':>8} {'groups':>6}"
+    )
+    naive = {r["world"]: r["time_s"] for r in mesh_rows if r["scheme"] == "naive-tcp"}
+    for r in mesh_rows:
+        ratio = naive[r["world"]] / r["time_s"] if r["time_s"] else float("nan")
+        print(
+            f"{r['world']:>5} {r['scheme']:<12} {r['time_s']:>7.3f} {ratio:>7.2f}x "
+            f"{r['ops_mean']:>9.1f} {r['ops_max']:>8} {r['barriers']:>8} "
+            f"{r['groups_per_rank']:>6}"
+        )
+    print(f"\n{'world':>5} {'tcp s':>8} {'redis s':>8} {'tcp/redis':>9}")
+    by = {(r["world"], r["store"]): r["time_s"] for r in load_rows}
+    for world in sorted({r["world"] for r in load_rows}):
+        tcp, red = by[(world, "tcp")], by[(world, "redis")]
+        print(f"{world:>5} {tcp:>8.3f} {red:>8.3f} {tcp / red:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

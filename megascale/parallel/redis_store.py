@@ -1,0 +1,167 @@
+"""A `torch.distributed.Store` on Redis, for rendezvous and process-group creation.
+
+MegaScale replaced PyTorch's TCPStore, which then served every request from one thread, with
+Redis and cut Megatron's start-up on 2,048 GPUs from 1,047 s to 361 s. This store keeps
+TCPStore's semantics (blocking `get`/`wait` with the store's timeout, `add` returning the new
+count, `compare_set` as in c10d) so gloo and NCCL use it unchanged:
+
+- every key lives under a prefix `megascale/<job>/attempt<k>/`, so a restarted job never reads
+  the addresses or barrier counters its previous attempt left behind;
+- writers publish the key name on a channel after writing, so a waiter subscribes, re-checks,
+  and sleeps until told, instead of polling Redis;
+- an unreachable server fails within `connect_timeout_s` with an error naming the address.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import redis
+import torch.distributed as dist
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+# TCPStore semantics of compare_set, atomically: set only if the current value is `expected`
+# (a missing key counts as ""); return the value now stored, or `expected` if the key is absent.
+_COMPARE_SET = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur and ARGV[1] == '') or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2])
+  redis.call('PUBLISH', KEYS[1], '1')
+  return ARGV[2]
+end
+if not cur then return ARGV[1] end
+return cur
+"""
+
+
+class StoreUnreachableError(ConnectionError):
+    """The rendezvous store could not be reached; the message names its address."""
+
+
+class RedisStore(dist.Store):
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "",
+        timeout: timedelta = timedelta(seconds=300),
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.url = url
+        self.prefix = prefix
+        self.set_timeout(timeout)
+        self._client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=min(connect_timeout_s, 5.0),
+            retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by connect_timeout_s
+        )
+        kw = self._client.connection_pool.connection_kwargs
+        self.address = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+        self._ping(connect_timeout_s)
+        self._compare_set = self._client.register_script(_COMPARE_SET)
+        self._local = threading.local()
+
+    def _ping(self, connect_timeout_s: float) -> None:
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                self._client.ping()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise StoreUnreachableError(
+                        f"Redis store at {self.address} ({self.url}) not reachable within "
+                        f"{connect_timeout_s:.0f}s: {exc}. Start redis-server there or fix "
+                        "parallel.redis_url"
+                    ) from exc
+                time.sleep(0.2)
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    # -- the Store interface -----------------------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._k(key), value)
+        pipe.publish(self._k(key), b"1")
+        pipe.execute()
+
+    def get(self, key: str) -> bytes:
+        value = self._client.get(self._k(key))
+        while value is None:
+            self._wait_for([key], self.timeout)
+            value = self._client.get(self._k(key))
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.incrby(self._k(key), amount)
+        pipe.publish(self._k(key), b"1")
+        return int(pipe.execute()[0])
+
+    def append(self, key: str, value: bytes | str) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.append(self._k(key), value)
+        pipe.publish(self._k(key), b"1")
+        pipe.execute()
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._compare_set(keys=[self._k(key)], args=[expected, desired])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._client.exists(*[self._k(k) for k in keys]) == len(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._client.delete(self._k(key)))
+
+    def num_keys(self) -> int:
+        return sum(1 for _ in self._client.scan_iter(match=self._glob(), count=1000))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists, or raise after `timeout` (the store's by default)."""
+        if not self.check(keys):
+            self._wait_for(keys, timeout or self.timeout)
+
+    def _wait_for(self, keys: list[str], timeout: timedelta) -> None:
+        # One subscriber connection per thread, kept open: reconnecting for every wait would
+        # cost more round trips than the wait itself.
+        pubsub = getattr(self._local, "pubsub", None)
+        if pubsub is None:
+            pubsub = self._local.pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        channels = [self._k(k) for k in keys]
+        limit = timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        pubsub.subscribe(*channels)
+        try:
+            while not self.check(keys):  # checked after subscribing: no lost wake-up
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [k for k in keys if not self._client.exists(self._k(k))]
+                    raise dist.DistStoreError(
+                        f"wait timed out after {limit:.0f}s on Redis store {self.address}: "
+                        f"keys {missing} under prefix {self.prefix!r} never appeared"
+                    )
+                pubsub.get_message(timeout=min(left, 1.0))
+        finally:
+            pubsub.unsubscribe(*channels)
+
+    # -- housekeeping --------------------------------------------------------------------------
+    def clear(self) -> int:
+        """Delete every key of this store's prefix (a finished attempt); returns how many."""
+        names = list(self._client.scan_iter(match=self._glob(), count=1000))
+        for i in range(0, len(names), 1000):
+            self._client.unlink(*names[i : i + 1000])
+        return len(names)
+
+    def _glob(self) -> str:
+        special = "*?[]\\"
+        return "".join("\\" + c if c in special else c for c in self.prefix) + "*"
+
+    def close(self) -> None:
+        pubsub = getattr(self._local, "pubsub", None)
+        if pubsub is not None:
+            pubsub.close()
+        self._client.close()
