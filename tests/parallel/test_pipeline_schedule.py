@@ -1,5 +1,5 @@
-"""Pipeline schedules as data, checked without processes: ordering, message pairing, deadlock
-freedom (decoupled and coupled sends), the bubble formula and peak activation memory."""
+"""Pipeline schedules as data, checked without processes: ordering, message pairing, per-link
+order, deadlock freedom (decoupled and coupled sends), the bubble formula and peak memory."""
 
 from __future__ import annotations
 
@@ -74,6 +74,19 @@ def test_sends_pair_with_receives_posted_before_use(kind, p, v, m):
     assert set(sends.values()) == {1}
     # one activation and one gradient across each of the p*v - 1 chunk boundaries per micro-batch
     assert sum(sends.values()) == 2 * (p * v - 1) * m
+
+
+@pytest.mark.parametrize(("kind", "p", "v", "m"), CASES + [("forward", 4, 2, 8)])
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+def test_each_link_receives_in_the_order_it_sends(kind, p, v, m, lookahead):
+    """What a tag-less transport (NCCL matches by order per pair) needs: on every directed link
+    the receiver posts its receives in the order the sender posts its sends."""
+    sched = build_schedule(kind, p, v, m, lookahead)
+    for src in range(p):
+        for dst in range(p):
+            sent = [a.tag for a in sched.ranks[src] if a.op in SENDS and a.peer == dst]
+            posted = [a.tag for a in sched.ranks[dst] if a.op in RECVS and a.peer == src]
+            assert sent == posted, f"link {src}->{dst}"
 
 
 @pytest.mark.parametrize(("kind", "p", "v", "m"), CASES)
