@@ -202,6 +202,8 @@ class _Slicer:
 
 def parallelize(model: GPT, tp: TPContext) -> None:
     """Rewrite `model` in place for `tp` (any size, 1 included)."""
+    if any(isinstance(m, (TPBlock, TPEmbedding, TPHead)) for m in model.modules()):
+        raise RuntimeError("the model is already tensor-parallel; apply_tensor_parallel once")
     slicer = _Slicer(tp)
     vocab_parallel = model.cfg.vocab_size % tp.size == 0
     for i, block in enumerate(model.blocks):

@@ -175,6 +175,8 @@ def test_tp1_rewrite_in_process():
         want = forward_backward(reference, tokens, labels)
         parallelize(model, TPContext(None, 0, 1, sp, overlap, 3))
         compare(forward_backward(model, tokens, labels), want, f"tp=1 {block} sp={sp}")
+    with pytest.raises(RuntimeError, match="already tensor-parallel"):
+        parallelize(model, TPContext(None, 0, 1))
 
 
 def _train(model: GPT, optim: OptimConfig, steps: int, vocab: int, mesh=None) -> list[float]:
