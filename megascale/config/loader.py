@@ -90,6 +90,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{key} must be {_describe(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(get_args(tp)[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         key_t, val_t = get_args(tp)
         if not isinstance(value, dict):

@@ -225,6 +225,61 @@ class DiagnosticsConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """The fault-tolerant driver (`megascale launch`) and its executors."""
+
+    heartbeat_s: float = 1.0  # executor -> driver
+    heartbeat_timeout_s: float = 5.0  # no heartbeat for this long: the node is lost
+    startup_timeout_s: float = 120.0  # start -> first step; covers a slow first step
+    hang_floor_s: float = 10.0  # no step progress for max(floor, factor * max step time): hang
+    hang_factor: float = 5.0
+    warmup_steps: int = 2  # steps before the hang window and the slowdown baseline are learned
+    slow_factor: float = 2.0  # recent step time above factor x baseline: a slowdown alert
+    traffic_window_s: float = 5.0  # traffic at zero this long while ranks run: a fault
+    traffic_fall_ratio: float = 0.2  # traffic below ratio x its baseline: an alert
+    traffic_interfaces: list[str] = field(default_factory=list)  # [] = every interface but lo
+    error_keywords: list[str] = field(default_factory=lambda: [
+        "Traceback (most recent call last)", "CUDA error", "NCCL error", "ncclInternalError",
+        "Segmentation fault", "illegal memory access", "uncorrectable ECC"])
+    restart_budget: int = 10  # restarts allowed over the whole job
+    max_node_faults: int = 2  # faults blamed on one node before it is evicted anyway
+    spares: int = 0
+    stop_timeout_s: float = 20.0
+    selfcheck_timeout_s: float = 60.0
+    selfcheck_expected: str = ""  # JSON file of expected figures; "" = built-in floors
+    api_host: str = "127.0.0.1"
+    api_port: int = 0  # 0 = any free port (written to the state dir)
+    token: str = ""  # "" = generate one into token_file
+    token_file: str = ""  # "" = <run_dir>/resilience/token (mode 0600)
+    rendezvous_port: int = 0  # 0 = a free port per attempt; else base + attempt
+
+    def validate(self) -> None:
+        for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",
+                    "traffic_window_s", "stop_timeout_s", "selfcheck_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"resilience.{key} must be > 0, got {getattr(self, key)}")
+        if self.heartbeat_timeout_s <= self.heartbeat_s:
+            raise ConfigError(
+                f"resilience.heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
+                f"resilience.heartbeat_s={self.heartbeat_s}"
+            )
+        if self.hang_factor < 1 or self.slow_factor <= 1:
+            raise ConfigError("resilience.hang_factor must be >= 1 and resilience.slow_factor > 1")
+        if not 0 < self.traffic_fall_ratio < 1:
+            raise ConfigError(
+                f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
+            )
+        for key in ("warmup_steps", "restart_budget", "spares"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
+        if self.max_node_faults < 1:
+            raise ConfigError(f"resilience.max_node_faults must be >= 1, got {self.max_node_faults}")
+        for key in ("api_port", "rendezvous_port"):
+            if not 0 <= getattr(self, key) < 65536:
+                raise ConfigError(f"resilience.{key} must be a port in [0, 65535]")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -233,10 +288,11 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def validate(self) -> None:
         for section in (self.model, self.optim, self.parallel, self.data, self.train,
-                        self.checkpoint, self.diagnostics):
+                        self.checkpoint, self.diagnostics, self.resilience):
             section.validate()
         self._validate_layout()
 

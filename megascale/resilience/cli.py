@@ -1,0 +1,156 @@
+"""`megascale launch`: run a job under the fault-tolerant driver.
+
+Local mode (`--nodes N --ranks-per-node R --spares S`) starts one executor per simulated node
+on this machine (`--netns`: each in its own network namespace). Cluster mode (`--external`)
+starts only the driver; the scheduler starts `megascale executor --driver URL` on each node.
+Running the same command again with the same run directory continues an unfinished job: the
+new driver reads the state its predecessor left and the executors carry on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from megascale.config import ConfigError, JobConfig, load_config
+from megascale.resilience.api import ApiServer, load_or_create_token
+from megascale.resilience.driver import Driver
+from megascale.resilience.local import Netns, netns_available, netns_down, netns_up, spawn_executor
+from megascale.resilience.placement import PlacementError, layout_for
+from megascale.resilience.state import FINISHED, JobState, JobStore
+
+log = logging.getLogger("megascale.driver")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config of the training job")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the job trains on")
+    parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument("--spares", type=int, default=None, help="spare nodes (default resilience.spares)")
+    parser.add_argument("--external", action="store_true",
+                        help="cluster mode: do not start executors; wait for them to register")
+    parser.add_argument("--netns", action="store_true",
+                        help="local mode: each simulated node in its own network namespace (root)")
+    parser.epilog = "Training options as --section.key=value, e.g. --model.layers=2 --train.steps=100"
+
+
+def check_before_start(cfg: JobConfig, nodes: int, ranks_per_node: int) -> None:
+    """Everything that would make every rank fail, found before any rank starts."""
+    ck = cfg.checkpoint
+    if ck.dir and "://" not in ck.dir and not Path(ck.dir).is_dir():
+        raise ConfigError(f"checkpoint.dir={ck.dir!r} does not exist; create it or leave it empty "
+                          f"(<run_dir>/checkpoints)")
+    if ck.resume not in ("auto", "none") and "://" not in ck.resume and not Path(ck.resume).exists():
+        raise ConfigError(f"checkpoint.resume={ck.resume!r}: no such checkpoint")
+    if nodes < 1 or ranks_per_node < 1:
+        raise ConfigError("--nodes and --ranks-per-node must be >= 1")
+    try:
+        layout_for(cfg, nodes, ranks_per_node)
+    except PlacementError as exc:
+        raise ConfigError(f"--nodes {nodes} --ranks-per-node {ranks_per_node}: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [driver] %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_before_start(cfg, args.nodes, args.ranks_per_node)
+    except ConfigError as exc:
+        print(f"megascale launch: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.netns and (why := netns_available()):
+        print(f"megascale launch: --netns unavailable: {why}", file=sys.stderr)
+        return 2
+    rcfg = cfg.resilience
+    run_dir = Path(cfg.train.run_dir).resolve()
+    state_dir = run_dir / "resilience"
+    store = JobStore(state_dir / "driver.sqlite")
+    state = store.load()
+    if state is not None and state.phase in FINISHED:
+        print(f"megascale launch: the job in {run_dir} already ended ({state.phase}: {state.reason}); "
+              "use another train.run_dir", file=sys.stderr)
+        return 2
+    continuing = state is not None
+    spares = rcfg.spares if args.spares is None else args.spares
+    if state is None:
+        train_args = [o for o in args.overrides if not o.startswith("--resilience.")]
+        state = JobState(job_id=secrets.token_hex(4), nodes_wanted=args.nodes,
+                         ranks_per_node=args.ranks_per_node,
+                         layout=layout_for(cfg, args.nodes, args.ranks_per_node), train_args=train_args,
+                         config_path=str(Path(args.config).resolve()) if args.config else None,
+                         run_dir=str(run_dir), restart_budget=rcfg.restart_budget)
+        state.api = {"netns": args.netns, "local": not args.external, "count": args.nodes + spares}
+    netns = Netns(state.job_id[:4]) if state.api.get("netns") else None
+    token_file = Path(rcfg.token_file) if rcfg.token_file else state_dir / "token"
+    token = load_or_create_token(rcfg.token, token_file)
+    host = netns.bridge_address if netns and rcfg.api_host == "127.0.0.1" else rcfg.api_host
+    if netns is not None and not continuing:
+        netns_up(netns, state.api["count"])
+    driver = Driver(cfg, state, store)
+    server = ApiServer(host, state.api.get("port") or rcfg.api_port, token, {
+        ("POST", "/v1/register"): driver.on_register, ("POST", "/v1/heartbeat"): driver.on_heartbeat,
+        ("GET", "/v1/status"): driver.on_status, ("POST", "/v1/evict"): driver.on_evict,
+        ("POST", "/v1/stop"): driver.on_stop}).start()
+    url = f"http://{server.host}:{server.port}"
+    state.api.update(host=server.host, port=server.port, url=url, driver_pid=os.getpid())
+    store.save(state)
+    (state_dir / "driver.json").write_text(json.dumps({"url": url, "pid": os.getpid(),
+                                                       "token_file": str(token_file)}))
+    log.info("%s job %s: driver at %s (token in %s)", "continuing" if continuing else "starting",
+             state.job_id, url, token_file)
+    executors = []
+    if state.api.get("local"):
+        executors = _start_local_executors(state, url, token_file, run_dir, netns)
+        store.save(state)
+    try:
+        code = driver.run()
+    except KeyboardInterrupt:
+        driver.on_stop({"reason": "interrupted (Ctrl-C)"})
+        code = 130
+    finally:
+        deadline = time.monotonic() + 15
+        for proc in executors:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except Exception:
+                proc.kill()
+        server.close()
+        if netns is not None and state.phase in FINISHED:
+            netns_down(netns, state.api["count"])
+    print(json.dumps(driver.summary(), default=str))
+    return code
+
+
+def _start_local_executors(state: JobState, url: str, token_file: Path, run_dir: Path,
+                           netns: Netns | None) -> list:
+    """One executor per simulated node, except those still alive from a previous driver."""
+    procs = []
+    pids = state.api.setdefault("executor_pids", {})
+    for i in range(state.api["count"]):
+        pid = pids.get(str(i))
+        if pid and _alive(pid):
+            continue
+        proc = spawn_executor(i, url, token_file, run_dir / "executors", netns,
+                              run_dir / "executors" / f"node{i}.log")
+        pids[str(i)] = proc.pid
+        procs.append(proc)
+    return procs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

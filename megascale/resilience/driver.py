@@ -1,0 +1,454 @@
+"""The driver: one per job. Keeps the job's state, watches heartbeats, recovers from faults.
+
+Control loop (a tick every 0.25 s): STARTING waits for the nodes to register, then sends each
+active node a `start` for attempt k (ranks, world, rendezvous address chosen per attempt).
+RUNNING evaluates the detection rules on the latest heartbeats. A fault moves the job to
+STOPPING (every node kills its ranks), CHECKING (every live node runs the self-check, paired
+with its neighbours) and back to RUNNING at attempt k+1: failed or lost nodes evicted and
+blocklisted, spares moved into their slots (or dp shrunk), ranks resuming from the newest
+valid checkpoint. The state is written to SQLite on each change, so a restarted driver resumes
+where its predecessor stopped; executors simply keep sending heartbeats until one answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from megascale.config.schema import JobConfig
+from megascale.resilience import evidence, selfcheck_plan
+from megascale.resilience.ettr import ettr
+from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks, usable_nodes
+from megascale.resilience.rules import (
+    Finding,
+    TrafficRule,
+    abnormal_exits,
+    error_lines,
+    hang_rule,
+    interface_bytes,
+    missing_heartbeats,
+    slow_rule,
+)
+from megascale.resilience.state import (
+    ACTIVE,
+    CANCELLED,
+    CHECKING,
+    COMPLETE,
+    EVICTED,
+    FAILED,
+    FINISHED,
+    RUNNING,
+    SPARE,
+    STARTING,
+    STOPPING,
+    JobState,
+    JobStore,
+    Node,
+)
+
+log = logging.getLogger("megascale.driver")
+TICK_S = 0.25
+
+
+class Driver:
+    def __init__(self, cfg: JobConfig, state: JobState, store: JobStore) -> None:
+        self.cfg, self.rcfg, self.state, self.store = cfg, cfg.resilience, state, store
+        self.lock = threading.RLock()
+        self.reports: dict[str, dict[str, Any]] = {}
+        self.last_seen: dict[str, float] = {}
+        self.outbox: dict[str, list[dict[str, Any]]] = {}
+        self.results: dict[str, dict[str, Any]] = {}  # command id -> executor's result
+        self.errors: list[Finding] = []
+        self.alerts: list[dict[str, Any]] = []
+        self.hang = hang_rule(self.rcfg)
+        self.slow = slow_rule(self.rcfg)
+        self.traffic: dict[str, TrafficRule] = {}
+        self.phase_deadline = 0.0
+        self.waiting_for: dict[str, str] = {}  # node -> command id the phase waits on
+        self.manual_evictions: dict[str, str] = {}
+        self.current_fault: dict[str, Any] | None = None
+        self.resumed_pending: dict[str, Any] | None = None
+        now = time.time()
+        for node in state.nodes.values():
+            if node.role != EVICTED:
+                self.last_seen[node.node_id] = now  # a restarted driver gives everyone a grace
+        if state.phase in (STOPPING, CHECKING):
+            self.phase_deadline = now  # redo the interrupted recovery from the start
+        self.hang.reset(now)
+
+    # ------------------------------------------------------------------ API handlers
+    def on_register(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        node_id, address = str(body["node_id"]), str(body["address"])
+        with self.lock:
+            known = self.state.nodes.get(node_id)
+            if (known and known.role == EVICTED) or address in self.state.blocked:
+                return 403, {"error": f"node {node_id} ({address}) is evicted from this job"}
+            if known is None:
+                known = Node(node_id, address, str(body.get("host", "")), registered=time.time())
+                self.state.nodes[node_id] = known
+                if self.state.phase == STARTING and len(self.state.role(ACTIVE)) < self.state.nodes_wanted:
+                    known.role, known.slot = ACTIVE, len(self.state.role(ACTIVE))
+            known.address, known.host, known.pid = address, str(body.get("host", "")), body.get("pid")
+            self.last_seen[node_id] = time.time()
+            self._save()
+            self.store.event("register", {"node": node_id, "address": address, "role": known.role})
+            log.info("node %s registered from %s as %s", node_id, address, known.role)
+            return 200, {"role": known.role, "keywords": self.rcfg.error_keywords,
+                         "heartbeat_s": self.rcfg.heartbeat_s}
+
+    def on_heartbeat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        node_id = str(body["node_id"])
+        with self.lock:
+            node = self.state.nodes.get(node_id)
+            if node is None:
+                return 404, {"error": f"unknown node {node_id}: register first"}
+            if node.role == EVICTED:
+                return 403, {"error": f"node {node_id} is evicted"}
+            now = time.time()
+            self.last_seen[node_id] = now
+            self.reports[node_id] = body
+            for command_id, result in body.get("done", {}).items():
+                self.results[command_id] = result
+            self.outbox[node_id] = [c for c in self.outbox.get(node_id, []) if c["id"] not in self.results]
+            if self.state.phase == RUNNING and body.get("attempt") == self.state.attempt:
+                self.errors += error_lines(node_id, body.get("errors", []), self.rcfg.error_keywords)
+                if node.role == ACTIVE:
+                    self._observe_progress(node_id, body, now)
+            commands = self.outbox[node_id]
+            # `exit` is never acknowledged (the executor is gone): delivered once is enough
+            self.outbox[node_id] = [c for c in commands if c["kind"] != "exit"]
+            return 200, {"commands": commands, "ack": list(body.get("done", {}))}
+
+    def on_status(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            s = self.state
+            now = time.time()
+            return 200, {
+                "job_id": s.job_id, "phase": s.phase, "attempt": s.attempt, "restarts": s.restarts,
+                "restart_budget": s.restart_budget, "layout": s.layout, "reason": s.reason,
+                "nodes": {n.node_id: {"role": n.role, "slot": n.slot, "address": n.address,
+                                      "host": n.host, "faults": n.faults, "pid": n.pid,
+                                      "last_seen_s": round(now - self.last_seen.get(n.node_id, 0), 1),
+                                      "ranks": self.reports.get(n.node_id, {}).get("ranks", [])}
+                          for n in s.nodes.values()},
+                "evicted": s.evicted, "blocked": s.blocked, "step": self.hang.last_step,
+                "faults": self.store.events("fault"), "alerts": self.store.events("alert"),
+                "master": s.master,
+            }
+
+    def on_evict(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        node_id = str(body["node_id"])
+        with self.lock:
+            if node_id not in self.state.nodes:
+                return 404, {"error": f"unknown node {node_id}"}
+            self.manual_evictions[node_id] = str(body.get("reason") or "evicted by an operator")
+        return 200, {"ok": True}
+
+    def on_stop(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            self._finish(CANCELLED, str(body.get("reason") or "stopped by an operator"))
+        return 200, {"ok": True}
+
+    # ------------------------------------------------------------------ observations
+    def _observe_progress(self, node_id: str, body: dict[str, Any], now: float) -> None:
+        ranks = body.get("ranks", [])
+        steps = [r["step"] for r in ranks if r.get("step") is not None]
+        recent = [(int(s), float(t)) for r in ranks for s, t in r.get("recent", [])]
+        if steps:
+            before = self.hang.last_step
+            self.hang.observe(max(steps), recent, now)
+            if self.resumed_pending is not None and self.hang.last_step > before:
+                self.store.event("resumed", {**self.resumed_pending, "step": self.hang.last_step,
+                                             "resumed": now})
+                self.resumed_pending = None
+        for step, seconds in recent:
+            self.slow.observe(step, seconds)
+        rule = self.traffic.setdefault(node_id, TrafficRule(node_id, self.rcfg.traffic_window_s,
+                                                            self.rcfg.traffic_fall_ratio))
+        total = interface_bytes(body.get("net", {}), self.rcfg.traffic_interfaces)
+        running = bool(ranks) and all(r.get("alive") for r in ranks)
+        if total is not None and not body.get("net_shared"):
+            finding = rule.observe(total, now, running)
+            if finding is not None:
+                self.errors.append(finding)
+
+    # ------------------------------------------------------------------ control loop
+    def run(self, stop: threading.Event | None = None) -> int:
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            with self.lock:
+                self.tick(time.time())
+                if self.state.phase in FINISHED and not any(self.outbox.values()):
+                    break
+            stop.wait(TICK_S)
+        return 0 if self.state.phase == COMPLETE else 1
+
+    def tick(self, now: float) -> None:
+        phase = self.state.phase
+        if phase == STARTING:
+            self._tick_starting(now)
+        elif phase == RUNNING:
+            self._tick_running(now)
+        elif phase == STOPPING:
+            self._tick_stopping(now)
+        elif phase == CHECKING:
+            self._tick_checking(now)
+        elif phase in FINISHED:
+            self._drain_exits(now)
+
+    def _tick_starting(self, now: float) -> None:
+        active = self.state.role(ACTIVE)
+        if len(active) >= self.state.nodes_wanted:
+            self._start_attempt(now)
+        elif now - self.state.created > self.rcfg.startup_timeout_s:
+            self._finish(FAILED, f"only {len(active)} of {self.state.nodes_wanted} nodes registered "
+                                 f"within {self.rcfg.startup_timeout_s:.0f} s")
+
+    def _tick_running(self, now: float) -> None:
+        for node_id, reason in list(self.manual_evictions.items()):
+            node = self.state.nodes[node_id]
+            if node.role == SPARE:
+                self._evict(node, reason)
+                del self.manual_evictions[node_id]
+            else:
+                return self._begin_recovery(Finding("manual_evict", "fault", reason, node_id), now)
+        findings = self._findings(now)
+        for f in findings:
+            if f.severity == "alert":
+                self._alert(f, now)
+        faults = [f for f in findings if f.severity == "fault"]
+        lost_spares = [f for f in faults if f.node and self.state.nodes[f.node].role == SPARE]
+        for f in lost_spares:
+            self._evict(self.state.nodes[f.node], f.detail)
+        faults = [f for f in faults if f not in lost_spares]
+        if faults:
+            return self._begin_recovery(faults[0], now, others=faults[1:])
+        if self._complete():
+            self._finish(COMPLETE, "training complete")
+
+    def _findings(self, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        watched = {n.node_id: t for n_id, t in self.last_seen.items()
+                   if (n := self.state.nodes[n_id]).role != EVICTED}
+        out += missing_heartbeats(watched, now, self.rcfg.heartbeat_timeout_s)
+        all_alive = True
+        for node in self.state.role(ACTIVE):
+            report = self.reports.get(node.node_id, {})
+            if report.get("attempt") != self.state.attempt:
+                all_alive = False
+                continue
+            out += abnormal_exits(node.node_id, report.get("ranks", []))
+            all_alive &= all(r.get("alive") for r in report.get("ranks", []))
+        out += self.errors
+        self.errors = []
+        hang = self.hang.check(now, all_alive)
+        if hang is not None:
+            out.append(hang)
+        slow = self.slow.check()
+        if slow is not None:
+            out.append(slow)
+        return out
+
+    def _complete(self) -> bool:
+        ranks = [r for n in self.state.role(ACTIVE)
+                 for r in self.reports.get(n.node_id, {}).get("ranks", [])
+                 if self.reports[n.node_id].get("attempt") == self.state.attempt]
+        world = self.state.ranks_per_node * len(self.state.role(ACTIVE))
+        return (len(ranks) == world and all(r.get("exitcode") == 0 for r in ranks)
+                and max((r.get("step") or 0) for r in ranks) >= self.cfg.train.steps)
+
+    def _alert(self, finding: Finding, now: float) -> None:
+        data = finding.to_dict()
+        if finding.kind == "slow":
+            data["stragglers"] = evidence.straggler_evidence(self.state.run_dir, self.cfg)
+        log.warning("ALERT %s: %s", finding.kind, finding.detail)
+        self.store.event("alert", data, now)
+
+    # ------------------------------------------------------------------ recovery
+    def _begin_recovery(self, finding: Finding, now: float, others: list[Finding] = ()) -> None:
+        record = {**finding.to_dict(), "attempt": self.state.attempt, "detected": now,
+                  "last_progress": self.hang.last_progress, "step": self.hang.last_step,
+                  "also": [f.to_dict() for f in others]}
+        if finding.kind == "hang":
+            record["hang_analysis"] = evidence.hang_evidence(self.state.run_dir, self.state.layout)
+        if finding.node in self.state.nodes:
+            self.state.nodes[finding.node].faults += 1
+        if finding.kind == "manual_evict":
+            self.manual_evictions.pop(finding.node, None)
+            record["evict"] = True
+        log.error("FAULT %s: %s -- stopping attempt %d", finding.kind, finding.detail, self.state.attempt)
+        self.store.event("fault", record, now)
+        self.current_fault = record
+        self.state.phase = STOPPING
+        self._save()
+        self._broadcast_phase_command("stop", self._live_nodes(now), now, self.rcfg.stop_timeout_s)
+
+    def _live_nodes(self, now: float) -> list[Node]:
+        return [n for n in self.state.nodes.values() if n.role != EVICTED
+                and now - self.last_seen.get(n.node_id, 0) <= self.rcfg.heartbeat_timeout_s]
+
+    def _broadcast_phase_command(self, kind: str, nodes: list[Node], now: float, timeout_s: float,
+                                 extra: dict[str, dict[str, Any]] | None = None) -> None:
+        self.waiting_for = {}
+        for node in nodes:
+            self.waiting_for[node.node_id] = self._send(node.node_id, kind, **(extra or {}).get(node.node_id, {}))
+        self.phase_deadline = now + timeout_s
+
+    def _send(self, node_id: str, kind: str, **fields: Any) -> str:
+        command = {"id": f"{kind}-{uuid.uuid4().hex[:12]}", "kind": kind, **fields}
+        self.outbox.setdefault(node_id, []).append(command)
+        return command["id"]
+
+    def _phase_done(self, now: float) -> bool:
+        return now >= self.phase_deadline or all(c in self.results for c in self.waiting_for.values())
+
+    def _tick_stopping(self, now: float) -> None:
+        if not self.waiting_for and now >= self.phase_deadline:  # after a driver restart
+            return self._broadcast_phase_command("stop", self._live_nodes(now), now, self.rcfg.stop_timeout_s)
+        if not self._phase_done(now):
+            return
+        stopped = {n for n, c in self.waiting_for.items() if c in self.results}
+        live = [n for n in self._live_nodes(now) if n.node_id in stopped]
+        plan = selfcheck_plan.build(live, self.state.ranks_per_node, self.rcfg)
+        self.state.phase = CHECKING
+        self._save()
+        self._broadcast_phase_command("selfcheck", live, now, self.rcfg.selfcheck_timeout_s,
+                                      {n: {"plan": p, "timeout_s": self.rcfg.selfcheck_timeout_s}
+                                       for n, p in plan.items()})
+
+    def _tick_checking(self, now: float) -> None:
+        if not self._phase_done(now):
+            return
+        reports = {n: self.results.get(c) for n, c in self.waiting_for.items()}
+        verdict = selfcheck_plan.judge(reports)
+        self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
+                                       "reports": reports}, now)
+        fault = self.current_fault or {}
+        for node in list(self.state.nodes.values()):
+            if node.role == EVICTED:
+                continue
+            why = verdict["failed"].get(node.node_id)
+            if node.node_id not in reports or now - self.last_seen.get(node.node_id, 0) > self.rcfg.heartbeat_timeout_s:
+                why = why or "lost: no heartbeat or no self-check result"
+            if fault.get("evict") and node.node_id == fault.get("node"):
+                why = why or fault.get("detail")
+            if node.faults >= self.rcfg.max_node_faults:
+                why = why or f"{node.faults} faults blamed on it (resilience.max_node_faults)"
+            if why:
+                self._evict(node, why)
+        self._restart(now)
+
+    def _evict(self, node: Node, why: str) -> None:
+        log.error("evicting %s (%s): %s", node.node_id, node.address, why)
+        shared = any(n.address == node.address and n.role != EVICTED and n is not node
+                     for n in self.state.nodes.values())
+        node.role, node.slot = EVICTED, -1
+        if not shared and node.address not in self.state.blocked:
+            self.state.blocked.append(node.address)  # addresses shared (local mode) stay open
+        self._send(node.node_id, "exit")
+        self.store.event("evict", {"node": node.node_id, "address": node.address, "reason": why})
+        self._save()
+
+    def _restart(self, now: float) -> None:
+        s = self.state
+        if s.restarts >= s.restart_budget:
+            return self._finish(FAILED, f"restart budget of {s.restart_budget} used up")
+        active = s.role(ACTIVE)
+        spares = s.role(SPARE)
+        while len(active) < s.nodes_wanted and spares:
+            spare = spares.pop(0)
+            spare.role = ACTIVE
+            active.append(spare)
+            self.store.event("replace", {"node": spare.node_id, "attempt": s.attempt + 1})
+        count = usable_nodes(self.cfg, len(active), s.nodes_wanted, s.ranks_per_node)
+        if count == 0:
+            return self._finish(FAILED, f"no layout fits the {len(active)} node(s) left")
+        for extra in active[count:]:
+            extra.role, extra.slot = SPARE, -1
+        for slot, node in enumerate(active[:count]):
+            node.slot = slot
+        s.restarts += 1
+        s.attempt += 1
+        self._start_attempt(now)
+
+    def _start_attempt(self, now: float) -> None:
+        s = self.state
+        active = s.role(ACTIVE)
+        try:
+            s.layout = layout_for(self.cfg, len(active), s.ranks_per_node)
+        except PlacementError as exc:
+            return self._finish(FAILED, str(exc))
+        s.master = {"addr": active[0].address, "port": rendezvous_port(self.rcfg.rendezvous_port, s.attempt)}
+        env = {"WORLD_SIZE": str(len(active) * s.ranks_per_node), "MASTER_ADDR": s.master["addr"],
+               "MASTER_PORT": str(s.master["port"]), "MEGASCALE_JOB_ID": s.job_id,
+               "MEGASCALE_RESTART_ATTEMPT": str(s.attempt)}
+        args = (["--config", s.config_path] if s.config_path else []) + list(s.train_args) + [
+            f"--parallel.dp={s.layout['dp']}", f"--train.run_dir={s.run_dir}", "--checkpoint.resume=auto"]
+        for node in active:
+            self._send(node.node_id, "start", attempt=s.attempt, ranks=slot_ranks(node.slot, s.ranks_per_node),
+                       env=env, args=args)
+        s.phase, s.attempt_started = RUNNING, now
+        self.hang.reset(now)
+        self.slow.reset()
+        self.traffic.clear()
+        self.waiting_for = {}
+        if self.current_fault is not None:
+            self.resumed_pending = {"attempt": s.attempt, "fault_detected": self.current_fault["detected"]}
+            self.current_fault = None
+        self.store.event("attempt", {"attempt": s.attempt, "layout": s.layout, "master": s.master,
+                                     "nodes": [n.node_id for n in active]}, now)
+        log.info("attempt %d: %s on %s (rendezvous %s:%d)", s.attempt, s.layout,
+                 ", ".join(n.node_id for n in active), s.master["addr"], s.master["port"])
+        self._save()
+
+    # ------------------------------------------------------------------ the end
+    def _finish(self, phase: str, reason: str) -> None:
+        s = self.state
+        if s.phase in FINISHED:
+            return
+        s.phase, s.reason, s.finished = phase, reason, time.time()
+        for node in s.nodes.values():
+            if node.role != EVICTED:
+                self._send(node.node_id, "exit")
+        self.phase_deadline = s.finished + self.rcfg.stop_timeout_s
+        summary = self.summary()
+        self.store.event("finish", summary)
+        (Path(s.run_dir) / "resilience").mkdir(parents=True, exist_ok=True)
+        (Path(s.run_dir) / "resilience" / "summary.json").write_text(_json(summary))
+        log.log(logging.INFO if phase == COMPLETE else logging.ERROR, "job %s: %s (ETTR %.3f)",
+                phase, reason, summary["ettr"]["ettr"])
+        self._save()
+
+    def _drain_exits(self, now: float) -> None:
+        if now >= self.phase_deadline:
+            self.outbox.clear()  # executors that never came back for their exit are gone anyway
+
+    def summary(self) -> dict[str, Any]:
+        s = self.state
+        wall = (s.finished or time.time()) - s.created
+        faults = self.store.events("fault")
+        resumed = {e["fault_detected"]: e for e in self.store.events("resumed")}
+        matrix = []
+        for f in faults:
+            r = resumed.get(f["detected"])
+            matrix.append({"kind": f["kind"], "node": f.get("node"), "detail": f["detail"],
+                           "detected": f["detected"], "last_progress": f.get("last_progress"),
+                           "resumed": r["resumed"] if r else None,
+                           "recovery_s": (r["resumed"] - f["detected"]) if r else None})
+        return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
+                "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
+                "faults": matrix, "alerts": self.store.events("alert"),
+                "ettr": ettr(Path(s.run_dir) / "metrics.jsonl", wall, self.cfg.train.steps)}
+
+    def _save(self) -> None:
+        self.store.save(self.state)
+
+
+def _json(data: Any) -> str:
+    import json
+
+    return json.dumps(data, indent=2, default=str)

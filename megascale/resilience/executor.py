@@ -1,0 +1,257 @@
+"""The executor: one per node. Starts the node's ranks and reports on them every second.
+
+It registers with the driver, then a heartbeat thread sends the node's report (address, host,
+hardware, each rank's process status and last step, new log lines that match the error
+keywords, interface traffic counters) and receives commands in the reply: `start` an attempt's
+ranks, `stop` them, run the `selfcheck`, `exit`. Commands run in their own thread so that the
+heartbeat never stops while a self-check or a stop is in progress. If the driver is gone, the
+ranks keep training and the executor keeps knocking: a restarted driver picks it up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from megascale.resilience.api import ApiClient, ApiError
+from megascale.resilience.rankstatus import STATUS_DIR_ENV, read_status
+
+log = logging.getLogger("megascale.executor")
+KILL_GRACE_S = 1.0
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    log_path: Path
+    offset: int = 0  # how far the log has been scanned for keywords
+    partial: bytes = b""
+
+
+@dataclass
+class Attempt:
+    number: int
+    status_dir: Path
+    ranks: list[RankProcess] = field(default_factory=list)
+
+
+class Executor:
+    def __init__(self, client: ApiClient, node_id: str, address: str, workdir: Path,
+                 heartbeat_s: float = 1.0, shared_network: bool = False) -> None:
+        self.client, self.node_id, self.address = client, node_id, address
+        self.workdir = workdir
+        self.heartbeat_s = heartbeat_s
+        self.shared_network = shared_network
+        self.host = os.environ.get("POD_NAME") or socket.gethostname()
+        self.keywords: list[str] = []
+        self.attempt: Attempt | None = None
+        self.done: dict[str, Any] = {}  # finished command id -> result, until acknowledged
+        self.busy: str | None = None
+        self.exit_requested = threading.Event()
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._gpus = _gpu_inventory()
+
+    # ------------------------------------------------------------------ registration, heartbeats
+    def register(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self.client.call("POST", "/v1/register", {
+                    "node_id": self.node_id, "address": self.address, "host": self.host,
+                    "pid": os.getpid()})
+                break
+            except ApiError:
+                raise
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"driver {self.client.url} unreachable: {exc}") from exc
+                time.sleep(0.5)
+        self.keywords = reply.get("keywords", [])
+        self.heartbeat_s = reply.get("heartbeat_s", self.heartbeat_s)
+        log.info("%s registered with %s as %s", self.node_id, self.client.url, reply.get("role"))
+
+    def run(self) -> int:
+        """Heartbeat until told to exit; returns the process exit code."""
+        psutil.cpu_percent(None)
+        while not self.exit_requested.is_set():
+            started = time.monotonic()
+            try:
+                reply = self.client.call("POST", "/v1/heartbeat", self.report())
+                self._acknowledge(reply.get("ack", []))
+                for command in reply.get("commands", []):
+                    self._dispatch(command)
+            except ApiError as exc:
+                if exc.status == 403:  # evicted and blocked: this node must not come back
+                    log.error("%s: driver refused us (%s); exiting", self.node_id, exc)
+                    self.stop_ranks()
+                    return 3
+                log.warning("heartbeat rejected: %s", exc)
+            except OSError as exc:
+                log.warning("driver unreachable (%s); ranks keep running", exc)
+            self.exit_requested.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
+        self.stop_ranks()
+        return 0
+
+    def report(self) -> dict[str, Any]:
+        self._seq += 1
+        mem = psutil.virtual_memory()
+        with self._lock:
+            attempt = self.attempt
+            ranks, errors = ([], []) if attempt is None else self._rank_reports(attempt)
+            done, busy = dict(self.done), self.busy
+        return {
+            "node_id": self.node_id, "seq": self._seq, "time": time.time(),
+            "address": self.address, "host": self.host,
+            "hardware": {"cpus": psutil.cpu_count(), "cpu_percent": psutil.cpu_percent(None),
+                         "mem_total": mem.total, "mem_used": mem.used, "gpus": self._gpus},
+            "attempt": attempt.number if attempt else None, "ranks": ranks, "errors": errors,
+            "net": {n: [c.bytes_sent, c.bytes_recv]
+                    for n, c in psutil.net_io_counters(pernic=True).items()},
+            "net_shared": self.shared_network, "done": done, "busy": busy,
+        }
+
+    def _rank_reports(self, attempt: Attempt) -> tuple[list[dict], list[dict]]:
+        ranks, errors = [], []
+        for rp in attempt.ranks:
+            status = read_status(attempt.status_dir, rp.rank) or {}
+            ranks.append({"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid,
+                          "alive": rp.proc.poll() is None, "exitcode": rp.proc.returncode,
+                          "step": status.get("step"), "step_time": status.get("step_time"),
+                          "recent": status.get("recent", []), "status_time": status.get("time")})
+            errors += [{"rank": rp.rank, "text": line} for line in self._new_error_lines(rp)]
+        return ranks, errors
+
+    def _new_error_lines(self, rp: RankProcess) -> list[str]:
+        try:
+            with open(rp.log_path, "rb") as f:
+                f.seek(rp.offset)
+                data = f.read(1 << 20)
+        except OSError:
+            return []
+        rp.offset += len(data)
+        data = rp.partial + data
+        cut = data.rfind(b"\n") + 1
+        rp.partial = data[cut:]
+        lines = data[:cut].decode(errors="replace").splitlines()
+        return [line for line in lines if any(k in line for k in self.keywords)]
+
+    def _acknowledge(self, ids: list[str]) -> None:
+        with self._lock:
+            for command_id in ids:
+                self.done.pop(command_id, None)
+
+    # ------------------------------------------------------------------ commands
+    def _dispatch(self, command: dict[str, Any]) -> None:
+        kind = command["kind"]
+        with self._lock:
+            if command["id"] in self.done or self.busy == command["id"]:
+                return  # already handled; the driver has not seen the ack yet
+            self.busy = command["id"]
+        handler = {"start": self._start, "stop": self._stop, "selfcheck": self._selfcheck,
+                   "exit": self._exit}[kind]
+        threading.Thread(target=self._run_command, args=(handler, command), daemon=True,
+                         name=f"executor-{kind}").start()
+
+    def _run_command(self, handler, command: dict[str, Any]) -> None:
+        try:
+            result = handler(command)
+        except Exception as exc:  # report it: the driver decides what a failed command means
+            log.exception("command %s failed", command["kind"])
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        with self._lock:
+            self.done[command["id"]] = result
+            self.busy = None
+
+    def _start(self, command: dict[str, Any]) -> dict[str, Any]:
+        self.stop_ranks()
+        number = command["attempt"]
+        base = self.workdir / f"attempt{number}"
+        attempt = Attempt(number, base / "status")
+        attempt.status_dir.mkdir(parents=True, exist_ok=True)
+        for local, rank in enumerate(command["ranks"]):
+            env = {**os.environ, **command["env"], "RANK": str(rank), "LOCAL_RANK": str(local),
+                   "LOCAL_WORLD_SIZE": str(len(command["ranks"])), STATUS_DIR_ENV: str(attempt.status_dir)}
+            env.setdefault("OMP_NUM_THREADS", "1")
+            log_path = base / f"rank{rank:05d}.log"
+            with open(log_path, "ab") as out:
+                argv = [sys.executable, "-m", "megascale.cli", "train", *command["args"]]
+                proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        cwd=command.get("cwd") or None)
+            attempt.ranks.append(RankProcess(rank, local, proc, log_path))
+        with self._lock:
+            self.attempt = attempt
+        return {"ok": True, "pids": [rp.proc.pid for rp in attempt.ranks]}
+
+    def _stop(self, command: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "stopped": self.stop_ranks()}
+
+    def _exit(self, command: dict[str, Any]) -> dict[str, Any]:
+        self.stop_ranks()
+        self.exit_requested.set()
+        return {"ok": True}
+
+    def _selfcheck(self, command: dict[str, Any]) -> dict[str, Any]:
+        self.stop_ranks()
+        argv = [sys.executable, "-m", "megascale.cli", "selfcheck", "--json", "--node-id", self.node_id,
+                "--address", self.address, "--plan", json.dumps(command["plan"])]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=command.get("timeout_s", 120),
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            return {"ok": True, "report": json.loads(out.stdout.strip().splitlines()[-1])}
+        except (ValueError, IndexError):
+            return {"ok": False, "error": f"selfcheck exit {out.returncode}: {out.stderr[-2000:]}"}
+
+    def stop_ranks(self) -> int:
+        """SIGTERM, then SIGKILL the ranks' process groups (a SIGSTOPped rank only dies by KILL)."""
+        with self._lock:
+            attempt = self.attempt
+        if attempt is None:
+            return 0
+        live = [rp for rp in attempt.ranks if rp.proc.poll() is None]
+        for rp in live:
+            _signal_group(rp.proc.pid, signal.SIGTERM)
+            _signal_group(rp.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + KILL_GRACE_S
+        for rp in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rp.proc.wait(max(0.0, deadline - time.monotonic()))
+        for rp in attempt.ranks:
+            _signal_group(rp.proc.pid, signal.SIGKILL)  # also the group's leftovers (writers)
+            rp.proc.wait()
+        return len(live)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _gpu_inventory() -> list[dict[str, Any]]:
+    """GPUs via torch.cuda, imported only where a GPU driver is present (torch costs seconds)."""
+    if not (shutil.which("nvidia-smi") or Path("/dev/nvidia0").exists()):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [{"index": i, "name": torch.cuda.get_device_name(i),
+             "memory": torch.cuda.get_device_properties(i).total_memory}
+            for i in range(torch.cuda.device_count())]

@@ -1,0 +1,126 @@
+"""The per-step hook the trainer calls, and deterministic fault injection keyed by (rank, step).
+
+`MEGASCALE_FAULT="kill:rank=1:step=6"` makes rank 1 SIGKILL itself after step 6 of restart
+attempt 0 (torchft's `fail_at(rank, step)` idea). Several faults are separated by `;`. Kinds:
+
+- `kill` SIGKILL, `stop` SIGSTOP (a hang), `raise` an exception, `exit` exit code 3;
+- `sleep:...:seconds=S` a slow step (the status write is delayed too);
+- `throttle:...:stop=S:period=P` an outside process stops the rank for S of every P seconds
+  (real SIGSTOP/SIGCONT, a CPU-throttled node) until the rank ends.
+
+A fault fires only in its `attempt` (default 0), so the resumed run does not fail again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from megascale.resilience.rankstatus import StatusWriter
+
+FAULT_ENV = "MEGASCALE_FAULT"
+ATTEMPT_ENV = "MEGASCALE_RESTART_ATTEMPT"
+KINDS = ("kill", "stop", "raise", "exit", "sleep", "throttle")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a `raise` fault: an ordinary Python error in a rank."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    attempt: int = 0
+    params: dict[str, float] = field(default_factory=dict)
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """`kind:rank=R:step=S[:attempt=A][:key=value...]` items separated by `;`."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, *pairs = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} in {item!r}; use one of {KINDS}")
+        values: dict[str, float] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise ValueError(f"{FAULT_ENV}: {pair!r} in {item!r} must look like key=value")
+            values[key] = float(value)
+        if "rank" not in values or "step" not in values:
+            raise ValueError(f"{FAULT_ENV}: {item!r} needs rank= and step=")
+        rank, step = int(values.pop("rank")), int(values.pop("step"))
+        faults.append(Fault(kind, rank, step, int(values.pop("attempt", 0)), values))
+    return faults
+
+
+class StepHook:
+    """What a rank does after each step: report progress, then fail if a fault is due."""
+
+    def __init__(self, rank: int, env: dict[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        self.rank = rank
+        attempt = int(env.get(ATTEMPT_ENV) or 0)
+        self.faults = {f.step: f for f in parse_faults(env.get(FAULT_ENV, ""))
+                       if f.rank == rank and f.attempt == attempt}
+        self.status = StatusWriter(rank)
+
+    def __call__(self, step: int, step_time: float) -> None:
+        fault = self.faults.pop(step, None)
+        if fault is not None and fault.kind == "sleep":
+            time.sleep(fault.params.get("seconds", 5.0))
+            step_time += fault.params.get("seconds", 5.0)
+        self.status.write(step, step_time)
+        if fault is not None and fault.kind != "sleep":
+            inject(fault)
+
+
+def inject(fault: Fault) -> None:
+    sys.stderr.write(f"megascale: injecting fault {fault.kind} on rank {fault.rank} "
+                     f"after step {fault.step}\n")
+    sys.stderr.flush()
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.kind == "raise":
+        raise InjectedFault(f"injected failure on rank {fault.rank} at step {fault.step}")
+    elif fault.kind == "exit":
+        os._exit(3)
+    elif fault.kind == "throttle":
+        subprocess.Popen([sys.executable, "-m", "megascale.resilience.faults", "throttle",
+                          str(os.getpid()), str(fault.params.get("stop", 0.2)),
+                          str(fault.params.get("period", 0.3))], start_new_session=True)
+
+
+def throttle(pid: int, stop_s: float, period_s: float) -> None:
+    """Stop PID for stop_s of every period_s until it is gone (a CPU-starved node)."""
+    try:
+        while True:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stop_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(max(period_s - stop_s, 0.0))
+    except ProcessLookupError:
+        return
+
+
+_hook: StepHook | None = None
+
+
+def after_step(rank: int, step: int, step_time: float) -> None:
+    """The trainer's one call per step (cheap when no executor or fault asked for anything)."""
+    global _hook
+    if _hook is None or _hook.rank != rank:
+        _hook = StepHook(rank)
+    _hook(step, step_time)
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "throttle":
+    throttle(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))

@@ -1,0 +1,203 @@
+"""Detection rules: heartbeats in, findings out. Pure logic over timestamps, no I/O.
+
+A `Finding` of severity "fault" makes the driver stop the job, self-check and resume; an
+"alert" is only recorded and surfaced (a slow node or a fall in traffic is worth a look, not a
+restart). Every rule takes `now` explicitly so that it is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megascale.config.schema import ResilienceConfig
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # abnormal_exit | error_keyword | heartbeat_lost | hang | traffic_zero | slow | traffic_fall
+    severity: str  # fault | alert
+    detail: str
+    node: str | None = None
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def abnormal_exits(node: str, ranks: Iterable[dict[str, Any]]) -> list[Finding]:
+    """A rank that ended with a non-zero code or a signal (exit code 0 is a finished rank)."""
+    out = []
+    for r in ranks:
+        code = r.get("exitcode")
+        if code not in (None, 0):
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            out.append(Finding("abnormal_exit", "fault", f"rank {r['rank']} on {node}: {how}",
+                               node, r["rank"]))
+    return out
+
+
+def error_lines(node: str, lines: Iterable[dict[str, Any]], keywords: list[str]) -> list[Finding]:
+    """Log lines the executor matched against the keywords (re-checked here: config wins)."""
+    out = []
+    for line in lines:
+        hit = next((k for k in keywords if k in line.get("text", "")), None)
+        if hit:
+            out.append(Finding("error_keyword", "fault",
+                               f"rank {line.get('rank')} on {node} logged {hit!r}: {line['text'][:200]}",
+                               node, line.get("rank")))
+    return out
+
+
+def missing_heartbeats(last_seen: dict[str, float], now: float, window_s: float) -> list[Finding]:
+    return [Finding("heartbeat_lost", "fault", f"no heartbeat from {node} for {now - t:.1f} s", node)
+            for node, t in sorted(last_seen.items()) if now - t > window_s]
+
+
+@dataclass
+class HangRule:
+    """No step progress while every rank lives. The window is learned: before `warmup` steps
+    it is the start-up timeout (a slow first step is no hang); after, max(floor, factor x the
+    longest step seen)."""
+
+    startup_s: float
+    floor_s: float
+    factor: float
+    warmup: int
+    started: float = 0.0
+    last_step: int = -1
+    last_progress: float = 0.0
+    steps_seen: int = 0
+    first_step: int = 0
+    max_step_time: float = 0.0
+
+    def reset(self, now: float) -> None:
+        self.started = self.last_progress = now
+        self.last_step, self.steps_seen, self.max_step_time = -1, 0, 0.0
+
+    def observe(self, step: int, recent: Iterable[tuple[int, float]], now: float) -> None:
+        """`step`: the job's newest step; `recent`: (step, seconds) pairs seen with it."""
+        if step > self.last_step:
+            self.steps_seen += step - self.last_step if self.last_step >= 0 else 1
+            self.first_step = step if self.last_step < 0 else self.first_step
+            self.last_step, self.last_progress = step, now
+        learned = [t for s, t in recent if s >= self.first_step + self.warmup]
+        if learned:
+            self.max_step_time = max(self.max_step_time, *learned)
+
+    @property
+    def window_s(self) -> float:
+        if self.steps_seen <= self.warmup:
+            return self.startup_s
+        return max(self.floor_s, self.factor * self.max_step_time)
+
+    def check(self, now: float, all_alive: bool) -> Finding | None:
+        stalled = now - self.last_progress
+        if not all_alive or stalled <= self.window_s:
+            return None
+        where = f"after step {self.last_step}" if self.last_step >= 0 else "before the first step"
+        return Finding("hang", "fault",
+                       f"no step progress for {stalled:.1f} s {where} (window {self.window_s:.1f} s)")
+
+
+@dataclass
+class SlowRule:
+    """Recent step times well above the baseline learned after warm-up: an alert only."""
+
+    factor: float
+    warmup: int
+    baseline_steps: int = 3
+    recent_steps: int = 3
+    times: dict[int, float] = field(default_factory=dict)
+    alerted: bool = False
+
+    def reset(self) -> None:
+        self.times.clear()
+        self.alerted = False
+
+    def observe(self, step: int, step_time: float) -> None:
+        self.times[step] = max(step_time, self.times.get(step, 0.0))  # the slowest rank's view
+
+    @property
+    def baseline(self) -> float | None:
+        steps = sorted(s for s in self.times if s > self.warmup)[: self.baseline_steps]
+        if len(steps) < self.baseline_steps:
+            return None
+        return statistics.median(self.times[s] for s in steps)
+
+    def check(self) -> Finding | None:
+        base = self.baseline
+        recent = sorted(self.times)[-self.recent_steps:]
+        if base is None or len(recent) < self.recent_steps or recent[0] <= self.warmup + self.baseline_steps:
+            return None
+        now = statistics.median(self.times[s] for s in recent)
+        slow = now > self.factor * base
+        fire = slow and not self.alerted
+        self.alerted = slow
+        if not fire:
+            return None
+        return Finding("slow", "alert",
+                       f"steps {recent[0]}-{recent[-1]} take {now:.3f} s, {now / base:.1f}x the "
+                       f"baseline {base:.3f} s")
+
+
+@dataclass
+class TrafficRule:
+    """One node's bytes over its watched interfaces. Zero for `window_s` while ranks run is a
+    fault (a cut link); below `fall_ratio` of the running baseline is an alert."""
+
+    node: str
+    window_s: float
+    fall_ratio: float
+    last: tuple[float, int] | None = None
+    baseline: float = 0.0  # bytes/s, moving average of healthy rates
+    zero_since: float | None = None
+    alerted: bool = False
+
+    def reset(self) -> None:
+        self.last, self.baseline, self.zero_since, self.alerted = None, 0.0, None, False
+
+    def observe(self, total_bytes: int, now: float, running: bool) -> Finding | None:
+        prev, self.last = self.last, (now, total_bytes)
+        if prev is None or now <= prev[0] or not running:
+            self.zero_since = None
+            return None
+        rate = max(total_bytes - prev[1], 0) / (now - prev[0])
+        if self.baseline == 0.0:
+            self.baseline = rate
+            return None
+        if rate == 0.0:
+            self.zero_since = self.zero_since if self.zero_since is not None else prev[0]
+            if now - self.zero_since >= self.window_s:
+                return Finding("traffic_zero", "fault",
+                               f"no traffic on {self.node} for {now - self.zero_since:.1f} s "
+                               f"(baseline {self.baseline / 1e3:.1f} kB/s)", self.node)
+            return None
+        self.zero_since = None
+        if rate < self.fall_ratio * self.baseline:
+            fire, self.alerted = not self.alerted, True
+            if fire:
+                return Finding("traffic_fall", "alert",
+                               f"traffic on {self.node} fell to {rate / 1e3:.1f} kB/s from "
+                               f"{self.baseline / 1e3:.1f} kB/s", self.node)
+            return None
+        self.alerted = False
+        self.baseline = 0.8 * self.baseline + 0.2 * rate
+        return None
+
+
+def interface_bytes(counters: dict[str, list[int]], watched: list[str]) -> int | None:
+    """Sent + received over the watched interfaces (all but loopback when none are named)."""
+    names = watched or [n for n in counters if n != "lo"]
+    chosen = [counters[n] for n in names if n in counters]
+    return sum(c[0] + c[1] for c in chosen) if chosen else None
+
+
+def hang_rule(cfg: ResilienceConfig) -> HangRule:
+    return HangRule(cfg.startup_timeout_s, cfg.hang_floor_s, cfg.hang_factor, cfg.warmup_steps)
+
+
+def slow_rule(cfg: ResilienceConfig) -> SlowRule:
+    return SlowRule(cfg.slow_factor, cfg.warmup_steps)

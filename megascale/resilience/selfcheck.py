@@ -1,0 +1,188 @@
+"""Self-check diagnostics a node runs before it is trusted again.
+
+Local tests: host memory bandwidth (a large array copy), loopback TCP bandwidth (the network
+stack and CPU), a GEMM (on the GPU when there is one), and an all-to-all among `ranks` gloo
+processes on the node. Pair tests with a neighbour node: point-to-point bandwidth (send/recv
+both ways) and an all-reduce, over a two-rank gloo group. Each figure is compared with an
+expected floor: measured on healthy nodes (`megascale selfcheck --measure`) or built in, low
+enough that only a broken or badly degraded node misses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Floors a working node of any kind clears; replace with measured figures for real checks.
+DEFAULT_EXPECTED = {"memory_bandwidth": 0.2, "loopback_bandwidth": 20.0, "gemm": 0.2,
+                    "all_to_all": 1.0, "p2p_bandwidth": 1.0, "all_reduce": 0.5}
+UNITS = {"memory_bandwidth": "GB/s", "loopback_bandwidth": "MB/s", "gemm": "GFLOP/s",
+         "all_to_all": "MB/s", "p2p_bandwidth": "MB/s", "all_reduce": "MB/s"}
+
+
+def load_expected(path: str) -> dict[str, float]:
+    expected = dict(DEFAULT_EXPECTED)
+    if path:
+        expected.update(json.loads(Path(path).read_text()))
+    return expected
+
+
+def memory_bandwidth(mb: int = 64) -> float:
+    src = np.ones(mb * (1 << 20) // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9  # read + write
+
+
+def loopback_bandwidth(mb: int = 32) -> float:
+    payload = b"\0" * (1 << 20)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def sink() -> None:
+            conn, _ = server.accept()
+            with conn:
+                while conn.recv(1 << 20):
+                    pass
+
+        thread = threading.Thread(target=sink, daemon=True)
+        thread.start()
+        start = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            for _ in range(mb):
+                client.sendall(payload)
+        thread.join(30)
+        return mb * (1 << 20) / (time.perf_counter() - start) / 1e6
+
+
+def gemm(n: int = 512) -> float:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 4096 if device == "cuda" else n
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    torch.matmul(a, b)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        torch.matmul(a, b)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+
+
+def _all_to_all_worker(rank: int, world: int, port: int, mb: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    x = torch.ones(mb * (1 << 20) // 4)
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    start = time.perf_counter()
+    dist.all_to_all_single(y, x)
+    dist.barrier()
+    if rank == 0:
+        out.put(x.numel() * 4 * (world - 1) / world / (time.perf_counter() - start) / 1e6)
+    dist.destroy_process_group()
+
+
+def all_to_all(ranks: int, mb: int = 4) -> float:
+    """Per-rank bytes leaving it per second in an all-to-all among `ranks` local processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_all_to_all_worker, args=(r, ranks, port, mb, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    if any(p.exitcode != 0 for p in procs):
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"all-to-all workers exited with {[p.exitcode for p in procs]}")
+    return queue.get()
+
+
+def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, mb: int = 8) -> list[dict]:
+    """p2p bandwidth and all-reduce with one neighbour node over a 2-rank gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    tests = []
+    try:
+        store = dist.TCPStore(master, port, 2, is_master=role == 0, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=role, world_size=2,
+                                timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # the peer or the link is down: both pair tests fail
+        error = f"cannot reach {peer}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return [{"name": n, "peer": peer, "error": error} for n in ("p2p_bandwidth", "all_reduce")]
+    try:
+        x = torch.ones(mb * (1 << 20) // 4)
+        start = time.perf_counter()
+        for sender in (0, 1):
+            if role == sender:
+                dist.send(x, 1 - role)
+            else:
+                dist.recv(x, 1 - role)
+        tests.append({"name": "p2p_bandwidth", "peer": peer,
+                      "value": 2 * x.numel() * 4 / (time.perf_counter() - start) / 1e6})
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        tests.append({"name": "all_reduce", "peer": peer,
+                      "value": x.numel() * 4 / (time.perf_counter() - start) / 1e6})
+    except Exception as exc:
+        tests.append({"name": "all_reduce", "peer": peer, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    finally:
+        dist.destroy_process_group()
+    return tests
+
+
+def run_checks(node_id: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """Every test of `plan` (see selfcheck_plan.build); a test's failure never stops the rest."""
+    expected = load_expected(plan.get("expected_file", ""))
+    tests: list[dict[str, Any]] = []
+    local = [("memory_bandwidth", memory_bandwidth), ("loopback_bandwidth", loopback_bandwidth),
+             ("gemm", gemm)]
+    if plan.get("ranks", 1) > 1:
+        local.append(("all_to_all", lambda: all_to_all(plan["ranks"])))
+    for name, fn in local:
+        tests.append(_measured(name, fn))
+    for pair in plan.get("pairs", []):
+        tests += pair_tests(pair["peer"], pair["role"], pair["master"], pair["port"],
+                            plan.get("pair_timeout_s", 15.0))
+    for test in tests:
+        test.setdefault("value", 0.0)
+        test["unit"] = UNITS[test["name"]]
+        test["expected"] = expected[test["name"]]
+        test["passed"] = "error" not in test and test["value"] >= test["expected"]
+    failed = [t for t in tests if not t["passed"]]
+    return {"node": node_id, "host": socket.gethostname(), "pid": os.getpid(),
+            "passed": not failed, "failed": [f"{node_id}: {t['name']}" + (f" with {t['peer']}" if "peer" in t else "")
+                                             for t in failed], "tests": tests}
+
+
+def _measured(name: str, fn) -> dict[str, Any]:
+    try:
+        return {"name": name, "value": float(fn())}
+    except Exception as exc:
+        return {"name": name, "error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -1,0 +1,76 @@
+"""Who checks what with whom, and who failed: the driver's side of the self-check.
+
+Each live node runs its local tests and pair tests with its ring neighbours (node i with i+1),
+scheduled in rounds so that no node is in two pairs at once (a ring of odd length needs a
+third round). A node fails when a local test fails, when it gives no result, or when every
+pair it was in failed while one of its peers passed with someone else: a bad link shows up
+in both ends' results, and the healthy end is the one that works with another neighbour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megascale.config.schema import ResilienceConfig
+from megascale.resilience.placement import rendezvous_port
+from megascale.resilience.state import Node
+
+PAIR_TIMEOUT_S = 8.0
+
+
+def ring_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Edges (i, i+1 mod n) of a ring coloured into rounds of disjoint pairs."""
+    if n < 2:
+        return []
+    if n == 2:
+        return [[(0, 1)]]
+    edges = [(i, (i + 1) % n) for i in range(n)]
+    rounds = [[e for e in edges[: n - (n % 2)] if e[0] % 2 == 0],
+              [e for e in edges[: n - (n % 2)] if e[0] % 2 == 1]]
+    if n % 2:
+        rounds.append([edges[-1]])
+    return [r for r in rounds if r]
+
+
+def build(nodes: list[Node], ranks_per_node: int, cfg: ResilienceConfig) -> dict[str, dict[str, Any]]:
+    plans = {n.node_id: {"ranks": ranks_per_node, "expected_file": cfg.selfcheck_expected,
+                         "pair_timeout_s": PAIR_TIMEOUT_S, "pairs": []} for n in nodes}
+    for index, pairs in enumerate(ring_rounds(len(nodes))):
+        for a, b in pairs:
+            port = rendezvous_port(cfg.rendezvous_port, index, offset=500 + a)
+            first, second = nodes[a], nodes[b]
+            for role, me, peer in ((0, first, second), (1, second, first)):
+                plans[me.node_id]["pairs"].append({"round": index, "peer": peer.node_id, "role": role,
+                                                   "master": first.address, "port": port})
+    for plan in plans.values():
+        plan["pairs"].sort(key=lambda p: p["round"])
+    return plans
+
+
+def judge(results: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    failed: dict[str, str] = {}
+    pair_ok: dict[str, list[bool]] = {}
+    for node, result in results.items():
+        if not result or not result.get("ok"):
+            failed[node] = f"self-check did not complete: {(result or {}).get('error', 'no result')}"
+            continue
+        for test in result["report"]["tests"]:
+            if "peer" in test:
+                pair_ok.setdefault(node, []).append(test["passed"])
+            elif not test["passed"]:
+                failed[node] = f"{test['name']}: {test.get('error') or _figure(test)}"
+    healthy_pairs = {n for n, oks in pair_ok.items() if any(oks)}
+    suspects = []
+    for node, oks in pair_ok.items():
+        if node in failed or any(oks):
+            continue
+        peers = [t["peer"] for t in results[node]["report"]["tests"] if "peer" in t]
+        if any(p in healthy_pairs for p in peers):
+            failed[node] = f"every link test failed ({', '.join(peers)}) while its peers pass with others"
+        else:
+            suspects.append(node)
+    return {"failed": failed, "suspects": suspects}
+
+
+def _figure(test: dict[str, Any]) -> str:
+    return f"{test['value']:.3g} {test['unit']} < expected {test['expected']:.3g} {test['unit']}"

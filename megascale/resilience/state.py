@@ -1,0 +1,122 @@
+"""The driver's job state, persisted in SQLite so that a restarted driver carries on.
+
+What must survive a driver crash is small and changes rarely: which nodes are active, spare or
+evicted, the blocked addresses, the attempt and restart counts, the layout, and the record of
+faults and alerts (for ETTR). Heartbeats are volatile and are not stored. The whole `JobState`
+is one JSON row, rewritten on each change in a transaction; events are appended to a log.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ACTIVE, SPARE, EVICTED = "active", "spare", "evicted"
+# Job phases. RUNNING: ranks train; STOPPING -> CHECKING -> (RUNNING again) on a fault.
+STARTING, RUNNING, STOPPING, CHECKING = "starting", "running", "stopping", "checking"
+COMPLETE, FAILED, CANCELLED = "complete", "failed", "cancelled"
+FINISHED = (COMPLETE, FAILED, CANCELLED)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS job (id INTEGER PRIMARY KEY CHECK (id = 0), state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL, kind TEXT, data TEXT
+);
+"""
+
+
+@dataclass
+class Node:
+    node_id: str
+    address: str
+    host: str
+    role: str = SPARE
+    slot: int = -1  # position among the active nodes (its ranks: slot*rpn ...)
+    faults: int = 0  # faults blamed on this node over the whole job
+    pid: int | None = None  # local mode: the executor's process id
+    registered: float = 0.0
+
+
+@dataclass
+class JobState:
+    job_id: str
+    nodes_wanted: int
+    ranks_per_node: int
+    layout: dict[str, int]  # dp, tp, pp of the current attempt
+    train_args: list[str] = field(default_factory=list)
+    config_path: str | None = None
+    run_dir: str = ""
+    phase: str = STARTING
+    attempt: int = 0
+    restarts: int = 0
+    restart_budget: int = 10
+    nodes: dict[str, Node] = field(default_factory=dict)
+    blocked: list[str] = field(default_factory=list)  # addresses never readmitted
+    master: dict[str, Any] = field(default_factory=dict)  # addr/port of the current attempt
+    api: dict[str, Any] = field(default_factory=dict)  # host/port the driver serves on
+    created: float = field(default_factory=time.time)
+    attempt_started: float = 0.0
+    finished: float | None = None
+    reason: str = ""
+
+    def role(self, role: str) -> list[Node]:
+        return sorted((n for n in self.nodes.values() if n.role == role),
+                      key=lambda n: (n.slot, n.registered, n.node_id))
+
+    @property
+    def evicted(self) -> list[str]:
+        return [n.node_id for n in self.role(EVICTED)]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobState:
+        data = json.loads(text)
+        data["nodes"] = {k: Node(**v) for k, v in data["nodes"].items()}
+        return cls(**data)
+
+
+class JobStore:
+    """One SQLite file; safe to use from the API threads and the control loop."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.executescript(SCHEMA)
+
+    def load(self) -> JobState | None:
+        with self._lock:
+            row = self._conn.execute("SELECT state FROM job WHERE id = 0").fetchone()
+        return JobState.from_json(row[0]) if row else None
+
+    def save(self, state: JobState) -> None:
+        with self._lock, self._conn:
+            self._conn.execute("INSERT OR REPLACE INTO job (id, state) VALUES (0, ?)",
+                               (state.to_json(),))
+
+    def event(self, kind: str, data: dict[str, Any], when: float | None = None) -> None:
+        with self._lock, self._conn:
+            self._conn.execute("INSERT INTO events (time, kind, data) VALUES (?, ?, ?)",
+                               (when if when is not None else time.time(), kind,
+                                json.dumps(data, default=str)))
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        sql, args = "SELECT id, time, kind, data FROM events", ()
+        if kind is not None:
+            sql, args = sql + " WHERE kind = ?", (kind,)
+        with self._lock:
+            rows = self._conn.execute(sql + " ORDER BY id", args).fetchall()
+        return [{"id": i, "time": t, "kind": k, **json.loads(d)} for i, t, k, d in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
