@@ -1,6 +1,9 @@
-"""Pipeline composed with ZeRO-2 through `build_runner` (pp=2, vpp=2, dp=2 on 4 gloo ranks):
-the losses of a few optimizer steps equal one process training on the global batch, which
-also checks the runner's ZeRO hooks (before_forward / after_backward per chunk)."""
+"""Pipeline composed with the other parallelisms on 4 gloo ranks; the losses of a few optimizer
+steps equal one process training on the same data:
+- ZeRO-2 through `build_runner` (pp=2, vpp=2, dp=2), which also exercises the runner's ZeRO
+  hooks (before_forward / after_backward per chunk);
+- tensor + sequence parallel blocks applied before splitting (pp=2, vpp=2, tp=2): activations
+  cross stages sequence-sharded, a shape the runner learns from the wire."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from megascale.optim import build_optimizer, clip_grad_norm_
 from megascale.parallel import init_mesh
 from megascale.parallel.engine import build_runner
 from megascale.parallel.launch import run_local
-from megascale.parallel.pipeline import PipelineRunner
+from megascale.parallel.pipeline import PipelineRunner, split_model
+from megascale.parallel.tensor import apply_tensor_parallel, sync_sequence_parallel_grads
 from tests.parallel.test_pipeline_parity import batches, job, reference, token_count
 
 pytestmark = pytest.mark.timeout(240)
@@ -58,6 +62,45 @@ def test_pipeline_with_zero_matches_single_process():
     cfg = job(p=2, v=2, m=8)  # the same global batch on one process
     ref_losses, _, _ = reference(cfg, batches(cfg, STEPS))
     results = run_local(_rank_main, 4, timeout_s=200)
+    for rank, losses in enumerate(results):
+        for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+            assert abs(a - b) < 1e-5, f"rank {rank} step {step}: {a} vs {b}"
+
+
+def _tp_rank_main() -> list[float]:
+    cfg = job(p=2, v=2, m=4)
+    cfg.parallel.tp = 2
+    cfg.model.vocab_size = 96  # divisible by tp: vocabulary-parallel embedding and loss
+    cfg.validate()
+    mesh = init_mesh(cfg.parallel, device="cpu")
+    set_timers(Timers(mesh.rank, mesh.coords._asdict(), "test", None, enabled=True))
+    try:
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        apply_tensor_parallel(model, cfg, mesh)
+        runner = PipelineRunner(split_model(model, 2, 2, mesh.pp_rank), cfg, mesh)
+        opt = build_optimizer(runner.optimizer_tensors(), cfg.optim)
+        params = [t for _, t in runner.optimizer_tensors()]
+        losses = []
+        for batch in batches(cfg, STEPS):
+            tokens = token_count(batch)
+            loss_sum = runner.forward_backward(batch, tokens)
+            sync_sequence_parallel_grads(params, mesh)
+            clip_grad_norm_(params, cfg.optim.grad_clip, across=[mesh.pp_group])
+            opt.step()
+            runner.zero_grad()
+            dist.all_reduce(loss_sum, group=mesh.pp_group)
+            losses.append(float(loss_sum) / tokens)
+        return losses
+    finally:
+        mesh.destroy()
+
+
+def test_pipeline_over_tensor_parallel_blocks_matches_single_process():
+    cfg = job(p=2, v=2, m=4)
+    cfg.model.vocab_size = 96
+    ref_losses, _, _ = reference(cfg, batches(cfg, STEPS))
+    results = run_local(_tp_rank_main, 4, timeout_s=200)
     for rank, losses in enumerate(results):
         for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) < 1e-5, f"rank {rank} step {step}: {a} vs {b}"
