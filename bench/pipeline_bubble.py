@@ -57,8 +57,27 @@ def job(args, v: int) -> JobConfig:
     return cfg
 
 
+def physical_cores() -> list[int]:
+    """One logical CPU per physical core this process may run on (hyper-thread siblings share
+    a core's arithmetic units, which would make two stages' compute times differ)."""
+    seen, cpus = set(), []
+    for cpu in sorted(os.sched_getaffinity(0)):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topo / "physical_package_id").read_text(), (topo / "core_id").read_text())
+        except OSError:
+            key = (str(cpu), "")
+        if key not in seen:
+            seen.add(key)
+            cpus.append(cpu)
+    return cpus
+
+
 def rank_main(args, out_dir: str) -> dict:
     torch.set_num_threads(1)
+    cores = physical_cores()
+    if args.pin and len(cores) >= args.p:  # each stage on its own core: even stage times
+        os.sched_setaffinity(0, {cores[int(os.environ["RANK"])]})
     mesh = init_mesh(ParallelConfig(pp=args.p), device="cpu")
     timers = Timers(mesh.rank, mesh.coords._asdict(), "bench", out_dir, enabled=True)
     set_timers(timers)
@@ -160,6 +179,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="do not pin each rank to its own physical core (pinned when enough)")
     ap.add_argument("--out", default="bench/results/pipeline_bubble.json")
     args = ap.parse_args()
 

@@ -58,6 +58,7 @@ def _rank_main() -> list[float]:
         mesh.destroy()
 
 
+@pytest.mark.slow
 def test_pipeline_with_zero_matches_single_process():
     cfg = job(p=2, v=2, m=8)  # the same global batch on one process
     ref_losses, _, _ = reference(cfg, batches(cfg, STEPS))
@@ -96,6 +97,7 @@ def _tp_rank_main() -> list[float]:
         mesh.destroy()
 
 
+@pytest.mark.slow
 def test_pipeline_over_tensor_parallel_blocks_matches_single_process():
     cfg = job(p=2, v=2, m=4)
     cfg.model.vocab_size = 96

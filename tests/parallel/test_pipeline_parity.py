@@ -219,6 +219,7 @@ def test_pipeline_parity_two_stages(tmp_path):
     _check(results, cases)
 
 
+@pytest.mark.slow
 def test_pipeline_parity_four_stages():
     cases = [(4, 1, 6, "1f1b"), (4, 2, 8, "1f1b")]
     _check(run_local(_rank_main, 4, (cases,), timeout_s=280), cases)
