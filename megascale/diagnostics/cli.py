@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 from pathlib import Path
 
 from megascale.config import load_config
 from megascale.config.schema import ConfigError
 from megascale.diagnostics.report import build_report
-from megascale.diagnostics.store import Collector, query
+from megascale.diagnostics.store import Collector
 from megascale.parallel.grid import RankGrid
 
 
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None, metavar="PP,DP,TP",
                         help="the rank grid, when the run's files do not record it")
     parser.add_argument("--sql", default=None, help="run a query on the store and print rows")
+    parser.add_argument("--header", action="store_true", help="with --sql: print column names")
+    parser.add_argument("--trace-steps", default=None, metavar="A:B",
+                        help="only steps A..B in the timeline traces (default: all)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -39,8 +43,14 @@ def run(args: argparse.Namespace) -> int:
         collector = Collector(run_dir)
         try:
             collector.poll()
-            for row in query(collector.conn, args.sql):
-                print("\t".join(str(v) for v in row.values()))
+            cursor = collector.conn.execute(args.sql)
+            if args.header and cursor.description:
+                print("\t".join(d[0] for d in cursor.description))
+            for row in cursor:
+                print("\t".join(str(v) for v in row))
+        except sqlite3.Error as exc:
+            print(f"megascale report: SQL error: {exc} (schema: docs/troubleshooting.md)")
+            return 2
         finally:
             collector.close()
         return 0
@@ -56,10 +66,16 @@ def run(args: argparse.Namespace) -> int:
         grid = RankGrid(pp, dp, tp)
     elif config_path.is_file():
         grid = RankGrid(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
-    report = build_report(run_dir, cfg.diagnostics, args.out, grid)
+    steps = None
+    if args.trace_steps:
+        first, last = (int(v) for v in args.trace_steps.split(":"))
+        steps = (first, last)
+    report = build_report(run_dir, cfg.diagnostics, args.out, grid, steps)
     if args.json:
         print(json.dumps(report.summary(), indent=1))
         return 0
+    if not report.figures.get("breakdown"):
+        print(f"no timer records in {run_dir / 'timers'} (was diagnostics.timers off?)")
     if report.hang is not None:
         print("hang analysis:")
         for line in report.hang.summary():

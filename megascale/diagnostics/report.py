@@ -39,8 +39,12 @@ class Report:
 
 
 def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
-                 out_dir: str | Path | None = None, grid: RankGrid | None = None) -> Report:
-    """Collect the run's files, analyse them and write RUN_DIR/report/ (or `out_dir`)."""
+                 out_dir: str | Path | None = None, grid: RankGrid | None = None,
+                 trace_steps: tuple[int, int] | None = None) -> Report:
+    """Collect the run's files, analyse them and write RUN_DIR/report/ (or `out_dir`).
+
+    `trace_steps` limits the timeline traces to a step range (they grow with the run).
+    """
     cfg = cfg or DiagnosticsConfig()
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir else run_dir / "report"
@@ -62,7 +66,7 @@ def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
             figures["breakdown"] = png
         if (png := plot_mfu(conn, out / "mfu.png")) is not None:
             figures["mfu"] = png
-        traces = {g: timeline.write_trace(conn, out / f"trace_by_{g}.json", g)
+        traces = {g: timeline.write_trace(conn, out / f"trace_by_{g}.json", g, trace_steps)
                   for g in ("pp", "host")}
         analysis = hang.analyse(run_dir, grid)
         if analysis is not None:
