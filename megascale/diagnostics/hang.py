@@ -85,11 +85,23 @@ def analyse(run_dir: str | Path, grid: RankGrid | None = None) -> HangAnalysis |
         return None
     roll = load_roll_call(run_dir)
     if grid is None:
-        layout = next((d["grid"] for d in [*dumps.values(), *roll.values()] if d.get("grid")), None)
-        if not layout:
-            raise ValueError("no grid in the dumps or roll call; pass the layout (pp, dp, tp)")
-        grid = RankGrid(int(layout["pp"]), int(layout["dp"]), int(layout["tp"]))
+        grid = _grid_of_run(run_dir, [*dumps.values(), *roll.values()])
     return analyse_dumps(grid, dumps, {r: d.get("host", "?") for r, d in roll.items()})
+
+
+def _grid_of_run(run_dir: str | Path, records: list[dict[str, Any]]) -> RankGrid:
+    """The layout from the dumps or roll call, else from the run's RUN_DIR/config.toml."""
+    layout = next((d["grid"] for d in records if d.get("grid")), None)
+    if layout:
+        return RankGrid(int(layout["pp"]), int(layout["dp"]), int(layout["tp"]))
+    config = Path(run_dir) / "config.toml"
+    if config.is_file():
+        from megascale.config import load_config
+
+        p = load_config(config).parallel
+        return RankGrid(p.pp, p.dp, p.tp)
+    raise ValueError(f"no grid in the hang dumps or roll call and no {config}; "
+                     "pass the layout (megascale report --layout PP,DP,TP)")
 
 
 def analyse_dumps(grid: RankGrid, dumps: dict[int, dict[str, Any]],

@@ -121,3 +121,17 @@ def test_rank_that_went_past_a_collective_is_diverged() -> None:
     dumps[3] = waiting(3, "all_reduce", "dp", 6, calls={"comm:dp": 6})  # dp peer of rank 1
     a = analyse_dumps(GRID, dumps)
     assert a.stuck == [3] and a.ranks[3].state == "diverged"
+
+
+def test_grid_from_the_runs_config(tmp_path) -> None:
+    from megascale.config import dump_config, load_config
+    from megascale.diagnostics.hang import analyse
+
+    cfg = load_config(None, ["--parallel.pp=2", "--parallel.tp=2", "--model.layers=4"])
+    dump_config(cfg, tmp_path / "config.toml")
+    (tmp_path / "hang").mkdir()
+    for r in (0, 1, 2):
+        dump = waiting(r, "all_reduce", "tp", 3, calls={"comm:tp": 3})
+        (tmp_path / "hang" / f"rank{r}.json").write_text(json.dumps(dump))
+    a = analyse(tmp_path)
+    assert (a.grid.pp, a.grid.dp, a.grid.tp) == (2, 1, 2) and a.stuck == [3]
