@@ -180,7 +180,10 @@ class Timers:
 
     # ---- internals -------------------------------------------------------------------------
     def _event(self) -> torch.cuda.Event:
-        return self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        try:  # pop() is atomic: spans also open in autograd's thread (backward hooks)
+            return self._pool.pop()
+        except IndexError:
+            return torch.cuda.Event(enable_timing=True)
 
     def _new_anchor(self) -> tuple[torch.cuda.Event, float]:
         ev = self._event()
