@@ -234,7 +234,7 @@ class ResilienceConfig:
     hang_floor_s: float = 10.0  # no step progress for max(floor, factor * max step time): hang
     hang_factor: float = 5.0
     warmup_steps: int = 2  # steps before the hang window and the slowdown baseline are learned
-    slow_factor: float = 2.0  # recent step time above factor x baseline: a slowdown alert
+    slow_factor: float = 3.0  # recent step time above factor x baseline: a slowdown alert
     traffic_window_s: float = 5.0  # traffic at zero this long while ranks run: a fault
     traffic_fall_ratio: float = 0.2  # traffic below ratio x its baseline: an alert
     traffic_interfaces: list[str] = field(default_factory=list)  # [] = every interface but lo

@@ -13,6 +13,7 @@ heartbeat; commands come back in the reply), so a node behind NAT or in a pod ne
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import os
@@ -80,7 +81,8 @@ class ApiServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
-                self.wfile.write(raw)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(raw)  # else the caller gave up waiting; it will ask again
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 self._serve("GET")

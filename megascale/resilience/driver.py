@@ -71,13 +71,15 @@ class Driver:
         self.waiting_for: dict[str, str] = {}  # node -> command id the phase waits on
         self.manual_evictions: dict[str, str] = {}
         self.current_fault: dict[str, Any] | None = None
+        self.check_ring: list[str] = []
         self.resumed_pending: dict[str, Any] | None = None
         now = time.time()
         for node in state.nodes.values():
             if node.role != EVICTED:
                 self.last_seen[node.node_id] = now  # a restarted driver gives everyone a grace
-        if state.phase in (STOPPING, CHECKING):
-            self.phase_deadline = now  # redo the interrupted recovery from the start
+        if state.phase in (STOPPING, CHECKING):  # redo the interrupted recovery from the start
+            state.phase, self.phase_deadline = STOPPING, now
+            self.current_fault = (store.events("fault") or [None])[-1]
         self.hang.reset(now)
 
     # ------------------------------------------------------------------ API handlers
@@ -262,11 +264,15 @@ class Driver:
                 and max((r.get("step") or 0) for r in ranks) >= self.cfg.train.steps)
 
     def _alert(self, finding: Finding, now: float) -> None:
-        data = finding.to_dict()
-        if finding.kind == "slow":
-            data["stragglers"] = evidence.straggler_evidence(self.state.run_dir, self.cfg)
         log.warning("ALERT %s: %s", finding.kind, finding.detail)
-        self.store.event("alert", data, now)
+        if finding.kind != "slow":
+            return self.store.event("alert", finding.to_dict(), now)
+
+        def with_stragglers() -> None:  # reading the timers takes a while: not under the lock
+            stragglers = evidence.straggler_evidence(self.state.run_dir, self.cfg)
+            self.store.event("alert", {**finding.to_dict(), "stragglers": stragglers}, now)
+
+        threading.Thread(target=with_stragglers, name="straggler-evidence", daemon=True).start()
 
     # ------------------------------------------------------------------ recovery
     def _begin_recovery(self, finding: Finding, now: float, others: list[Finding] = ()) -> None:
@@ -312,8 +318,12 @@ class Driver:
         if not self._phase_done(now):
             return
         stopped = {n for n, c in self.waiting_for.items() if c in self.results}
+        self.store.event("stopped", {"attempt": self.state.attempt, "nodes": sorted(stopped)}, now)
         live = [n for n in self._live_nodes(now) if n.node_id in stopped]
-        plan = selfcheck_plan.build(live, self.state.ranks_per_node, self.rcfg)
+        # Lost active nodes stay in the ring: their neighbours' link tests then name them too.
+        ring = self.state.role(ACTIVE) + [n for n in self.state.role(SPARE) if n in live]
+        plan = selfcheck_plan.build(ring, self.state.ranks_per_node, self.rcfg)
+        self.check_ring = [n.node_id for n in ring]
         self.state.phase = CHECKING
         self._save()
         self._broadcast_phase_command("selfcheck", live, now, self.rcfg.selfcheck_timeout_s,
@@ -323,7 +333,7 @@ class Driver:
     def _tick_checking(self, now: float) -> None:
         if not self._phase_done(now):
             return
-        reports = {n: self.results.get(c) for n, c in self.waiting_for.items()}
+        reports = {n: self.results.get(self.waiting_for.get(n, "")) for n in self.check_ring}
         verdict = selfcheck_plan.judge(reports)
         self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
                                        "reports": reports}, now)
@@ -332,7 +342,8 @@ class Driver:
             if node.role == EVICTED:
                 continue
             why = verdict["failed"].get(node.node_id)
-            if node.node_id not in reports or now - self.last_seen.get(node.node_id, 0) > self.rcfg.heartbeat_timeout_s:
+            lost = now - self.last_seen.get(node.node_id, 0) > self.rcfg.heartbeat_timeout_s
+            if lost or not reports.get(node.node_id):
                 why = why or "lost: no heartbeat or no self-check result"
             if fault.get("evict") and node.node_id == fault.get("node"):
                 why = why or fault.get("detail")

@@ -11,9 +11,11 @@ ranks keep training and the executor keeps knocking: a restarted driver picks it
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -67,6 +69,9 @@ class Executor:
         self._lock = threading.Lock()
         self._seq = 0
         self._gpus = _gpu_inventory()
+        self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._seen: set[str] = set()
+        threading.Thread(target=self._command_loop, name="executor-commands", daemon=True).start()
 
     # ------------------------------------------------------------------ registration, heartbeats
     def register(self, timeout_s: float = 120.0) -> None:
@@ -159,17 +164,24 @@ class Executor:
 
     # ------------------------------------------------------------------ commands
     def _dispatch(self, command: dict[str, Any]) -> None:
-        kind = command["kind"]
         with self._lock:
-            if command["id"] in self.done or self.busy == command["id"]:
-                return  # already handled; the driver has not seen the ack yet
-            self.busy = command["id"]
-        handler = {"start": self._start, "stop": self._stop, "selfcheck": self._selfcheck,
-                   "exit": self._exit}[kind]
-        threading.Thread(target=self._run_command, args=(handler, command), daemon=True,
-                         name=f"executor-{kind}").start()
+            if command["id"] in self._seen:
+                return  # queued or done; the driver has not seen the result yet
+            self._seen.add(command["id"])
+        self._commands.put(command)
+
+    def _command_loop(self) -> None:
+        """One long-lived thread runs the commands in order: the ranks it starts are tied to it
+        (PR_SET_PDEATHSIG fires when the forking *thread* ends), and heartbeats go on meanwhile."""
+        handlers = {"start": self._start, "stop": self._stop, "selfcheck": self._selfcheck,
+                    "exit": self._exit}
+        while True:
+            command = self._commands.get()
+            self._run_command(handlers[command["kind"]], command)
 
     def _run_command(self, handler, command: dict[str, Any]) -> None:
+        with self._lock:
+            self.busy = command["id"]
         try:
             result = handler(command)
         except Exception as exc:  # report it: the driver decides what a failed command means
@@ -194,7 +206,7 @@ class Executor:
                 argv = [sys.executable, "-m", "megascale.cli", "train", *command["args"]]
                 proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        cwd=command.get("cwd") or None)
+                                        preexec_fn=_die_with_parent, cwd=command.get("cwd") or None)
             attempt.ranks.append(RankProcess(rank, local, proc, log_path))
         with self._lock:
             self.attempt = attempt
@@ -237,6 +249,12 @@ class Executor:
             _signal_group(rp.proc.pid, signal.SIGKILL)  # also the group's leftovers (writers)
             rp.proc.wait()
         return len(live)
+
+
+def _die_with_parent() -> None:
+    """A rank never outlives its executor (as on a real node that goes down with it)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _signal_group(pid: int, sig: int) -> None:

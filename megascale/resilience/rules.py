@@ -108,8 +108,8 @@ class SlowRule:
 
     factor: float
     warmup: int
-    baseline_steps: int = 3
-    recent_steps: int = 3
+    baseline_steps: int = 4
+    recent_steps: int = 4
     times: dict[int, float] = field(default_factory=dict)
     alerted: bool = False
 
@@ -117,12 +117,17 @@ class SlowRule:
         self.times.clear()
         self.alerted = False
 
+    @property
+    def _first(self) -> int:
+        """Warm-up counts from the attempt's first step (a resumed run starts past step 1)."""
+        return min(self.times) + self.warmup if self.times else 0
+
     def observe(self, step: int, step_time: float) -> None:
         self.times[step] = max(step_time, self.times.get(step, 0.0))  # the slowest rank's view
 
     @property
     def baseline(self) -> float | None:
-        steps = sorted(s for s in self.times if s > self.warmup)[: self.baseline_steps]
+        steps = sorted(s for s in self.times if s >= self._first)[: self.baseline_steps]
         if len(steps) < self.baseline_steps:
             return None
         return statistics.median(self.times[s] for s in steps)
@@ -130,7 +135,7 @@ class SlowRule:
     def check(self) -> Finding | None:
         base = self.baseline
         recent = sorted(self.times)[-self.recent_steps:]
-        if base is None or len(recent) < self.recent_steps or recent[0] <= self.warmup + self.baseline_steps:
+        if base is None or recent[0] < self._first + self.baseline_steps:
             return None
         now = statistics.median(self.times[s] for s in recent)
         slow = now > self.factor * base

@@ -1,8 +1,8 @@
 """Self-check diagnostics a node runs before it is trusted again.
 
 Local tests: host memory bandwidth (a large array copy), loopback TCP bandwidth (the network
-stack and CPU), a GEMM (on the GPU when there is one), and an all-to-all among `ranks` gloo
-processes on the node. Pair tests with a neighbour node: point-to-point bandwidth (send/recv
+stack and CPU), a GEMM (on the GPU when there is one), and an all-to-all among `ranks` gloo ranks
+of the node. Pair tests with a neighbour node: point-to-point bandwidth (send/recv
 both ways) and an all-reduce, over a two-rank gloo group. Each figure is compared with an
 expected floor: measured on healthy nodes (`megascale selfcheck --measure`) or built in, low
 enough that only a broken or badly degraded node misses it.
@@ -35,7 +35,7 @@ def load_expected(path: str) -> dict[str, float]:
     return expected
 
 
-def memory_bandwidth(mb: int = 64) -> float:
+def memory_bandwidth(mb: int = 32) -> float:
     src = np.ones(mb * (1 << 20) // 8)
     dst = np.empty_like(src)
     best = float("inf")
@@ -46,7 +46,7 @@ def memory_bandwidth(mb: int = 64) -> float:
     return 2 * src.nbytes / best / 1e9  # read + write
 
 
-def loopback_bandwidth(mb: int = 32) -> float:
+def loopback_bandwidth(mb: int = 16) -> float:
     payload = b"\0" * (1 << 20)
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
@@ -85,45 +85,39 @@ def gemm(n: int = 512) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
 
 
-def _all_to_all_worker(rank: int, world: int, port: int, mb: int, out: Any) -> None:
+def all_to_all(ranks: int, mb: int = 2) -> float:
+    """Per-rank bytes leaving it per second in an all-to-all among `ranks` gloo ranks of this
+    node (threads of one process: starting a process per rank would cost seconds per check)."""
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    x = torch.ones(mb * (1 << 20) // 4)
-    y = torch.empty_like(x)
-    dist.all_to_all_single(y, x)
-    start = time.perf_counter()
-    dist.all_to_all_single(y, x)
-    dist.barrier()
-    if rank == 0:
-        out.put(x.numel() * 4 * (world - 1) / world / (time.perf_counter() - start) / 1e6)
-    dist.destroy_process_group()
+    store = dist.HashStore()
+    seconds: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("a2a", store), rank, ranks, timedelta(seconds=30))
+            x = torch.ones(mb * (1 << 20) // 4)
+            y = torch.empty_like(x)
+            group.alltoall_base(y, x, [], []).wait()
+            start = time.perf_counter()
+            group.alltoall_base(y, x, [], []).wait()
+            seconds[rank] = time.perf_counter() - start
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors or len(seconds) < ranks:
+        raise RuntimeError(f"all-to-all among {ranks} ranks failed: {errors[:1] or 'timed out'}")
+    return mb * (1 << 20) * (ranks - 1) / ranks / max(seconds.values()) / 1e6
 
 
-def all_to_all(ranks: int, mb: int = 4) -> float:
-    """Per-rank bytes leaving it per second in an all-to-all among `ranks` local processes."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_all_to_all_worker, args=(r, ranks, port, mb, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    if any(p.exitcode != 0 for p in procs):
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"all-to-all workers exited with {[p.exitcode for p in procs]}")
-    return queue.get()
-
-
-def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, mb: int = 8) -> list[dict]:
+def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, mb: int = 4) -> list[dict]:
     """p2p bandwidth and all-reduce with one neighbour node over a 2-rank gloo group."""
     import torch
     import torch.distributed as dist

@@ -115,7 +115,7 @@ class JobStore:
             sql, args = sql + " WHERE kind = ?", (kind,)
         with self._lock:
             rows = self._conn.execute(sql + " ORDER BY id", args).fetchall()
-        return [{"id": i, "time": t, "kind": k, **json.loads(d)} for i, t, k, d in rows]
+        return [{"id": i, "time": t, "event": k, **json.loads(d)} for i, t, k, d in rows]
 
     def close(self) -> None:
         with self._lock:

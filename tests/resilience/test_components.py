@@ -1,0 +1,128 @@
+"""Driver parts without processes: self-check plan and verdict, placement, fault specs, the
+persisted state, the API's authentication."""
+
+import os
+import stat
+
+import pytest
+
+from megascale.config import load_config
+from megascale.resilience.api import ApiClient, ApiError, ApiServer, load_or_create_token
+from megascale.resilience.faults import StepHook, parse_faults
+from megascale.resilience.placement import PlacementError, layout_for, usable_nodes
+from megascale.resilience.selfcheck_plan import build, judge, ring_rounds
+from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_ring_rounds_cover_the_ring_with_disjoint_pairs(n):
+    rounds = ring_rounds(n)
+    edges = {tuple(sorted(e)) for r in rounds for e in r}
+    assert edges == {tuple(sorted((i, (i + 1) % n))) for i in range(n)}
+    for r in rounds:
+        members = [x for e in r for x in e]
+        assert len(members) == len(set(members))
+
+
+def _report(node, local_ok=True, pairs=()):
+    tests = [{"name": "memory_bandwidth", "passed": local_ok, "value": 1.0, "unit": "GB/s", "expected": 2.0}]
+    tests += [{"name": "all_reduce", "peer": p, "passed": ok} for p, ok in pairs]
+    return {"ok": True, "report": {"tests": tests}}
+
+
+def test_judge_names_the_node_with_the_failing_test():
+    verdict = judge({"a": _report("a", pairs=[("b", True)]), "b": _report("b", False, [("a", True)])})
+    assert list(verdict["failed"]) == ["b"] and "memory_bandwidth" in verdict["failed"]["b"]
+
+
+def test_judge_blames_the_end_whose_every_link_fails():
+    results = {"n0": _report("n0", pairs=[("n1", False), ("n2", True)]),
+               "n1": None,  # cut off: no result at all
+               "n2": _report("n2", pairs=[("n0", True), ("n1", False)])}
+    verdict = judge(results)
+    assert list(verdict["failed"]) == ["n1"]
+    results["n1"] = _report("n1", pairs=[("n0", False), ("n2", False)])
+    assert list(judge(results)["failed"]) == ["n1"]
+
+
+def test_judge_does_not_guess_between_two_nodes():
+    verdict = judge({"a": _report("a", pairs=[("b", False)]), "b": _report("b", pairs=[("a", False)])})
+    assert verdict["failed"] == {} and sorted(verdict["suspects"]) == ["a", "b"]
+
+
+def test_plan_pairs_each_node_with_its_neighbours():
+    from megascale.config.schema import ResilienceConfig
+
+    nodes = [Node(f"n{i}", f"10.0.0.{i}", "h", ACTIVE, i) for i in range(3)]
+    plans = build(nodes, 2, ResilienceConfig(rendezvous_port=30000))
+    assert sorted(p["peer"] for p in plans["n0"]["pairs"]) == ["n1", "n2"]
+    roles = {(p["peer"], p["role"], p["master"]) for p in plans["n1"]["pairs"]}
+    assert roles == {("n0", 1, "10.0.0.0"), ("n2", 0, "10.0.0.1")}
+
+
+def test_placement_shrinks_dp_and_refuses_what_cannot_fit():
+    cfg = load_config(None, ["--parallel.dp=4", "--train.global_batch=8", "--train.micro_batch=2"])
+    assert layout_for(cfg, 2, 2) == {"dp": 4, "tp": 1, "pp": 1}
+    assert layout_for(cfg, 1, 2)["dp"] == 2
+    assert usable_nodes(cfg, 3, 2, 2) == 2
+    cfg = load_config(None, ["--parallel.dp=2", "--parallel.tp=2", "--model.heads=4",
+                             "--train.global_batch=8", "--train.micro_batch=2"])
+    with pytest.raises(PlacementError, match="tp\\*pp"):
+        layout_for(cfg, 1, 1)
+
+
+def test_fault_specs_parse_and_fire_only_in_their_attempt(tmp_path):
+    faults = parse_faults("kill:rank=1:step=6; sleep:rank=0:step=1:seconds=2.5:attempt=1")
+    assert faults[0].kind == "kill" and (faults[0].rank, faults[0].step, faults[0].attempt) == (1, 6, 0)
+    assert faults[1].params == {"seconds": 2.5} and faults[1].attempt == 1
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        parse_faults("explode:rank=0:step=1")
+    with pytest.raises(ValueError, match="rank= and step="):
+        parse_faults("kill:step=1")
+    env = {"MEGASCALE_FAULT": "raise:rank=0:step=2", "MEGASCALE_RESTART_ATTEMPT": "1",
+           "MEGASCALE_STATUS_DIR": str(tmp_path)}
+    assert StepHook(0, env).faults == {}
+    env["MEGASCALE_RESTART_ATTEMPT"] = "0"
+    assert list(StepHook(0, env).faults) == [2]
+
+
+def test_state_survives_a_new_store(tmp_path):
+    store = JobStore(tmp_path / "s.sqlite")
+    state = JobState("j1", 2, 2, {"dp": 4, "tp": 1, "pp": 1}, run_dir=str(tmp_path))
+    state.nodes["n0"] = Node("n0", "10.0.0.1", "h", ACTIVE, 0, faults=1)
+    state.blocked.append("10.0.0.9")
+    state.attempt, state.restarts = 3, 2
+    store.save(state)
+    store.event("fault", {"kind": "hang"})
+    store.close()
+    again = JobStore(tmp_path / "s.sqlite")
+    loaded = again.load()
+    assert loaded == state and isinstance(loaded.nodes["n0"], Node)
+    assert [(e["event"], e["kind"]) for e in again.events("fault")] == [("fault", "hang")]
+
+
+def test_api_needs_the_token_and_writes_it_0600(tmp_path):
+    token = load_or_create_token("", tmp_path / "token")
+    assert stat.S_IMODE(os.stat(tmp_path / "token").st_mode) == 0o600
+    assert load_or_create_token("", tmp_path / "token") == token
+    server = ApiServer("127.0.0.1", 0, token, {("GET", "/v1/status"): lambda body: (200, {"ok": 1})}).start()
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        assert ApiClient(url, token).status() == {"ok": 1}
+        with pytest.raises(ApiError) as err:
+            ApiClient(url, "wrong").status()
+        assert err.value.status == 401
+        with pytest.raises(ApiError) as err:
+            ApiClient(url, token).call("POST", "/v1/nothing", {})
+        assert err.value.status == 404
+    finally:
+        server.close()
+
+
+def test_bad_resilience_config_names_the_key():
+    from megascale.config import ConfigError
+
+    with pytest.raises(ConfigError, match="resilience.heartbeat_timeout_s"):
+        load_config(None, ["--resilience.heartbeat_s=5", "--resilience.heartbeat_timeout_s=2"])
+    with pytest.raises(ConfigError, match="resilience.restart_budget"):
+        load_config(None, ["--resilience.restart_budget=-1"])
