@@ -55,6 +55,12 @@ class Workload:
             p.wait(timeout=30)
 
 
+@pytest.fixture(scope="session")
+def workload_cls() -> type[Workload]:
+    """The class, for module-scoped fixtures that start one run shared by several tests."""
+    return Workload
+
+
 @pytest.fixture
 def workload():
     started: list[Workload] = []

@@ -18,11 +18,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def straggler_run(tmp_path_factory):
-    from conftest import Workload  # noqa: PLC0415 - the test-local helper module
-
+def straggler_run(tmp_path_factory, workload_cls):
     run_dir = tmp_path_factory.mktemp("straggler")
-    w = Workload(run_dir, (1, 2, 2), "--steps", "8", "--slow-rank", "2", "--slow-s", "0.03")
+    w = workload_cls(run_dir, (1, 2, 2), "--steps", "8", "--slow-rank", "2", "--slow-s", "0.03")
     try:
         w.wait(150)
     finally:
