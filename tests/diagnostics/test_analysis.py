@@ -136,22 +136,3 @@ def test_grid_from_the_runs_config(tmp_path) -> None:
     a = analyse(tmp_path)
     assert (a.grid.pp, a.grid.dp, a.grid.tp) == (2, 1, 2) and a.stuck == [3]
 
-
-def test_live_polling_raises_a_straggler_alert(tmp_path) -> None:
-    from megascale.diagnostics.live import LiveDiagnostics
-
-    (tmp_path / "timers").mkdir()
-    recs = records(lambda r, s: 0.1 * (1.5 if r == 1 else 1.0))
-    live = LiveDiagnostics(tmp_path)
-    with open(tmp_path / "timers" / "rank00000.jsonl", "w") as f:
-        half = len(recs) // 2
-        f.write("\n".join(json.dumps(r) for r in recs[:half]) + "\n")
-        f.flush()
-        first = live.poll()
-        f.write("\n".join(json.dumps(r) for r in recs[half:]) + "\n")
-    second = live.poll()
-    assert first["new_spans"] + second["new_spans"] == len(recs)
-    assert [s["rank"] for s in second["stragglers"]] == [1]
-    assert second["alerts"][0].startswith("straggler: rank 1 on h0")
-    assert live.hang_record() is None
-    live.close()
