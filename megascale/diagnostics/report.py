@@ -150,6 +150,25 @@ def _img(path: Path, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
+def _stage_table(conn: sqlite3.Connection) -> str:
+    """Share of step time per kind for each pipeline stage: p2p is the pipeline bubble."""
+    cols = ", ".join(f"SUM({k}) AS {k}" for k in KINDS)
+    rows = query(conn, f"SELECT pp, COUNT(DISTINCT rank) AS ranks, {cols}, "
+                       "SUM(step_time) AS step FROM rank_steps GROUP BY pp ORDER BY pp")
+    if not rows:
+        return ""
+    head = "".join(f"<th>{k}</th>" for k in (*KINDS, "untimed"))
+    body = "".join(
+        f"<tr><td>{r['pp']}</td><td>{r['ranks']}</td>"
+        + "".join(f"<td>{100 * v / r['step']:.1f}%</td>" if r["step"] else "<td>-</td>"
+                  for v in [*(r[k] or 0 for k in KINDS),
+                            (r["step"] or 0) - sum(r[k] or 0 for k in KINDS)]) + "</tr>"
+        for r in rows)
+    return ("<h2>Where the time goes, per pipeline stage</h2><p>Share of the ranks' step time "
+            "(self time per kind; p2p waits are the pipeline bubble, comm the collectives).</p>"
+            f"<table><tr><th>pp stage</th><th>ranks</th>{head}</tr>{body}</table>")
+
+
 def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
     e = html.escape
     (stats,) = query(conn, "SELECT COUNT(DISTINCT rank) AS ranks, COUNT(DISTINCT step) AS steps, "
@@ -167,6 +186,7 @@ def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
                      + "</ul>")
     else:
         parts.append("<p>No rank is consistently slower than its stage peers.</p>")
+    parts.append(_stage_table(conn))
     titles = {"heatmap_host": "Compute heat map, ranks by host",
               "heatmap_grid": "Compute heat map, ranks by pp/dp/tp",
               "breakdown": "Step-time breakdown", "mfu": "MFU over time"}
@@ -178,6 +198,8 @@ def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
                      f'<a href="{e(p.name)}">by {e(g)}</a>' for g, p in report.traces.items())
                  + "</p>")
     style = ("body{font-family:sans-serif;margin:2em;max-width:1500px}"
-             "img{max-width:100%;border:1px solid #ccc}li{margin:.2em 0}")
+             "img{max-width:100%;border:1px solid #ccc}li{margin:.2em 0}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .6em;"
+             "text-align:right}")
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>megascale report</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")

@@ -158,10 +158,13 @@ class Timers:
         if not self.enabled:
             return {}
         now = time.perf_counter()
-        self.last_step = step
         closed, self._closed = self._closed, []
         recorded, self._recorded = self._recorded, []
-        wall = (self._step_start, now)
+        first = self._step_start
+        if self.last_step is None and (closed or recorded):  # not the set-up before step one
+            first = min([s.start for s in closed] + [r[2] for r in recorded])
+        self.last_step = step
+        wall = (first, now)
         self._step_start = now
         if not self._cuda:
             return self._emit(step, self._host_rows(closed, recorded), wall)

@@ -114,3 +114,13 @@ def test_cuda_spans_time_the_gpu_and_resolve_a_step_late(tmp_path) -> None:
                          [r for r in rows if r["name"] == "all_reduce"], strict=True):
         assert fwd["start"] < comm["start"] and comm["dur"] > 0.002
         assert abs(fwd["dur"] - fwd["self"] - comm["dur"]) < 1e-4  # nested time left out
+
+
+def test_first_step_excludes_the_set_up_before_it() -> None:
+    t = Timers(0, {}, "h", None)
+    time.sleep(0.2)  # building the model, the loaders ...
+    with t.span("forward"):
+        time.sleep(0.01)
+    assert t.end_step(0)["step"] < 0.1
+    time.sleep(0.05)  # after step one, everything between end_steps is the step
+    assert t.end_step(1)["step"] >= 0.05
