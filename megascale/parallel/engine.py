@@ -8,6 +8,7 @@ micro-batches, the tensors the optimizer steps on, and the hooks around the opti
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
+from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_input_gemm
 from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
 
@@ -31,6 +33,12 @@ class ModelRunner:
         self.cfg = cfg
         self.mesh = mesh
         self.grad_sync = None  # set by ZeRO: reduce-scatter after backward, all-gather after step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast around forwards when train.dtype = bf16 (backward follows it)."""
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(self._device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     @property
     def module(self) -> nn.Module:
@@ -56,7 +64,7 @@ class ModelRunner:
         if self.grad_sync is not None:
             self.grad_sync.before_forward(0)
         for inputs, labels in zip(batch.inputs, batch.labels, strict=True):
-            with timers.span("forward"):
+            with timers.span("forward"), self.autocast():
                 loss = model(inputs.to(self._device), labels.to(self._device))
             with timers.span("backward"):
                 (loss / token_count).backward()
@@ -71,7 +79,9 @@ class ModelRunner:
             self.grad_sync.before_forward(0)
         total = torch.zeros((), dtype=torch.float64)
         for inputs, labels in zip(batch.inputs, batch.labels, strict=True):
-            total += self.module(inputs.to(self._device), labels.to(self._device)).double().cpu()
+            with self.autocast():
+                loss = self.module(inputs.to(self._device), labels.to(self._device))
+            total += loss.double().cpu()
         return total
 
     def finish_grads(self) -> None:
@@ -106,7 +116,22 @@ class ModelRunner:
 
 
 def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
-    """Apply every parallelism the layout asks for and return this rank's runner."""
+    """Apply every parallelism the layout asks for, then the speed-only transformations of the
+    blocks (they wrap whatever blocks the parallel code left), and return this rank's runner."""
+    runner = _parallel_runner(model, cfg, mesh)
+    for chunk in runner.chunks:
+        blocks = getattr(chunk, "blocks", None)
+        if blocks is None:
+            continue
+        if cfg.train.fuse_input_gemm and (mesh is None or mesh.tp_size == 1):
+            fuse_parallel_input_gemm(blocks)  # tensor parallel fuses its own
+        apply_recompute(blocks, cfg.train.recompute)
+        if cfg.train.compile:
+            apply_compile(blocks)
+    return runner
+
+
+def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh) -> ModelRunner:
     if mesh is None or mesh.world_size == 1:
         return ModelRunner([model], cfg, mesh)
     if mesh.tp_size > 1:

@@ -62,6 +62,8 @@ class Trainer:
 
         seed_everything(cfg.train.seed)  # identical initial weights on every rank
         model = GPT(cfg.model).to(self.device)
+        if cfg.train.param_dtype == "bf16":  # parameters, gradients and their reduction in bf16
+            model.to(torch.bfloat16)
         self.runner = build_runner(model, cfg, self.mesh)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)

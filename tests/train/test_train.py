@@ -70,3 +70,23 @@ def test_cuda_requested_without_cuda_is_a_clear_error(tmp_path):
         pytest.skip("CUDA present")
     with pytest.raises(RuntimeError, match="train.device='cuda'"):
         _trainer(tmp_path, "--train.device=cuda")
+
+
+@pytest.mark.parametrize("extra", [
+    ["--train.dtype=bf16"],
+    ["--train.dtype=bf16", "--train.param_dtype=bf16"],
+    ["--train.recompute=full", "--train.fuse_input_gemm=true"],
+])
+def test_precision_and_recompute_options_train_close_to_fp32(tmp_path, extra):
+    def run(name, *opts):
+        trainer = _trainer(tmp_path / name, "--train.steps=3", "--train.eval_every=0", *opts)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+
+    reference = run("fp32")
+    other = run("other", *extra)
+    exact = "--train.dtype=bf16" not in extra
+    for a, b in zip(reference, other, strict=True):
+        assert abs(a - b) <= (1e-5 if exact else 0.05) * abs(a), (reference, other)

@@ -147,7 +147,7 @@ class PipelineRunner(ModelRunner):
         else:
             x = self._wait_recv(step.recvs.pop((Op.RECV_ACT, a.mb, a.chunk)), a, timers)
             x.requires_grad_(step.token_count is not None)
-        with timers.span("pp.forward", kind="compute", mb=a.mb, chunk=a.chunk):
+        with timers.span("pp.forward", kind="compute", mb=a.mb, chunk=a.chunk), self.autocast():
             if chunk.is_last:
                 out = chunk(x, step.batch.labels[a.mb].to(self._device))
                 loss = out.detach().double()
