@@ -130,9 +130,10 @@ def plot_mfu(conn: sqlite3.Connection, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    for ax, key, label in ((axes[0], "mfu", "MFU"), (axes[1], "tokens_per_s", "tokens/s"),
-                           (axes[2], "loss", "loss")):
-        pts = [(r["step"], r[key]) for r in rows if r[key] is not None]
+    for ax, key, label, scale in ((axes[0], "mfu", "MFU (%)", 100.0),
+                                  (axes[1], "tokens_per_s", "tokens/s", 1.0),
+                                  (axes[2], "loss", "loss", 1.0)):
+        pts = [(r["step"], r[key] * scale) for r in rows if r[key] is not None]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker=".", linewidth=1)
         else:

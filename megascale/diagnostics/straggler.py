@@ -144,7 +144,15 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
             ax.axhline(i - 0.5, color="black", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_title(f"compute time / stage median (rows by {order})")
-    fig.colorbar(im, ax=ax, label="ratio to peers' median")
+    bar = fig.colorbar(im, ax=ax, label="ratio to peers' median")
+    ticks: list[float] = []
+    for v in (1.0, 1.1, 1 / 1.1, 1.25, 0.8, 1.5, 1 / 1.5, 2.0, 0.5, 4.0, 0.25, 8.0, 0.125):
+        far = all(abs(np.log(v / t)) > 0.15 * np.log(span) for t in ticks)  # legible spacing
+        if 1 / span <= v <= span and far:
+            ticks.append(v)
+    ticks.sort()
+    bar.set_ticks(ticks, labels=[f"{v:.2g}x" for v in ticks])
+    bar.minorticks_off()
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
