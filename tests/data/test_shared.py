@@ -6,6 +6,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -120,3 +121,33 @@ def test_reader_killed_consumers_fail_and_nothing_leaks(dataset, tmp_path):
     for r in consumers:
         assert r["error"] is not None and "died" in r["error"], r["error"]
         assert r["inputs"].shape[0] == 3  # the steps before the crash arrived
+
+
+def _pipeline_rank(path: str) -> dict:
+    cfg = job(path, parallel__pp=4, model__layers=4, data__reader="node")
+    mesh = init_mesh(cfg.parallel, device="cpu")
+    train, evaluation = build_loaders(cfg, mesh)
+    batches = [train.next_batch() for _ in range(3)]
+    evals = list(evaluation.batches())
+    group = train.reader_group
+    train.close()
+    mesh.destroy()
+    return {"pp": mesh.pp_rank, "group": group.ranks if group else None,
+            # numpy: tensors would cross the result queue as shared memory of an exiting process
+            "inputs": None if batches[0] is None else np.stack([b.inputs.numpy() for b in batches]),
+            "evals": [e is None for e in evals]}
+
+
+def test_only_first_and_last_stages_fetch(dataset):
+    """pp=4 on four local ranks: stages 0 and 3 share one reader, stages 1 and 2 get None."""
+    path, _ = dataset
+    results = run_local(_pipeline_rank, 4, (str(path),), env={"LOCAL_WORLD_SIZE": "4"},
+                        timeout_s=150)
+    assert [r["inputs"] is None for r in results] == [False, True, True, False]
+    assert [r["group"] for r in results] == [(0, 3), None, None, (0, 3)]
+    assert [all(r["evals"]) for r in results] == [False, True, True, False]
+    single, _ = build_loaders(job(path), None)
+    expected = np.stack([single.next_batch().inputs.numpy() for _ in range(3)])
+    single.close()
+    assert np.array_equal(results[0]["inputs"], expected)
+    assert np.array_equal(results[3]["inputs"], expected)
