@@ -25,6 +25,7 @@ from megascale.config import JobConfig, dump_config
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import flops_per_token, mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
+from megascale.diagnostics.watchdog import Watchdog
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
 from megascale.parallel.engine import build_runner, reduce_sum
@@ -53,6 +54,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
+        if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         self.mesh = init_mesh(cfg.parallel, device=self.device.type)
         self.rank = self.mesh.rank
         self.run_dir = Path(cfg.train.run_dir)
@@ -72,6 +75,10 @@ class Trainer:
             enabled=cfg.diagnostics.timers, device=self.device,
         )
         set_timers(self.timers)
+        grid = {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp}
+        self.watchdog = Watchdog(self.timers, self.run_dir, cfg.diagnostics.hang_timeout_s, grid=grid)
+        if cfg.diagnostics.timers:  # it reads the open timer spans to say where a hang is
+            self.watchdog.start()
         self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir)
         self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard)
         self.step = 0
@@ -195,6 +202,7 @@ class Trainer:
         return record["loss"]
 
     def close(self) -> None:
+        self.watchdog.stop()
         self.runner.close()
         self.checkpoints.close()
         self.train_loader.close()
