@@ -243,7 +243,8 @@ class Driver:
             if report.get("attempt") != self.state.attempt:
                 all_alive = False
                 continue
-            out += abnormal_exits(node.node_id, report.get("ranks", []))
+            done = self.cfg.train.steps  # a crash in teardown after the last step loses nothing
+            out += abnormal_exits(node.node_id, [r for r in report.get("ranks", []) if (r.get("step") or 0) < done])
             all_alive &= all(r.get("alive") for r in report.get("ranks", []))
         out += self.errors
         self.errors = []
@@ -260,8 +261,15 @@ class Driver:
                  for r in self.reports.get(n.node_id, {}).get("ranks", [])
                  if self.reports[n.node_id].get("attempt") == self.state.attempt]
         world = self.state.ranks_per_node * len(self.state.role(ACTIVE))
-        return (len(ranks) == world and all(r.get("exitcode") == 0 for r in ranks)
-                and max((r.get("step") or 0) for r in ranks) >= self.cfg.train.steps)
+        if len(ranks) < world or any(r.get("alive") or (r.get("step") or 0) < self.cfg.train.steps
+                                     for r in ranks):
+            return False
+        for r in ranks:
+            if r.get("exitcode") != 0:
+                self.store.event("alert", {"kind": "exit_after_last_step", "severity": "alert",
+                                           "detail": f"rank {r['rank']} exited with {r['exitcode']} "
+                                                     "after the last step (teardown)", "rank": r["rank"]})
+        return True
 
     def _alert(self, finding: Finding, now: float) -> None:
         log.warning("ALERT %s: %s", finding.kind, finding.detail)

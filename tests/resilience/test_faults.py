@@ -1,0 +1,152 @@
+"""Fault injection on a local job of 2 nodes x 2 ranks (+1 spare): real processes, real signals,
+real network namespaces. Every run must end complete with the reference run's final losses.
+
+Slow (each job is ~1-2 minutes on 2 shared cores): `-m slow` selects them, `-m "not slow"` skips.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megascale.resilience.local import Netns, cut_link, netns_available
+from tests.resilience.jobs import PAUSE, REPO, node_of_rank
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def assert_same_losses(job, reference):
+    ref_job, _ = reference
+    assert job.losses() == ref_job.losses(), "final losses differ from the fault-free run"
+
+
+def recovered(summary, kind=None):
+    assert summary["restarts"] >= 1 and summary["faults"], summary
+    fault = summary["faults"][0]
+    if kind is not None:
+        assert fault["kind"] in kind, fault
+    assert fault["recovery_s"] is not None, fault
+    return fault
+
+
+def test_fault_free_run_with_slow_first_step_raises_no_alarm(reference):
+    _, summary = reference
+    assert summary["faults"] == [] and summary["restarts"] == 0 and summary["evicted"] == []
+    assert summary["ettr"]["steps"] == 16 and 0 < summary["ettr"]["ettr"] <= 1
+
+
+def test_rank_sigkill(job_factory, reference):
+    job = job_factory(fault="kill:rank=1:step=6")
+    job.start()
+    summary = job.finish()
+    fault = recovered(summary, {"abnormal_exit", "error_keyword"})
+    assert summary["evicted"] == []  # the node passes its self-check: restarted in place
+    assert fault["node"] is not None
+    assert_same_losses(job, reference)
+
+
+def test_rank_exception(job_factory, reference):
+    job = job_factory(fault="raise:rank=2:step=7")
+    job.start()
+    summary = job.finish()
+    fault = recovered(summary, {"abnormal_exit", "error_keyword"})
+    assert "rank" in fault["detail"]
+    assert_same_losses(job, reference)
+
+
+def test_rank_sigstop_is_a_hang(job_factory, reference):
+    job = job_factory(fault="stop:rank=3:step=6")
+    job.start()
+    summary = job.finish()
+    fault = recovered(summary, {"hang"})
+    assert fault["detected"] - fault["last_progress"] < 10.0  # 5 s floor + heartbeat latency
+    assert_same_losses(job, reference)
+
+
+def test_executor_killed_spare_takes_over_and_the_node_stays_out(job_factory, reference):
+    job = job_factory(fault=PAUSE)
+    job.start()
+    status = job.wait_for(lambda s: s["phase"] == "running" and any(
+        (r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"]))
+    victim = node_of_rank(status, 2)
+    os.kill(status["nodes"][victim]["pid"], signal.SIGKILL)
+    evicted = job.wait_for(lambda s: victim in s["evicted"])
+    assert any(n["role"] == "active" and name == "node2" for name, n in evicted["nodes"].items()) or \
+        evicted["phase"] != "running"
+    # The evicted node tries to come back: refused (exit code 3).
+    token_file = job.run_dir / "resilience" / "token"
+    back = subprocess.run([sys.executable, "-m", "megascale.cli", "executor", "--driver", job.client.url,
+                           "--token-file", str(token_file), "--node-id", victim, "--address", "127.0.0.1",
+                           "--workdir", str(job.run_dir / "again")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert back.returncode == 3, back.stderr[-2000:]
+    summary = job.finish()
+    fault = recovered(summary)
+    assert summary["evicted"] == [victim], summary
+    assert fault["kind"] in ("heartbeat_lost", "abnormal_exit", "error_keyword", "hang")
+    assert_same_losses(job, reference)
+
+
+def test_driver_restarted_mid_run_job_continues(job_factory, reference):
+    job = job_factory(fault=PAUSE)
+    first = job.start()
+    job.wait_for(lambda s: s["phase"] == "running" and any(
+        (r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"]))
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    time.sleep(2.0)  # executors now knock on a closed door; the ranks keep training
+    job.start()
+    summary = job.finish()
+    assert summary["restarts"] == 0 and summary["faults"] == [], summary
+    assert "continuing job" in job.log_tail(100_000)
+    assert_same_losses(job, reference)
+
+
+def test_slow_node_is_an_alert_not_an_eviction(job_factory, reference):
+    # Rank 2 (node 1) is stopped for 0.45 s of every 0.5 s from step 6 on, by SIGSTOP/SIGCONT.
+    job = job_factory(fault="throttle:rank=2:step=6:stop=0.45:period=0.5")
+    job.start()
+    summary = job.finish()
+    assert summary["restarts"] == 0 and summary["faults"] == [] and summary["evicted"] == [], summary
+    assert any(a["kind"] == "slow" for a in summary["alerts"]), summary["alerts"]
+    assert_same_losses(job, reference)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(netns_available() is not None, reason=f"{netns_available()}")
+def test_network_cut_detected_named_by_selfcheck_evicted_spare_takes_over(job_factory, reference):
+    job = job_factory(fault=PAUSE, netns=True)
+    job.start()
+    status = job.wait_for(lambda s: s["phase"] == "running" and any(
+        (r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"]))
+    victim = node_of_rank(status, 2)
+    netns = Netns(status["job_id"][:4])
+    cut_link(netns, int(victim.removeprefix("node")))
+    try:
+        summary = job.finish()
+    finally:
+        cut_link(netns, int(victim.removeprefix("node")), up=True)
+    fault = recovered(summary)
+    assert fault["node"] == victim or fault["kind"] in ("hang", "abnormal_exit", "error_keyword")
+    assert summary["evicted"] == [victim], summary
+    import sqlite3
+
+    conn = sqlite3.connect(job.run_dir / "resilience" / "driver.sqlite")
+    verdicts = [row[0] for row in conn.execute("SELECT data FROM events WHERE kind = 'selfcheck'")]
+    assert victim in verdicts[0] and f'"{victim}": "self-check did not complete' in verdicts[0]
+    assert_same_losses(job, reference)
+
+
+def test_bad_config_fails_before_any_rank_starts(tmp_path):
+    for bad, message in ((["--model.heads=5"], "model.heads"),
+                         ([f"--checkpoint.dir={tmp_path}/missing"], "checkpoint.dir")):
+        out = subprocess.run([sys.executable, "-m", "megascale.cli", "launch", "--nodes", "2",
+                              "--ranks-per-node", "2", f"--train.run_dir={tmp_path}/run", *bad],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert not (tmp_path / "run").exists()  # nothing started, nothing written
