@@ -150,6 +150,9 @@ class ParallelMesh:
         """Tear down every group this mesh created (and the default group if it made it)."""
         if self.store is not None and dist.is_initialized():
             dist.destroy_process_group()
+        close = getattr(getattr(self.store, "inner", None), "close", None)
+        if close is not None:
+            close()  # the Redis client's connections
         self._groups = {dim: None for dim in DIMS}
         self._checkpoint_group = None
 
@@ -200,19 +203,16 @@ def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
     return ParallelMesh(grid, rank, dev, backend, groups, stats, timeout, counter)
 
 
-def join_world(
-    cfg: ParallelConfig, rank: int, world_size: int, backend: str, timeout: timedelta
-) -> CountingStore:
+def join_world(cfg: ParallelConfig, rank: int, world_size: int, backend: str, timeout: timedelta) -> CountingStore:
     """Create the default group on the configured store; the counter sees all later traffic."""
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialised; init_mesh creates the default group "
             "itself (call mesh.destroy() before creating another mesh)"
         )
-    counter = CountingStore(create_store(cfg, rank, world_size, StoreAddress.from_env()))
-    dist.init_process_group(
-        backend=backend, store=counter, rank=rank, world_size=world_size, timeout=timeout
-    )
+    address = StoreAddress.from_env(need_master=cfg.store == "tcp")
+    counter = CountingStore(create_store(cfg, rank, world_size, address))
+    dist.init_process_group(backend=backend, store=counter, rank=rank, world_size=world_size, timeout=timeout)
     return counter
 
 

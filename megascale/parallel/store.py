@@ -131,26 +131,26 @@ class StoreAddress:
     attempt: int
 
     @classmethod
-    def from_env(cls, env: os._Environ[str] | dict[str, str] | None = None) -> StoreAddress:
+    def from_env(cls, env: os._Environ[str] | dict[str, str] | None = None, need_master: bool = True) -> StoreAddress:
+        """Read the torchrun variables; MASTER_ADDR/PORT are only needed for the TCPStore."""
         env = os.environ if env is None else env
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-        if missing:
+        if missing and need_master:
             raise ConfigError(
                 f"distributed start-up needs {' and '.join(missing)} in the environment "
                 "(torchrun sets them; or export MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>)"
             )
         job = env.get("MEGASCALE_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "job"
         attempt = env.get("MEGASCALE_RESTART_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT")
-        return cls(env["MASTER_ADDR"], int(env["MASTER_PORT"]), job, int(attempt or 0))
+        host, port = env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT") or 0)
+        return cls(host, port, job, int(attempt or 0))
 
     @property
     def prefix(self) -> str:
         return f"megascale/{self.job_id}/attempt{self.attempt}/"
 
 
-def create_store(
-    cfg: ParallelConfig, rank: int, world_size: int, address: StoreAddress
-) -> dist.Store:
+def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: StoreAddress) -> dist.Store:
     """The rendezvous store `cfg.store` names, keys namespaced by job and restart attempt."""
     timeout = timedelta(seconds=cfg.init_timeout_s)
     if cfg.store == "redis":

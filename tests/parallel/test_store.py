@@ -10,7 +10,7 @@ import redis
 import torch
 import torch.distributed as dist
 
-from megascale.config import ParallelConfig, load_config
+from megascale.config import ConfigError, ParallelConfig, load_config
 from megascale.parallel import init_mesh
 from megascale.parallel.launch import free_port, run_local, run_with_stores
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
@@ -161,3 +161,14 @@ def test_redis_and_tcp_store_give_identical_results(redis_server, world):
     assert out["tcp"] == out["redis"]  # bit-identical, every rank
     assert len({tuple(r) for r in out["tcp"]}) == 1  # the dp ranks agree
     assert out["tcp"][0][-1] < out["tcp"][0][0]  # it did train
+
+
+def test_namespace_comes_from_job_and_restart_count():
+    torchrun = {"MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert StoreAddress.from_env(torchrun).prefix == "megascale/r1/attempt2/"
+    ours = {**torchrun, "MEGASCALE_JOB_ID": "j", "MEGASCALE_RESTART_ATTEMPT": "5"}
+    assert StoreAddress.from_env(ours).prefix == "megascale/j/attempt5/"
+    # Redis needs no MASTER_ADDR/PORT; the TCPStore does, and says so
+    assert StoreAddress.from_env({}, need_master=False).prefix == "megascale/job/attempt0/"
+    with pytest.raises(ConfigError, match="MASTER_ADDR and MASTER_PORT"):
+        StoreAddress.from_env({})
