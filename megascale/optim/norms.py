@@ -34,7 +34,7 @@ def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tenso
     parameter, when `tensors` are its gradients or updates)."""
     if not tensors:
         return torch.zeros(0)
-    local = torch.stack([t.detach().float().pow(2).sum() for t in tensors])
+    local = torch.stack(torch._foreach_norm([t.detach().float() for t in tensors])).pow(2)
     by_groups: dict[tuple, list[int]] = defaultdict(list)
     for i, owner in enumerate(owners):
         by_groups[norm_groups(owner)].append(i)
@@ -70,7 +70,7 @@ def clip_grad_norm_(
     norm = global_grad_norm(params, across)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.device))
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].device))
     return norm
