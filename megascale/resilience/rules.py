@@ -79,10 +79,12 @@ class HangRule:
 
     def observe(self, step: int, recent: Iterable[tuple[int, float]], now: float) -> None:
         """`step`: the job's newest step; `recent`: (step, seconds) pairs seen with it."""
+        recent = list(recent)
         if step > self.last_step:
-            self.steps_seen += step - self.last_step if self.last_step >= 0 else 1
-            self.first_step = step if self.last_step < 0 else self.first_step
+            if self.last_step < 0:  # this attempt's first step: the oldest the ranks remember
+                self.first_step = min([step, *(s for s, _ in recent)])
             self.last_step, self.last_progress = step, now
+            self.steps_seen = step - self.first_step + 1
         learned = [t for s, t in recent if s >= self.first_step + self.warmup]
         if learned:
             self.max_step_time = max(self.max_step_time, *learned)

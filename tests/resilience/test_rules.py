@@ -126,3 +126,11 @@ def test_interface_bytes_leaves_loopback_out_unless_named():
     assert interface_bytes(counters, []) == 12
     assert interface_bytes(counters, ["lo"]) == 200
     assert interface_bytes({"lo": [1, 1]}, []) is None
+
+
+def test_hang_warmup_counts_steps_done_between_heartbeats():
+    rule = HangRule(startup_s=120, floor_s=5, factor=5, warmup=2)
+    rule.reset(0.0)
+    rule.observe(6, [(s, 0.07) for s in range(1, 7)], 1.0)  # six fast steps in one heartbeat
+    assert rule.window_s == 5.0
+    assert rule.check(6.5, all_alive=True) is not None
