@@ -182,8 +182,10 @@ class CheckpointManager:
             [sys.executable, "-m", "megascale.checkpoint.writer"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
-        threading.Thread(target=self._collect, args=(self._writer,), daemon=True,
-                         name=f"megascale-checkpoint-results-{self.rank}").start()
+        self._collector = threading.Thread(
+            target=self._collect, args=(self._writer,), daemon=True,
+            name=f"megascale-checkpoint-results-{self.rank}")
+        self._collector.start()
 
     def _collect(self, writer: subprocess.Popen) -> None:
         for line in writer.stdout:
@@ -310,6 +312,7 @@ class CheckpointManager:
                 self._writer.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self._writer.kill()
+            self._collector.join(timeout=5)
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None

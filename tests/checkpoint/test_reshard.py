@@ -17,7 +17,7 @@ from megascale.config.schema import ParallelConfig
 from megascale.parallel.launch import run_local
 from tests.checkpoint import sharded
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SEED, STEP = 11, 7
 
 
