@@ -66,6 +66,13 @@ def _fused_parallel_forward(self: Block, x: torch.Tensor) -> torch.Tensor:
     return x + mlp.proj(mlp.activation(up)) + attn.proj(attn.attend(qkv))
 
 
+def set_attention_kernel(module: nn.Module, kernel: str) -> None:
+    """`auto`, `sdpa` or `flex` for every attention layer (train.attention)."""
+    for sub in module.modules():
+        if isinstance(sub, Attention):
+            sub.kernel = kernel
+
+
 def _items(blocks):
     return list(blocks.items()) if isinstance(blocks, nn.ModuleDict) else list(enumerate(blocks))
 

@@ -18,7 +18,12 @@ from torch import nn
 from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
-from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_input_gemm
+from megascale.model.efficiency import (
+    apply_compile,
+    apply_recompute,
+    fuse_parallel_input_gemm,
+    set_attention_kernel,
+)
 from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
 
@@ -120,6 +125,7 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
     blocks (they wrap whatever blocks the parallel code left), and return this rank's runner."""
     runner = _parallel_runner(model, cfg, mesh)
     for chunk in runner.chunks:
+        set_attention_kernel(chunk, cfg.train.attention)
         blocks = getattr(chunk, "blocks", None)
         if blocks is None:
             continue

@@ -66,3 +66,13 @@ def test_compiled_blocks_match_eager():
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-4, atol=1e-4)
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-3, atol=1e-5)
+
+
+def test_attention_kernel_choice_reaches_every_layer():
+    from megascale.model import Attention
+    from megascale.model.efficiency import set_attention_kernel
+
+    base, _, _ = _pair()
+    set_attention_kernel(base, "sdpa")
+    kernels = {m.kernel for m in base.modules() if isinstance(m, Attention)}
+    assert kernels == {"sdpa"}
