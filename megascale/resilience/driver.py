@@ -64,7 +64,7 @@ class Driver:
         self.results: dict[str, dict[str, Any]] = {}  # command id -> executor's result
         self.errors: list[Finding] = []
         self.alerts: list[dict[str, Any]] = []
-        self.hang = hang_rule(self.rcfg)
+        self.hang = hang_rule(self.rcfg, cfg.train.steps)
         self.slow = slow_rule(self.rcfg)
         self.traffic: dict[str, TrafficRule] = {}
         self.phase_deadline = 0.0

@@ -60,7 +60,7 @@ def missing_heartbeats(last_seen: dict[str, float], now: float, window_s: float)
 class HangRule:
     """No step progress while every rank lives. The window is learned: before `warmup` steps
     it is the start-up timeout (a slow first step is no hang); after, max(floor, factor x the
-    longest step seen)."""
+    longest step seen); after the last step (final save, teardown) the start-up timeout again."""
 
     startup_s: float
     floor_s: float
@@ -72,6 +72,7 @@ class HangRule:
     steps_seen: int = 0
     first_step: int = 0
     max_step_time: float = 0.0
+    total_steps: int = 1 << 62
 
     def reset(self, now: float) -> None:
         self.started = self.last_progress = now
@@ -91,8 +92,8 @@ class HangRule:
 
     @property
     def window_s(self) -> float:
-        if self.steps_seen <= self.warmup:
-            return self.startup_s
+        if self.steps_seen <= self.warmup or self.last_step >= self.total_steps:
+            return self.startup_s  # starting, or past the last step: saving and tearing down
         return max(self.floor_s, self.factor * self.max_step_time)
 
     def check(self, now: float, all_alive: bool) -> Finding | None:
@@ -202,8 +203,9 @@ def interface_bytes(counters: dict[str, list[int]], watched: list[str]) -> int |
     return sum(c[0] + c[1] for c in chosen) if chosen else None
 
 
-def hang_rule(cfg: ResilienceConfig) -> HangRule:
-    return HangRule(cfg.startup_timeout_s, cfg.hang_floor_s, cfg.hang_factor, cfg.warmup_steps)
+def hang_rule(cfg: ResilienceConfig, total_steps: int) -> HangRule:
+    return HangRule(cfg.startup_timeout_s, cfg.hang_floor_s, cfg.hang_factor, cfg.warmup_steps,
+                    total_steps=total_steps)
 
 
 def slow_rule(cfg: ResilienceConfig) -> SlowRule:

@@ -60,7 +60,7 @@ def test_hang_window_learned_from_observed_step_times():
 
 
 def test_hang_not_reported_while_a_rank_is_down():
-    rule = hang_rule(ResilienceConfig(startup_timeout_s=1.0))
+    rule = hang_rule(ResilienceConfig(startup_timeout_s=1.0), total_steps=10)
     rule.reset(0.0)
     assert rule.check(10.0, all_alive=False) is None
     assert rule.check(10.0, all_alive=True) is not None
@@ -134,3 +134,11 @@ def test_hang_warmup_counts_steps_done_between_heartbeats():
     rule.observe(6, [(s, 0.07) for s in range(1, 7)], 1.0)  # six fast steps in one heartbeat
     assert rule.window_s == 5.0
     assert rule.check(6.5, all_alive=True) is not None
+
+
+def test_no_hang_while_saving_and_tearing_down_after_the_last_step():
+    rule = HangRule(startup_s=60, floor_s=5, factor=5, warmup=1, total_steps=8)
+    rule.reset(0.0)
+    rule.observe(8, [(s, 0.1) for s in range(1, 9)], 1.0)
+    assert rule.check(30.0, all_alive=True) is None
+    assert rule.check(62.0, all_alive=True) is not None
