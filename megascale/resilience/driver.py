@@ -72,6 +72,7 @@ class Driver:
         self.manual_evictions: dict[str, str] = {}
         self.current_fault: dict[str, Any] | None = None
         self.check_ring: list[str] = []
+        self.evidence_threads: list[threading.Thread] = []
         self.resumed_pending: dict[str, Any] | None = None
         now = time.time()
         for node in state.nodes.values():
@@ -280,7 +281,9 @@ class Driver:
             stragglers = evidence.straggler_evidence(self.state.run_dir, self.cfg)
             self.store.event("alert", {**finding.to_dict(), "stragglers": stragglers}, now)
 
-        threading.Thread(target=with_stragglers, name="straggler-evidence", daemon=True).start()
+        thread = threading.Thread(target=with_stragglers, name="straggler-evidence", daemon=True)
+        thread.start()
+        self.evidence_threads.append(thread)
 
     # ------------------------------------------------------------------ recovery
     def _begin_recovery(self, finding: Finding, now: float, others: list[Finding] = ()) -> None:
@@ -434,6 +437,8 @@ class Driver:
             if node.role != EVICTED:
                 self._send(node.node_id, "exit")
         self.phase_deadline = s.finished + self.rcfg.stop_timeout_s
+        for thread in self.evidence_threads:  # their alerts belong in the summary
+            thread.join(30)
         summary = self.summary()
         self.store.event("finish", summary)
         (Path(s.run_dir) / "resilience").mkdir(parents=True, exist_ok=True)

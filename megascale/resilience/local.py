@@ -99,3 +99,23 @@ def spawn_executor(index: int, driver_url: str, token_file: Path, workdir: Path,
     with open(log_path, "ab") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m megascale.resilience.local up|down TAG COUNT` / `cut|restore TAG INDEX`."""
+    if len(argv) != 3 or argv[0] not in ("up", "down", "cut", "restore"):
+        print("usage: up|down TAG COUNT  or  cut|restore TAG INDEX", file=sys.stderr)
+        return 2
+    if why := netns_available():
+        print(f"netns: {why}", file=sys.stderr)
+        return 1
+    action, spec, number = argv[0], Netns(argv[1]), int(argv[2])
+    if action in ("up", "down"):
+        (netns_up if action == "up" else netns_down)(spec, number)
+    else:
+        cut_link(spec, number, up=action == "restore")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -108,8 +108,10 @@ def test_driver_restarted_mid_run_job_continues(job_factory, reference):
 
 
 def test_slow_node_is_an_alert_not_an_eviction(job_factory, reference):
-    # Rank 2 (node 1) is stopped for 0.45 s of every 0.5 s from step 6 on, by SIGSTOP/SIGCONT.
-    job = job_factory(fault="throttle:rank=2:step=6:stop=0.45:period=0.5")
+    # Rank 2 (node 1) is stopped for 0.9 s of every second from step 6 on, by SIGSTOP/SIGCONT.
+    # Step times swing 10x on this shared machine, so the alert threshold is 2x here (3x default).
+    job = job_factory(fault="throttle:rank=2:step=6:stop=0.9:period=1.0",
+                      extra=("--resilience.slow_factor=2",))
     job.start()
     summary = job.finish()
     assert summary["restarts"] == 0 and summary["faults"] == [] and summary["evicted"] == [], summary
