@@ -1,8 +1,8 @@
 """Resharding and read-once recovery across real gloo ranks.
 
 A state cut by hand as (pp=1, dp=2, tp=2) with ZeRO is saved by 4 ranks (asynchronously,
-committed by rank 0's writer), then loaded into (pp=2, dp=2, tp=1) with ZeRO, into
-(dp=4) replicated through a filesystem that counts every byte read, and into one process.
+committed by rank 0's writer), then loaded into (pp=2, dp=2, tp=1) with ZeRO and into (dp=4)
+replicated through a filesystem that counts every byte read (one spawn), and into one process.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megascale.config.schema import ParallelConfig
-from megascale.parallel.launch import run_local
+from megascale.parallel.launch import free_port, run_local
 from tests.checkpoint import sharded
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -76,23 +76,30 @@ def saved(tmp_path_factory):
     return root, results
 
 
-def test_reshard_to_pipeline_and_zero(saved):
+def _load_both(root: str, ports: list[int]) -> list[dict]:
+    """Two recoveries in one spawn (a fresh mesh each): pp=2 x dp=2 with ZeRO, then dp=4
+    replicated through the byte-counting filesystem."""
+    out = []
+    for (layout, zero, url), port in zip(
+            (((2, 2, 1), True, root), ((1, 4, 1), False, sharded.counting_url(root))), ports,
+            strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        out.append(_load(url, layout, zero))
+    return out
+
+
+def test_reshard_and_read_once_at_dp4(saved):
     root, saves = saved
-    results = _launch(_load, 4, root, (2, 2, 1), True)
-    for rank, res in enumerate(results):
-        assert res["loaded"] and res["bad"] == [], (rank, res["bad"])
-        assert res["draws"] == saves[rank]["draws"], rank  # each rank's RNG continues
-
-
-def test_read_once_at_dp4(saved):
-    root, _ = saved
-    results = _launch(_load, 4, sharded.counting_url(root), (1, 4, 1), False)
-    for rank, res in enumerate(results):
-        assert res["loaded"] and res["bad"] == [], (rank, res["bad"])
-    stored = results[0]["restore"]["checkpoint_bytes"]
-    read = sum(res["read"] for res in results)  # counted by the filesystem, on every rank
+    results = _launch(_load_both, 4, root, [free_port(), free_port()])
+    for rank, (pipeline_zero, dp4) in enumerate(results):
+        assert pipeline_zero["loaded"] and pipeline_zero["bad"] == [], (rank, pipeline_zero)
+        assert pipeline_zero["draws"] == saves[rank]["draws"], rank  # each rank's RNG continues
+        assert dp4["loaded"] and dp4["bad"] == [], (rank, dp4["bad"])
+    dp4 = [both[1] for both in results]
+    stored = dp4[0]["restore"]["checkpoint_bytes"]
+    read = sum(res["read"] for res in dp4)  # counted by the filesystem, on every rank
     assert read == stored, (read, stored)
-    assert results[0]["restore"]["bytes_read"] == stored
+    assert dp4[0]["restore"]["bytes_read"] == stored
 
 
 def test_reshard_to_one_process(saved, monkeypatch):
