@@ -331,10 +331,12 @@ class Driver:
         stopped = {n for n, c in self.waiting_for.items() if c in self.results}
         self.store.event("stopped", {"attempt": self.state.attempt, "nodes": sorted(stopped)}, now)
         live = [n for n in self._live_nodes(now) if n.node_id in stopped]
-        # Lost active nodes stay in the ring: their neighbours' link tests then name them too.
-        ring = self.state.role(ACTIVE) + [n for n in self.state.role(SPARE) if n in live]
+        # Lost active nodes are judged (no result) but not paired: a link test with a node that
+        # cannot answer would only cost its neighbours a rendezvous timeout.
+        ring = [n for n in self.state.role(ACTIVE) + self.state.role(SPARE) if n in live]
         plan = selfcheck_plan.build(ring, self.state.ranks_per_node, self.rcfg)
-        self.check_ring = [n.node_id for n in ring]
+        self.check_ring = [n.node_id for n in self.state.role(ACTIVE)] + [
+            n.node_id for n in self.state.role(SPARE) if n in live]
         self.state.phase = CHECKING
         self._save()
         self._broadcast_phase_command("selfcheck", live, now, self.rcfg.selfcheck_timeout_s,

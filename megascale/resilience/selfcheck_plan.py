@@ -15,7 +15,7 @@ from megascale.config.schema import ResilienceConfig
 from megascale.resilience.placement import rendezvous_port
 from megascale.resilience.state import Node
 
-PAIR_TIMEOUT_S = 8.0
+PAIR_TIMEOUT_S = 6.0
 
 
 def ring_rounds(n: int) -> list[list[tuple[int, int]]]:
