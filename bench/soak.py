@@ -47,14 +47,19 @@ class Soak:
         self.client: ApiClient | None = None
 
     def status(self) -> dict:
-        while self.client is None:
+        while True:
             info = self.run_dir / "resilience" / "driver.json"
-            if info.is_file():
+            if self.client is None and info.is_file():
                 data = json.loads(info.read_text())
                 self.client = ApiClient(data["url"], Path(data["token_file"]).read_text().strip())
-            else:
-                time.sleep(0.5)
-        return self.client.status()
+            try:
+                if self.client is not None:
+                    return self.client.status()
+            except OSError as exc:  # a busy driver on a loaded machine: ask again
+                print(f"status: {exc}", flush=True)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"driver exited: {self.proc.returncode}")
+            time.sleep(0.5)
 
     def training(self, past_step: int = 0) -> dict:
         """Wait until the job runs and has passed `past_step` in the current attempt."""
@@ -114,8 +119,12 @@ def main() -> None:
         soak.client.call("POST", "/v1/stop", {"reason": "soak finished"})
         soak.proc.wait(120)
     finally:
-        if soak.proc.poll() is None:
-            soak.proc.kill()
+        if soak.proc.poll() is None:  # the bench failed: end the job through the driver
+            try:
+                soak.client.call("POST", "/v1/stop", {"reason": "soak bench failed"})
+                soak.proc.wait(60)
+            except (OSError, AttributeError, subprocess.TimeoutExpired):
+                soak.proc.kill()
     summary = json.loads((work / "run" / "resilience" / "summary.json").read_text())
     rows = []
     for inj, fault in zip(injected, summary["faults"], strict=False):

@@ -276,12 +276,13 @@ class Driver:
         log.warning("ALERT %s: %s", finding.kind, finding.detail)
         if finding.kind != "slow":
             return self.store.event("alert", finding.to_dict(), now)
+        self._in_background(lambda: self.store.event("alert", {
+            **finding.to_dict(), "stragglers": evidence.straggler_evidence(self.state.run_dir, self.cfg)}, now))
 
-        def with_stragglers() -> None:  # reading the timers takes a while: not under the lock
-            stragglers = evidence.straggler_evidence(self.state.run_dir, self.cfg)
-            self.store.event("alert", {**finding.to_dict(), "stragglers": stragglers}, now)
-
-        thread = threading.Thread(target=with_stragglers, name="straggler-evidence", daemon=True)
+    def _in_background(self, work) -> None:
+        """Evidence reads files and imports the diagnostics (and torch): seconds that must not
+        be spent holding the lock every heartbeat needs."""
+        thread = threading.Thread(target=work, name="evidence", daemon=True)
         thread.start()
         self.evidence_threads.append(thread)
 
@@ -291,7 +292,9 @@ class Driver:
                   "last_progress": self.hang.last_progress, "step": self.hang.last_step,
                   "also": [f.to_dict() for f in others]}
         if finding.kind == "hang":
-            record["hang_analysis"] = evidence.hang_evidence(self.state.run_dir, self.state.layout)
+            run_dir, layout = self.state.run_dir, dict(self.state.layout)
+            self._in_background(lambda: self.store.event("hang_analysis", {
+                "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}))
         if finding.node in self.state.nodes:
             self.state.nodes[finding.node].faults += 1
         if finding.kind == "manual_evict":
@@ -458,13 +461,15 @@ class Driver:
         wall = (s.finished or time.time()) - s.created
         faults = self.store.events("fault")
         resumed = {e["fault_detected"]: e for e in self.store.events("resumed")}
+        hangs = {e["detected"]: e["analysis"] for e in self.store.events("hang_analysis")}
         matrix = []
         for f in faults:
             r = resumed.get(f["detected"])
             matrix.append({"kind": f["kind"], "node": f.get("node"), "detail": f["detail"],
                            "detected": f["detected"], "last_progress": f.get("last_progress"),
                            "resumed": r["resumed"] if r else None,
-                           "recovery_s": (r["resumed"] - f["detected"]) if r else None})
+                           "recovery_s": (r["resumed"] - f["detected"]) if r else None,
+                           **({"hang_analysis": hangs[f["detected"]]} if f["detected"] in hangs else {})})
         return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
                 "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
                 "faults": matrix, "alerts": self.store.events("alert"),
