@@ -33,7 +33,10 @@ TRAIN = ["--parallel.dp=4", "--model.layers=2", "--model.hidden=64", "--model.he
          "--train.steps=1000000", "--checkpoint.every=10", "--train.tensorboard=false",
          "--train.eval_every=0", "--train.log_every=50", "--diagnostics.flight_recorder=false",
          "--resilience.hang_floor_s=5", "--resilience.heartbeat_timeout_s=4",
-         "--resilience.restart_budget=50"]
+         "--resilience.restart_budget=50",
+         # 5 x the longest step seen is ~15 s here (loaded cores, checkpoint steps); 3x keeps
+         # detection under 10 s without false alarms in this run's step-time spread.
+         "--resilience.hang_factor=3"]
 
 
 class Soak:
@@ -65,9 +68,10 @@ class Soak:
         """Wait until the job runs and has passed `past_step` in the current attempt."""
         while True:
             s = self.status()
-            steps = [r.get("step") or 0 for n in s["nodes"].values() if n["role"] == "active"
-                     for r in n["ranks"]]
-            if s["phase"] == "running" and steps and min(steps) > past_step:
+            active = [n for n in s["nodes"].values() if n["role"] == "active"]
+            steps = [r.get("step") or 0 for n in active for r in n["ranks"]]
+            current = all(n["attempt"] == s["attempt"] for n in active)  # not the last attempt's
+            if s["phase"] == "running" and current and steps and min(steps) > past_step:
                 return s
             if self.proc.poll() is not None:
                 raise RuntimeError(f"driver exited: {self.proc.returncode}")
@@ -100,7 +104,7 @@ def main() -> None:
     executor_killed = False
     try:
         status = soak.training()
-        while time.time() + 40 < end:
+        while time.time() + 90 < end:  # room to recover before the end
             time.sleep(rng.uniform(10, 30))
             status = soak.training()
             kinds = ["kill", "stop"] + ([] if executor_killed else ["executor"])
@@ -130,7 +134,9 @@ def main() -> None:
     for inj, fault in zip(injected, summary["faults"], strict=False):
         rows.append({**inj, "detected_as": fault["kind"], "detail": fault["detail"],
                      "detection_s": fault["detected"] - inj["time"],
-                     "recovery_s": (fault["resumed"] - inj["time"]) if fault["resumed"] else None})
+                     "recovery_s": (fault["resumed"] - inj["time"]) if fault["resumed"] else None,
+                     "phases": " ".join(f"{k[:-2]} {fault[k]:.1f} s" for k in
+                                        ("stop_s", "selfcheck_s", "evict_s", "start_s") if fault.get(k))})
     recovered = [r for r in rows if r["recovery_s"] is not None]
     result = {
         "minutes": args.minutes, "seed": args.seed, "faults": rows,
@@ -147,7 +153,7 @@ def main() -> None:
     for r in rows:
         rec = f"{r['recovery_s']:.1f} s" if r["recovery_s"] is not None else "NOT RECOVERED"
         print(f"{r['kind']:9s} {r['target']:22s} detected as {r['detected_as']:15s} in "
-              f"{r['detection_s']:4.1f} s, training again after {rec}")
+              f"{r['detection_s']:4.1f} s, training again after {rec} ({r['phases']})")
     e = summary["ettr"]
     print(f"{len(recovered)}/{len(rows)} recovered; detection max {result['detection_s']['max']}, "
           f"recovery max {result['recovery_s']['max']}; ETTR {e['ettr']:.3f} "

@@ -136,6 +136,7 @@ class Driver:
                 "nodes": {n.node_id: {"role": n.role, "slot": n.slot, "address": n.address,
                                       "host": n.host, "faults": n.faults, "pid": n.pid,
                                       "last_seen_s": round(now - self.last_seen.get(n.node_id, 0), 1),
+                                      "attempt": self.reports.get(n.node_id, {}).get("attempt"),
                                       "ranks": self.reports.get(n.node_id, {}).get("ranks", [])}
                           for n in s.nodes.values()},
                 "evicted": s.evicted, "blocked": s.blocked, "step": self.hang.last_step,
@@ -462,13 +463,20 @@ class Driver:
         faults = self.store.events("fault")
         resumed = {e["fault_detected"]: e for e in self.store.events("resumed")}
         hangs = {e["detected"]: e["analysis"] for e in self.store.events("hang_analysis")}
+        phases = {(e["event"], e["attempt"]): e["time"] for e in self.store.events()
+                  if e["event"] in ("stopped", "selfcheck", "attempt")}
         matrix = []
         for f in faults:
             r = resumed.get(f["detected"])
+            a = f["attempt"]
+            marks = [f["detected"], phases.get(("stopped", a)), phases.get(("selfcheck", a)),
+                     phases.get(("attempt", a + 1)), r["resumed"] if r else None]
+            spans = {f"{name}_s": (end - start) if start and end else None for name, start, end in
+                     zip(("stop", "selfcheck", "evict", "start"), marks, marks[1:], strict=True)}
             matrix.append({"kind": f["kind"], "node": f.get("node"), "detail": f["detail"],
                            "detected": f["detected"], "last_progress": f.get("last_progress"),
                            "resumed": r["resumed"] if r else None,
-                           "recovery_s": (r["resumed"] - f["detected"]) if r else None,
+                           "recovery_s": (r["resumed"] - f["detected"]) if r else None, **spans,
                            **({"hang_analysis": hangs[f["detected"]]} if f["detected"] in hangs else {})})
         return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
                 "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
