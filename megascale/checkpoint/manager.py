@@ -61,12 +61,14 @@ class CheckpointManager:
         self.comm = Comm(mesh.checkpoint_group, self.rank, self.world)
         self.run_id = self.comm.broadcast(secrets.token_hex(4))
         self.last_saved_step = -1
-        self.last_stall_s = 0.0  # stage 1 of the newest save: the time training was blocked
+        self.last_stall_s = 0.0  # newest save: time in save() + the optimizer's wait for stage 1
         self.last_result: tuple[str, int, Any] | None = None  # newest stage-2 outcome
         self.last_restore: dict[str, Any] | None = None
         self._buffer: HostBuffer | None = None
         self._writes: tuple | None = None  # (piece keys, which of them this rank writes)
         self._inflight: int | None = None
+        self._capture: threading.Thread | None = None  # stage 1 in progress
+        self._hooked: torch.optim.Optimizer | None = None
         self._writer: subprocess.Popen | None = None
         self._results: queue.Queue = queue.Queue()
         if self.cfg.async_save:
@@ -98,7 +100,6 @@ class CheckpointManager:
             if self._buffer is not None:
                 self._buffer.close()
             self._buffer = HostBuffer(nbytes, pin=any(p.tensor.is_cuda for p in written))
-        self._buffer.capture([p.tensor for p in written], offsets)  # stage 1
         params = {p.param for p in mine}
         index = {
             "records": [_record(p, off) for p, off in zip(written, offsets, strict=True)],
@@ -114,14 +115,43 @@ class CheckpointManager:
         )
         self.last_saved_step = step
         self._inflight = step
+        tensors = [p.tensor for p in written]
         if self.cfg.async_save:
-            self._send({"job": dataclasses.asdict(job)})
-            self.last_stall_s = time.perf_counter() - start
+            self._hook(trainer.optimizer)
+            self._capture = threading.Thread(target=self._capture_and_send,
+                                             args=(tensors, offsets, job), daemon=True,
+                                             name=f"megascale-checkpoint-stage1-{self.rank}")
+            self._capture.start()
         else:
+            self._buffer.capture(tensors, offsets)
             self._finish(self._persist_inline(job))
-            self.last_stall_s = time.perf_counter() - start
+        self.last_stall_s = time.perf_counter() - start
         if blocking:
             self._wait()
+
+    def _capture_and_send(self, tensors: list[torch.Tensor], offsets: list[int],
+                          job: WriteJob) -> None:
+        """Stage 1 beside the next step's data, forward and backward, which read but never
+        write these tensors; the optimizer's pre-step hook waits for it. Then stage 2."""
+        try:
+            self._buffer.capture(tensors, offsets)
+        except Exception as exc:
+            self._results.put(("error", job.step, f"stage 1 failed: {type(exc).__name__}: {exc}"))
+            return
+        self._send({"job": dataclasses.asdict(job)})
+
+    def _hook(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before any optimizer step changes a tensor, the snapshot must be complete."""
+        if self._hooked is not optimizer:
+            optimizer.register_step_pre_hook(lambda *_: self._join_capture())
+            self._hooked = optimizer
+
+    def _join_capture(self) -> None:
+        if self._capture is not None:
+            start = time.perf_counter()
+            self._capture.join()
+            self._capture = None
+            self.last_stall_s += time.perf_counter() - start
 
     def _agree(self, step: int, keys: list, blocking: bool) -> bool:
         """One collective: all ranks save the same step, wait or skip together, and learn
@@ -213,6 +243,7 @@ class CheckpointManager:
 
     def _wait(self) -> None:
         """Block until this rank's in-flight save has finished (or its writer died)."""
+        self._join_capture()
         while self._inflight is not None and self.cfg.async_save:
             try:
                 self._finish(self._results.get(timeout=0.5))
