@@ -472,7 +472,7 @@ class Driver:
             marks = [f["detected"], phases.get(("stopped", a)), phases.get(("selfcheck", a)),
                      phases.get(("attempt", a + 1)), r["resumed"] if r else None]
             spans = {f"{name}_s": (end - start) if start and end else None for name, start, end in
-                     zip(("stop", "selfcheck", "evict", "start"), marks, marks[1:], strict=True)}
+                     zip(("stop", "selfcheck", "evict", "start"), marks[:-1], marks[1:], strict=True)}
             matrix.append({"kind": f["kind"], "node": f.get("node"), "detail": f["detail"],
                            "detected": f["detected"], "last_progress": f.get("last_progress"),
                            "resumed": r["resumed"] if r else None,
