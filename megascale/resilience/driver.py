@@ -278,7 +278,8 @@ class Driver:
         if finding.kind != "slow":
             return self.store.event("alert", finding.to_dict(), now)
         self._in_background(lambda: self.store.event("alert", {
-            **finding.to_dict(), "stragglers": evidence.straggler_evidence(self.state.run_dir, self.cfg)}, now))
+            **finding.to_dict(), "stragglers": evidence.straggler_evidence(
+                self.state.run_dir, Path(self.state.run_dir) / "config.toml")}, now))
 
     def _in_background(self, work) -> None:
         """Evidence reads files and imports the diagnostics (and torch): seconds that must not
