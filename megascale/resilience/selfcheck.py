@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
-# Floors a working node of any kind clears; replace with measured figures for real checks.
-DEFAULT_EXPECTED = {"memory_bandwidth": 0.2, "loopback_bandwidth": 20.0, "gemm": 0.2,
-                    "all_to_all": 1.0, "p2p_bandwidth": 1.0, "all_reduce": 0.5}
+# Floors a working node of any kind clears even on a machine loaded 10x over its cores (a
+# loopback test measured 5.5 MB/s at load 25 here); they catch dead or broken nodes only.
+# Replace them with figures measured on healthy nodes (`--measure`) for real checks.
+DEFAULT_EXPECTED = {"memory_bandwidth": 0.05, "loopback_bandwidth": 1.0, "gemm": 0.05,
+                    "all_to_all": 0.2, "p2p_bandwidth": 0.2, "all_reduce": 0.1}
 UNITS = {"memory_bandwidth": "GB/s", "loopback_bandwidth": "MB/s", "gemm": "GFLOP/s",
          "all_to_all": "MB/s", "p2p_bandwidth": "MB/s", "all_reduce": "MB/s"}
 
