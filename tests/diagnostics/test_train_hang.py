@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -69,7 +70,9 @@ def test_stopped_rank_is_named_with_its_coordinates(tmp_path):
         assert analysis is not None
         assert analysis.stuck == [STOPPED], analysis.summary()
         assert analysis.ranks[STOPPED].coords == {"pp": 1, "dp": 0, "tp": 1}
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
+    finally:  # the launcher starts ranks in sessions of their own: kill every descendant
+        for proc in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         job.wait(timeout=30)
         log.close()
