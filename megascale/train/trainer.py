@@ -208,4 +208,5 @@ class Trainer:
         self.train_loader.close()
         self.metrics.close()
         self.timers.close()
+        set_timers(Timers(rank=self.rank, coords={}, host="", out_dir=None, enabled=False))
         self.mesh.destroy()
