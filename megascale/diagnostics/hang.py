@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.watchdog import hang_dir, roll_call_dir
 from megascale.parallel.grid import DIMS, RankGrid
 
@@ -251,9 +252,4 @@ def plot_hang(analysis: HangAnalysis, path: str | Path) -> Path:
               loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5, fontsize=8)
     stuck = ", ".join(f"r{r}" for r in analysis.stuck) or "none found"
     ax.set_title(f"hang: stuck {stuck}; arrows: waits for")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -17,6 +17,7 @@ from typing import Any
 
 from megascale.config.schema import DiagnosticsConfig
 from megascale.diagnostics import hang, straggler, timeline
+from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.store import Collector, query
 from megascale.diagnostics.timers import KINDS
 from megascale.parallel.grid import RankGrid
@@ -113,10 +114,7 @@ def plot_breakdown(conn: sqlite3.Connection, path: Path) -> Path | None:
     axes[0].set_title("step time by kind (mean over ranks)")
     axes[1].set_title("step time by kind (mean over steps)")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_mfu(conn: sqlite3.Connection, path: Path) -> Path | None:
@@ -140,10 +138,7 @@ def plot_mfu(conn: sqlite3.Connection, path: Path) -> Path | None:
             ax.text(0.5, 0.5, f"no {label} recorded", ha="center", transform=ax.transAxes)
         ax.set_xlabel("step")
         ax.set_title(label)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _img(path: Path, alt: str) -> str:

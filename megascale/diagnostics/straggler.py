@@ -18,6 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.store import query
 
 _MAD_TO_SIGMA = 1.4826
@@ -153,9 +154,4 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
     ticks.sort()
     bar.set_ticks(ticks, labels=[f"{v:.2g}x" for v in ticks])
     bar.minorticks_off()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
