@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 
 class ConfigError(ValueError):
@@ -103,6 +104,7 @@ class ParallelConfig:
     store: Literal["tcp", "redis"] = "tcp"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_connect_timeout_s: float = 10.0  # fail with the address if Redis is not reachable
+    redis_start: bool = False  # the launcher/driver runs redis-server at redis_url for the job
     init_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
 
@@ -123,6 +125,23 @@ class ParallelConfig:
         if self.store == "redis" and not self.redis_url.startswith(("redis://", "unix://")):
             raise ConfigError(
                 f"parallel.redis_url must look like redis://HOST:PORT/DB, got {self.redis_url!r}"
+            )
+        if self.redis_start:
+            self._validate_redis_start()
+
+    def _validate_redis_start(self) -> None:
+        if self.store != "redis":
+            raise ConfigError('parallel.redis_start = true needs parallel.store = "redis"')
+        url = urlsplit(self.redis_url)
+        if url.scheme != "redis" or not url.port:
+            raise ConfigError(
+                f"parallel.redis_start serves TCP: parallel.redis_url must be redis://HOST:PORT/DB "
+                f"with a port, got {url.scheme}://{url.hostname}:{url.port}"
+            )
+        if url.hostname not in ("127.0.0.1", "localhost", "::1") and not url.password:
+            raise ConfigError(
+                f"parallel.redis_start would expose redis-server on {url.hostname}:{url.port} without a "
+                "password; give one in parallel.redis_url (redis://:PASSWORD@HOST:PORT/0) or bind 127.0.0.1"
             )
 
 

@@ -1,76 +1,111 @@
-"""Start a private redis-server on a free loopback port (tests, benchmarks, local runs).
+"""A redis-server for one job: started by the launcher or the driver, or privately by tests.
 
-The driver or launcher uses this when `parallel.store = "redis"` and no server is given; tests
-use it so that each session gets its own server and never touches a shared one.
+With `parallel.store = "redis"` and `parallel.redis_start = true`, `megascale train --nproc N`
+and `megascale launch` start redis-server at `parallel.redis_url`'s host and port for the job's
+lifetime. A Redis store outlives rank 0, which the TCPStore does not. Tests and benchmarks use
+`RedisServer()` on a free loopback port so that each session has its own server.
+
+A server bound beyond loopback must require a password (`redis://:PASSWORD@HOST:PORT/DB`): the
+password goes into a config file readable only by us, never onto the command line.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
+from contextlib import suppress
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from megascale.config import ParallelConfig
 from megascale.parallel.launch import free_port
 
 
 class RedisServer:
     """A redis-server child process without persistence; `url` is ready once started."""
 
-    def __init__(self, port: int | None = None, startup_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        startup_timeout_s: float = 10.0,
+    ) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError(
                 "redis-server is not installed (Debian: apt-get install -y redis-server; "
                 "scripts/install_system_deps.sh does it)"
             )
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.host, self.port, self.password = host, port or free_port(), password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}{host}:{self.port}/0"
         self._startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen | None = None
+        self._adopted: int | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
+        self.config_path: Path | None = None  # holds the password: private to this user
 
     def start(self) -> RedisServer:
-        self._dir = tempfile.TemporaryDirectory(prefix="megascale-redis-")
-        self._proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self._dir.name,
-                "--maxclients",
-                "20000",
-                "--tcp-backlog",
-                "4096",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+        self._dir = tempfile.TemporaryDirectory(prefix="megascale-redis-")  # mode 0700
+        conf = self.config_path = Path(self._dir.name) / "redis.conf"
+        settings = {
+            "port": self.port,
+            "bind": self.host,
+            "save": '""',
+            "appendonly": "no",
+            "dir": self._dir.name,
+            "logfile": "redis.log",  # relative to dir; read back when the server fails to start
+            "maxclients": 20000,
+            "tcp-backlog": 4096,
+        }
+        if self.password:
+            settings["requirepass"] = self.password
+        conf.write_text("".join(f"{k} {v}\n" for k, v in settings.items()))
+        conf.chmod(0o600)
+        self._proc = subprocess.Popen([self.binary, str(conf)], cwd=self._dir.name, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + self._startup_timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError as exc:
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    err = self._proc.stderr.read().decode() if self._proc.poll() is not None else ""
-                    self.stop()
-                    raise RuntimeError(
-                        f"redis-server on port {self.port} did not start: {err or exc}"
-                    ) from exc
-                time.sleep(0.05)
-        client.close()
+        while not self.answers():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                log_file = Path(self._dir.name) / "redis.log"
+                tail = log_file.read_text().strip().splitlines()[-3:] if log_file.exists() else []
+                self.stop()
+                raise RuntimeError(
+                    f"redis-server on {self.host}:{self.port} did not start: {' / '.join(tail) or 'no answer'}"
+                )
+            time.sleep(0.05)
         return self
+
+    def adopt(self, pid: int) -> RedisServer:
+        """Take over a server a previous driver started (same address); `stop` will end it."""
+        if not self.answers():
+            raise RuntimeError(f"no Redis server answers at {self.host}:{self.port} to adopt (pid {pid})")
+        self._adopted = pid
+        return self
+
+    def answers(self) -> bool:
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_connect_timeout=1)
+        try:
+            return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        finally:
+            client.close()
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (benchmarks read its CPU time; a restarted driver adopts it)."""
+        if self._proc is not None:
+            return self._proc.pid
+        if self._adopted is not None:
+            return self._adopted
+        raise RuntimeError("redis-server is not running; call start() first")
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -80,7 +115,10 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        self._proc = None
+        if self._adopted is not None:
+            with suppress(ProcessLookupError):
+                os.kill(self._adopted, signal.SIGTERM)
+        self._proc = self._adopted = self.config_path = None
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
@@ -90,3 +128,40 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def job_redis_server(cfg: ParallelConfig) -> RedisServer | None:
+    """The server `parallel.redis_start` asks the launcher or driver to run, not yet started
+    (None when the config does not ask for one)."""
+    if cfg.store != "redis" or not cfg.redis_start:
+        return None
+    parts = urlsplit(cfg.redis_url)
+    return RedisServer(port=parts.port, host=parts.hostname or "127.0.0.1", password=parts.password)
+
+
+def redacted(url: str) -> str:
+    """`url` with its password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def delete_prefix(url: str, prefix: str, timeout_s: float = 5.0) -> int:
+    """Delete every key under `prefix` (a finished attempt's); returns how many."""
+    pattern = key_pattern(prefix)
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        names = list(client.scan_iter(match=pattern, count=1000))
+        for i in range(0, len(names), 1000):
+            client.unlink(*names[i : i + 1000])
+        return len(names)
+    finally:
+        client.close()
+
+
+def key_pattern(prefix: str) -> str:
+    """A SCAN pattern matching exactly the keys that start with `prefix`."""
+    special = "*?[]\\"
+    return "".join("\\" + c if c in special else c for c in prefix) + "*"

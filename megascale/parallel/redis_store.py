@@ -23,6 +23,8 @@ import torch.distributed as dist
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from megascale.parallel.redis_server import delete_prefix, key_pattern, redacted
+
 # TCPStore semantics of compare_set, atomically: set only if the current value is `expected`
 # (a missing key counts as ""); return the value now stored, or `expected` if the key is absent.
 _COMPARE_SET = """
@@ -53,31 +55,41 @@ class RedisStore(dist.Store):
         self.url = url
         self.prefix = prefix
         self.set_timeout(timeout)
-        self._client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=min(connect_timeout_s, 5.0),
-            retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by connect_timeout_s
-        )
-        kw = self._client.connection_pool.connection_kwargs
+        # A bare RESP2 connection: no HELLO round trip (redis-py 8 sends one for RESP3), which every
+        # connection (each rank's, and each waiting thread's subscriber) would pay while the
+        # whole job connects at once. Retries are ours, bounded by connect_timeout_s.
+        bare = {"protocol": 2, "retry": Retry(NoBackoff(), 0)}
+        connect_s = min(connect_timeout_s, 5.0)
+        probe = redis.Redis.from_url(url, socket_connect_timeout=connect_s, socket_timeout=connect_s, **bare)
+        kw = probe.connection_pool.connection_kwargs
         self.address = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
-        self._ping(connect_timeout_s)
+        self._ping(probe, connect_timeout_s)
+        # Once the server answers, one command may queue behind a whole job's start-up traffic:
+        # bound it by the store's timeout, as the TCPStore does, not by redis-py's default 5 s.
+        self._client = redis.Redis.from_url(
+            url, socket_connect_timeout=connect_s, socket_timeout=timeout.total_seconds(), **bare
+        )
         self._compare_set = self._client.register_script(_COMPARE_SET)
         self._local = threading.local()
 
-    def _ping(self, connect_timeout_s: float) -> None:
+    def _ping(self, probe: redis.Redis, connect_timeout_s: float) -> None:
+        """Fail within `connect_timeout_s`, naming the address, if no server answers there."""
         deadline = time.monotonic() + connect_timeout_s
-        while True:
-            try:
-                self._client.ping()
-                return
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if time.monotonic() >= deadline:
-                    raise StoreUnreachableError(
-                        f"Redis store at {self.address} ({self.url}) not reachable within "
-                        f"{connect_timeout_s:.0f}s: {exc}. Start redis-server there or fix "
-                        "parallel.redis_url"
-                    ) from exc
-                time.sleep(0.2)
+        try:
+            while True:
+                try:
+                    probe.ping()
+                    return
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    if time.monotonic() >= deadline:
+                        raise StoreUnreachableError(
+                            f"Redis store at {self.address} ({redacted(self.url)}) not reachable within "
+                            f"{connect_timeout_s:.0f}s: {exc}. Start redis-server there or fix "
+                            "parallel.redis_url"
+                        ) from exc
+                    time.sleep(0.2)
+        finally:
+            probe.close()
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -118,7 +130,7 @@ class RedisStore(dist.Store):
         return bool(self._client.delete(self._k(key)))
 
     def num_keys(self) -> int:
-        return sum(1 for _ in self._client.scan_iter(match=self._glob(), count=1000))
+        return sum(1 for _ in self._client.scan_iter(match=key_pattern(self.prefix), count=1000))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists, or raise after `timeout` (the store's by default)."""
@@ -151,14 +163,7 @@ class RedisStore(dist.Store):
     # -- housekeeping --------------------------------------------------------------------------
     def clear(self) -> int:
         """Delete every key of this store's prefix (a finished attempt); returns how many."""
-        names = list(self._client.scan_iter(match=self._glob(), count=1000))
-        for i in range(0, len(names), 1000):
-            self._client.unlink(*names[i : i + 1000])
-        return len(names)
-
-    def _glob(self) -> str:
-        special = "*?[]\\"
-        return "".join("\\" + c if c in special else c for c in self.prefix) + "*"
+        return delete_prefix(self.url, self.prefix)
 
     def close(self) -> None:
         pubsub = getattr(self._local, "pubsub", None)

@@ -17,6 +17,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megascale.config import ConfigError, JobConfig, load_config
 from megascale.resilience.api import ApiServer, load_or_create_token
@@ -24,6 +25,9 @@ from megascale.resilience.driver import Driver
 from megascale.resilience.local import Netns, netns_available, netns_down, netns_up, spawn_executor
 from megascale.resilience.placement import PlacementError, layout_for
 from megascale.resilience.state import FINISHED, JobState, JobStore
+
+if TYPE_CHECKING:
+    from megascale.parallel.redis_server import RedisServer
 
 log = logging.getLogger("megascale.driver")
 
@@ -92,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
     host = netns.bridge_address if netns and rcfg.api_host == "127.0.0.1" else rcfg.api_host
     if netns is not None and not continuing:
         netns_up(netns, state.api["count"])
+    try:
+        redis_server = _job_redis(cfg, state, continuing)
+    except (FileNotFoundError, RuntimeError) as exc:  # no redis-server, or it could not start
+        print(f"megascale launch: {exc}", file=sys.stderr)
+        return 2
     driver = Driver(cfg, state, store)
     server = ApiServer(host, state.api.get("port") or rcfg.api_port, token, {
         ("POST", "/v1/register"): driver.on_register, ("POST", "/v1/heartbeat"): driver.on_heartbeat,
@@ -123,8 +132,31 @@ def run(args: argparse.Namespace) -> int:
         server.close()
         if netns is not None and state.phase in FINISHED:
             netns_down(netns, state.api["count"])
+        if redis_server is not None and state.phase in FINISHED:
+            redis_server.stop()  # else a restarted driver adopts it, with the attempt's keys
     print(json.dumps(driver.summary(), default=str))
     return code
+
+
+def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer | None:
+    """The job's redis-server when `parallel.redis_start` asks for one; a restarted driver
+    adopts the one its predecessor started instead of starting a second on the same port."""
+    if not cfg.parallel.redis_start:
+        return None
+    from megascale.parallel.redis_server import job_redis_server, redacted  # imports torch
+
+    server = job_redis_server(cfg.parallel)
+    if server is None:
+        return None
+    pid = state.api.get("redis_pid")
+    if continuing and pid and _alive(pid) and server.answers():
+        server.adopt(pid)
+        log.info("adopted the job's redis-server (pid %d) at %s", pid, redacted(server.url))
+    else:
+        server.start()
+        log.info("started redis-server (pid %d) for the job at %s", server.pid, redacted(server.url))
+    state.api["redis_pid"] = server.pid
+    return server
 
 
 def _start_local_executors(state: JobState, url: str, token_file: Path, run_dir: Path,

@@ -428,11 +428,30 @@ class Driver:
         if self.current_fault is not None:
             self.resumed_pending = {"attempt": s.attempt, "fault_detected": self.current_fault["detected"]}
             self.current_fault = None
+        if self.cfg.parallel.store == "redis" and s.attempt > 0:
+            self._in_background(lambda: self._clear_rendezvous(s.attempt - 1))
         self.store.event("attempt", {"attempt": s.attempt, "layout": s.layout, "master": s.master,
                                      "nodes": [n.node_id for n in active]}, now)
         log.info("attempt %d: %s on %s (rendezvous %s:%d)", s.attempt, s.layout,
                  ", ".join(n.node_id for n in active), s.master["addr"], s.master["port"])
         self._save()
+
+    def _clear_rendezvous(self, attempt: int) -> None:
+        """Delete a dead attempt's keys from the shared Redis store (its ranks are all stopped;
+        the prefixes keep the next attempt safe either way, this only stops keys piling up).
+        Runs in the background: the imports bring in torch."""
+        import redis
+
+        from megascale.parallel.redis_server import delete_prefix
+        from megascale.parallel.store import StoreAddress
+
+        prefix = StoreAddress("", 0, self.state.job_id, attempt).prefix
+        try:
+            n = delete_prefix(self.cfg.parallel.redis_url, prefix)
+        except redis.RedisError as exc:
+            log.warning("could not clear attempt %d's rendezvous keys from Redis: %s", attempt, exc)
+            return
+        log.info("cleared %d rendezvous keys of attempt %d", n, attempt)
 
     # ------------------------------------------------------------------ the end
     def _finish(self, phase: str, reason: str) -> None:

@@ -11,8 +11,9 @@ import argparse
 import os
 import subprocess
 import sys
+from contextlib import ExitStack
 
-from megascale.config import ConfigError, load_config
+from megascale.config import ConfigError, JobConfig, load_config
 
 DEFAULT_CONFIG = "configs/default.toml"
 
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"megascale train: --nproc {nproc} but parallel.dp*tp*pp = {world}; "
                   f"make them equal", file=sys.stderr)
             return 2
-        return launch_local(nproc, path, args.overrides)
+        return launch_local(nproc, path, args.overrides, cfg)
     from megascale.train.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -52,11 +53,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def launch_local(nproc: int, config: str | None, overrides: list[str]) -> int:
+def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobConfig) -> int:
+    """Run the ranks under torch.distributed.run; with `parallel.redis_start`, host their Redis too."""
+    from megascale.parallel.redis_server import job_redis_server, redacted
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "megascale.cli", "train"]
     if config:
         cmd += ["--config", config]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd + list(overrides), env=env)
+    with ExitStack() as job:
+        if (redis_server := job_redis_server(cfg.parallel)) is not None:
+            try:
+                job.enter_context(redis_server)
+            except (FileNotFoundError, RuntimeError) as exc:  # no redis-server, or it did not start
+                print(f"megascale train: {exc}", file=sys.stderr)
+                return 2
+            print(f"megascale train: redis-server for this job at {redacted(redis_server.url)}", file=sys.stderr)
+        return subprocess.call(cmd + list(overrides), env=env)

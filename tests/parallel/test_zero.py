@@ -5,14 +5,10 @@ Tolerances are those of `layout_parity.compare` (documented there).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
+from cli_train import cli_losses
 from layout_parity import LOSS_RTOL, Case, compare, run_cases, train
 from torch import nn
 
@@ -154,29 +150,10 @@ def test_reference_is_not_trivially_matched(reference):
     )
 
 
-def _cli_losses(tmp_path, name: str, extra: list[str]) -> list[float]:
-    run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "megascale.cli", "train", *CLI_ARGS,
-           f"--train.run_dir='{run_dir}'", f"--data.cache_dir='{tmp_path / 'cache'}'", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
-
-
-CLI_ARGS = ["--model.layers=2", "--model.hidden=32", "--model.heads=2", "--model.seq_len=32",
-            "--train.steps=4", "--train.global_batch=4", "--train.micro_batch=1",
-            "--train.device='cpu'", "--train.eval_every=0", "--train.tensorboard=false",
-            "--checkpoint.every=0", "--optim.warmup_steps=0"]
-
-
 def test_cli_nproc_2_reports_the_single_process_loss(tmp_path):
     """`megascale train --nproc 2` (torch.distributed.run, dp=2, ZeRO) logs the same global
     mean loss as one process on the same data and global batch."""
-    single = _cli_losses(tmp_path, "single", [])
-    dp2 = _cli_losses(tmp_path, "dp2", ["--nproc", "2", "--parallel.dp=2"])
+    single = cli_losses(tmp_path, "single", [])
+    dp2 = cli_losses(tmp_path, "dp2", ["--nproc", "2", "--parallel.dp=2"])
     assert len(single) == len(dp2) == 4
     assert dp2 == pytest.approx(single, rel=1e-5)
