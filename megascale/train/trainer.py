@@ -60,6 +60,7 @@ class Trainer:
         self.rank = self.mesh.rank
         self.run_dir = Path(cfg.train.run_dir)
         setup_logging(self.run_dir, self.rank)
+        log.info("mesh %s", self.mesh.startup.summary())  # init_mesh ran before logging was set up
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.toml")
 
