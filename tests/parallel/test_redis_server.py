@@ -72,3 +72,25 @@ def test_driver_clears_the_previous_attempts_keys(tmp_path, redis_server):
     assert keys.exists(f"megascale/{job}/attempt0/addr") == 0
     assert keys.exists(f"megascale/{job}/attempt1/addr") == 1
     assert delete_prefix(redis_server.url, f"megascale/{job}/") == 1
+
+
+def test_a_restarted_driver_adopts_the_jobs_server(tmp_path):
+    """The driver's server outlives a driver crash; its successor takes it over, not a second."""
+    from megascale.resilience.cli import _alive, _job_redis
+
+    port = free_port()
+    cfg = JobConfig(parallel=ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0"))
+    state = JobState("adopt", 1, 1, {"dp": 1, "tp": 1, "pp": 1}, run_dir=str(tmp_path))
+    first = _job_redis(cfg, state, continuing=False)
+    try:
+        pid = state.api["redis_pid"]
+        assert first.pid == pid and first.answers()
+        second = _job_redis(cfg, state, continuing=True)  # the first driver "crashed": no stop()
+        assert second.pid == pid and state.api["redis_pid"] == pid
+        second.stop()  # the job ended under the second driver
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid) and not second.answers()
+    finally:
+        first.stop()
