@@ -88,7 +88,9 @@ def _parquet_file(path: Path, field: str):
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is in the test extra
-        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from exc
+        raise DataError(
+            f"{path}: reading Parquet needs pyarrow (pip install 'megascale[parquet]' or pip install pyarrow)"
+        ) from exc
     try:
         file = pq.ParquetFile(path)
     except Exception as exc:
