@@ -142,11 +142,11 @@ class RedisStore(dist.Store):
         # cost more round trips than the wait itself.
         pubsub = getattr(self._local, "pubsub", None)
         if pubsub is None:
-            pubsub = self._local.pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._local.pubsub = self._client.pubsub()
         channels = [self._k(k) for k in keys]
         limit = timeout.total_seconds()
         deadline = time.monotonic() + limit
-        pubsub.subscribe(*channels)
+        self._subscribe(pubsub, channels, deadline)
         try:
             while not self.check(keys):  # checked after subscribing: no lost wake-up
                 left = deadline - time.monotonic()
@@ -156,9 +156,20 @@ class RedisStore(dist.Store):
                         f"wait timed out after {limit:.0f}s on Redis store {self.address}: "
                         f"keys {missing} under prefix {self.prefix!r} never appeared"
                     )
-                pubsub.get_message(timeout=min(left, 1.0))
+                pubsub.get_message(timeout=left)  # any message: re-check; no polling
         finally:
             pubsub.unsubscribe(*channels)
+
+    @staticmethod
+    def _subscribe(pubsub: redis.client.PubSub, channels: list[str], deadline: float) -> None:
+        """Subscribe and read the server's confirmations: the check that follows goes over
+        another connection, and must not reach the server before the subscription does."""
+        pubsub.subscribe(*channels)
+        pending = {c.encode() for c in channels}
+        while pending and time.monotonic() < deadline:
+            message = pubsub.get_message(timeout=max(deadline - time.monotonic(), 0.0))
+            if message is not None and message["type"] == "subscribe":
+                pending.discard(message["channel"])
 
     # -- housekeeping --------------------------------------------------------------------------
     def clear(self) -> int:
