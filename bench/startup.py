@@ -9,9 +9,12 @@ Part 1 -- the full (pp, dp, tp) mesh on CPU/gloo, processes on this machine, wor
 Time is from a common start line (all ranks imported and waiting) to the last rank done;
 store operations are counted per rank by `CountingStore`.
 
-Part 2 -- store load: simulated ranks (threads spread over a few processes, one client each)
-do the start-up's pattern (publish an address, read 7 peers' addresses, join a global barrier)
-against a TCPStore and a redis-server, for worlds 256, 1024, 4096.
+Part 2 -- store load: simulated ranks (threads, up to 256 per process, one client each, connected
+before the clock starts) do the start-up's pattern (publish an address, read 7 peers' addresses,
+join a global barrier) against a TCPStore (hosted alone in a process, as torchrun's agent does)
+and a redis-server, for worlds 256, 1024, 4096. Besides wall time it records each server's CPU
+seconds in the timed window: on a small machine the clients' own CPU dominates wall time, while
+the server's CPU is what a real cluster (one client per host core) would queue behind.
 
     python bench/startup.py [--reps 2] [--worlds 4 8 16] [--load-worlds 256 1024 4096]
 """
@@ -22,10 +25,12 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
+import socket
 import statistics
-import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -138,7 +143,7 @@ def bench_mesh(worlds: list[int], reps: int, url: str) -> list[dict]:
         layout = LAYOUTS[world]
         times: dict[str, list[float]] = {s: [] for s in SCHEMES}
         per_rank: dict[str, dict] = {}
-        for rep in range(reps if world < 16 else 1):
+        for rep in range(reps):
             for scheme in SCHEMES:  # interleaved, so machine noise hits all schemes alike
                 start, res = gated_run(world, scheme, layout, url)
                 times[scheme].append(max(r["t1"] for r in res) - start)
@@ -165,6 +170,7 @@ def bench_mesh(worlds: list[int], reps: int, url: str) -> list[dict]:
 
 # -- part 2: store load ------------------------------------------------------------------------
 GROUP = 8  # peers whose address each simulated rank reads (its tp/dp neighbourhood)
+THREADS_PER_PROC = 256  # simulated ranks per worker process, at most
 
 
 def _client(kind: str, addr: str, prefix: str) -> dist.Store:
@@ -175,22 +181,7 @@ def _client(kind: str, addr: str, prefix: str) -> dist.Store:
     return dist.PrefixStore(prefix, tcp)
 
 
-def _simulated_rank(
-    kind: str,
-    addr: str,
-    prefix: str,
-    rank: int,
-    world: int,
-    connected: threading.Barrier,
-    go: threading.Event,
-    done: list[float],
-) -> None:
-    try:
-        store = _client(kind, addr, prefix)  # connecting is set-up, not timed
-    except BaseException:
-        connected.abort()  # fail the run loudly instead of leaving the others waiting
-        raise
-    connected.wait()
+def _simulated_rank(store: dist.Store, rank: int, world: int, go: threading.Event, done: list[float]) -> None:
     go.wait()
     store.set(f"addr/{rank}", os.urandom(64))
     base = rank // GROUP * GROUP
@@ -213,23 +204,20 @@ def _load_worker(
     go: mp.Event,
     out: mp.Queue,
 ) -> None:
-    # Hundreds of I/O threads in one interpreter: a short switch interval keeps a thread whose
-    # reply has arrived from queueing 5 ms for the GIL (same setting for both stores).
-    sys.setswitchinterval(0.0005)
-    connected = threading.Barrier(len(ranks) + 1)
+    # Set-up, untimed: connect one client after the other. Thousands of Python threads
+    # connecting at once on two cores starve each other (and the server) past the clients'
+    # 5 s connect timeouts; on a cluster each rank connects from its own host.
+    # (The GIL's switch interval stays at its 5 ms default: 0.5 ms made both stores slower at
+    # 256 threads per process, Redis at 1024 ranks 8.6-11.9 s against 5.2-5.7 s.)
+    stores = [_client(kind, addr, prefix) for _ in ranks]
     local_go = threading.Event()
     done: list[float] = []
     threads = [
-        threading.Thread(
-            target=_simulated_rank,
-            args=(kind, addr, prefix, r, world, connected, local_go, done),
-            daemon=True,
-        )
-        for r in ranks
+        threading.Thread(target=_simulated_rank, args=(store, r, world, local_go, done), daemon=True)
+        for store, r in zip(stores, ranks, strict=True)
     ]
     for t in threads:
         t.start()
-    connected.wait()
     ready.put(len(ranks))
     go.wait()
     local_go.set()
@@ -238,46 +226,91 @@ def _load_worker(
     out.put(max(done))
 
 
-def load_test(kind: str, addr: str, prefix: str, world: int, procs: int) -> float:
-    """Seconds from release to the last simulated rank through the barrier."""
+def _collect(results: mp.Queue, workers: list[mp.Process], timeout_s: float) -> list:
+    """One item per worker from `results`; fails at once when a worker dies instead."""
+    items, deadline = [], time.monotonic() + timeout_s
+    while len(items) < len(workers):
+        try:
+            items.append(results.get(timeout=1))
+        except queue.Empty as empty:
+            dead = [w.pid for w in workers if w.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for w in workers:
+                    w.kill()
+                raise RuntimeError(f"load workers failed (pids {dead}) or timed out after {timeout_s:.0f}s") from empty
+    return items
+
+
+def _host_tcp_store(port: mp.Queue, stop: mp.Event) -> None:
+    """A TCPStore server alone in its process, as torchrun's agent hosts it, so its CPU is its own."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port.put(server.port)
+    stop.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load_test(kind: str, addr: str, server_pid: int, prefix: str, world: int) -> dict:
+    """One run: seconds from release to the last simulated rank through the barrier, the
+    store server's CPU seconds in that window, and the (untimed) client set-up seconds."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = -(-world // THREADS_PER_PROC)
     shards = [list(range(world))[i::procs] for i in range(procs)]
     workers = [ctx.Process(target=_load_worker, args=(kind, addr, prefix, s, world, ready, go, out)) for s in shards]
+    t0 = time.time()
     for w in workers:
         w.start()
-    for _ in workers:
-        ready.get(timeout=1200)
-    start = time.time()
+    _collect(ready, workers, 1800)
+    setup = time.time() - t0
+    cpu0, start = cpu_seconds(server_pid), time.time()
     go.set()
-    end = max(out.get(timeout=600) for _ in workers)
+    end = max(_collect(out, workers, 600))
+    cpu = cpu_seconds(server_pid) - cpu0  # the window is over once every worker has reported
     for w in workers:
         w.join()
-    return end - start
+    return {"time_s": end - start, "server_cpu_s": cpu, "setup_s": setup, "procs": procs}
 
 
-def bench_load(worlds: list[int], procs: int, reps: int, server: RedisServer) -> list[dict]:
-    tcp_server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    rows = []
-    for world in worlds:
-        times: dict[str, list[float]] = {"tcp": [], "redis": []}
-        for rep in range(reps):
-            for kind in ("tcp", "redis"):
-                addr = f"127.0.0.1:{tcp_server.port}" if kind == "tcp" else server.url
-                prefix = f"load/{world}/{rep}/"  # a fresh key space per run
-                times[kind].append(load_test(kind, addr, prefix, world, procs))
-                print(f"  load world {world} rep {rep} {kind}: {times[kind][-1]:.3f}s", flush=True)
-        for kind, ts in times.items():
-            rows.append(
+def bench_load(worlds: list[int], reps: int, server: RedisServer) -> Iterator[list[dict]]:
+    """Yields each world's rows as soon as that world is done (4096 takes minutes to set up)."""
+    ctx = mp.get_context("spawn")
+    port, stop = ctx.Queue(), ctx.Event()
+    host = ctx.Process(target=_host_tcp_store, args=(port, stop), daemon=True)
+    host.start()
+    stores = {"tcp": (f"127.0.0.1:{port.get(timeout=120)}", host.pid), "redis": (server.url, server.pid)}
+    try:
+        for world in worlds:
+            runs: dict[str, list[dict]] = {"tcp": [], "redis": []}
+            for rep in range(reps if world < 4096 else 1):
+                for kind, (addr, pid) in stores.items():
+                    run = load_test(kind, addr, pid, f"load/{world}/{rep}/", world)  # fresh keys per run
+                    runs[kind].append(run)
+                    print(
+                        f"  load world {world} rep {rep} {kind}: {run['time_s']:.3f}s, server CPU "
+                        f"{run['server_cpu_s']:.2f}s (set-up {run['setup_s']:.0f}s)",
+                        flush=True,
+                    )
+            yield [
                 {
                     "world": world,
                     "store": kind,
-                    "time_s": statistics.median(ts),
-                    "times_s": ts,
+                    "time_s": statistics.median(r["time_s"] for r in rs),
+                    "times_s": [r["time_s"] for r in rs],
+                    "server_cpu_s": statistics.median(r["server_cpu_s"] for r in rs),
+                    "setup_s": [r["setup_s"] for r in rs],
+                    "client_procs": rs[0]["procs"],
                     "ops_per_rank": GROUP + 2,
                 }
-            )
-    return rows
+                for kind, rs in runs.items()
+            ]
+    finally:
+        stop.set()
+        host.join(timeout=10)
 
 
 def _config(layout: tuple[int, int, int], store: str, url: str) -> ParallelConfig:
@@ -288,9 +321,8 @@ def _config(layout: tuple[int, int, int], store: str, url: str) -> ParallelConfi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--reps", type=int, default=2, help="repetitions (world 16: once)")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions (load world 4096: once)")
     parser.add_argument("--load-worlds", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--load-procs", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "startup.json"))
     parser.add_argument(
         "--parts",
@@ -303,7 +335,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {}
-    result.update({"torch": torch.__version__, "cpus": os.cpu_count()})
+    result.update({"torch": torch.__version__, "cpus": os.cpu_count(), "loopback_reverse_dns": loopback_reverse_dns()})
     with RedisServer() as server:
         if "mesh" in args.parts:
             print("mesh start-up (CPU, gloo):", flush=True)
@@ -312,10 +344,37 @@ def main() -> None:
             _write(out, result)
         if "load" in args.parts:
             print("store load (simulated ranks):", flush=True)
-            result["load"] = bench_load(args.load_worlds, args.load_procs, args.reps, server)
+            # Each TCPStore client logs a warning when reverse DNS of its own address fails; at
+            # thousands of clients that floods the terminal and hides the figures.
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            result["load"] = []
             result["load_date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-            _write(out, result)
+            for rows in bench_load(args.load_worlds, args.reps, server):
+                result["load"] += rows
+                _write(out, result)
     print_tables(result.get("mesh", []), result.get("load", []))
+
+
+def loopback_reverse_dns() -> str:
+    """How the TCPStore client's own address resolves; it looks it up on every connect.
+
+    The client logs its socket as [::ffff:127.0.0.1]:port and resolves that name first. Where
+    /etc/hosts lacks the v4-mapped form the query goes to DNS, and a resolver that drops queries
+    stalls a connect by 5 s: a start-up time of the DNS, not of the store.
+    """
+    t0 = time.perf_counter()
+    try:
+        name = socket.getnameinfo(("::ffff:127.0.0.1", 0, 0, 0), socket.NI_NAMEREQD)[0]
+    except OSError as exc:
+        name = f"unresolved ({exc})"
+    how = f"{name} in {(time.perf_counter() - t0) * 1e3:.1f} ms"
+    if name.startswith("unresolved"):
+        print(
+            f"warning: reverse DNS of ::ffff:127.0.0.1 is {how}; TCPStore connects may stall 5 s "
+            "when the DNS drops queries (docs/troubleshooting.md)",
+            flush=True,
+        )
+    return how
 
 
 def _write(path: Path, result: dict) -> None:
@@ -325,6 +384,13 @@ def _write(path: Path, result: dict) -> None:
 
 
 def print_tables(mesh_rows: list[dict], load_rows: list[dict]) -> None:
+    if mesh_rows:
+        print_mesh_table(mesh_rows)
+    if load_rows:
+        print_load_table(load_rows)
+
+
+def print_mesh_table(mesh_rows: list[dict]) -> None:
     print(
         f"\n{'world':>5} {'scheme':<12} {'time s':>7} {'vs naive':>8} {'ops/rank':>9} "
         f"{'max ops':>8} {'barriers':>8} {'groups':>6}"
@@ -337,13 +403,17 @@ def print_tables(mesh_rows: list[dict], load_rows: list[dict]) -> None:
             f"{r['ops_mean']:>9.1f} {r['ops_max']:>8} {r['barriers']:>8} "
             f"{r['groups_per_rank']:>6}"
         )
-    if not load_rows:
-        return
-    print(f"\n{'world':>5} {'tcp s':>8} {'redis s':>8} {'tcp/redis':>9}")
-    by = {(r["world"], r["store"]): r["time_s"] for r in load_rows}
+
+
+def print_load_table(load_rows: list[dict]) -> None:
+    print(f"\n{'world':>5} {'tcp s':>8} {'redis s':>8} {'tcp/redis':>9} {'tcp srv CPU':>11} {'redis srv CPU':>13}")
+    by = {(r["world"], r["store"]): r for r in load_rows}
     for world in sorted({r["world"] for r in load_rows}):
         tcp, red = by[(world, "tcp")], by[(world, "redis")]
-        print(f"{world:>5} {tcp:>8.3f} {red:>8.3f} {tcp / red:>8.2f}x")
+        print(
+            f"{world:>5} {tcp['time_s']:>8.3f} {red['time_s']:>8.3f} {tcp['time_s'] / red['time_s']:>8.2f}x "
+            f"{tcp.get('server_cpu_s', float('nan')):>10.2f}s {red.get('server_cpu_s', float('nan')):>12.2f}s"
+        )
 
 
 if __name__ == "__main__":
