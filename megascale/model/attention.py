@@ -34,8 +34,10 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     seq_len = q.shape[-2]
     if window is None or window >= seq_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = _cached_band_mask(seq_len, window, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # Eager runs reuse the mask; a compiled graph builds it in-graph (cheap, fused), and calling
+    # the cache from inside one only earns a Dynamo warning that the cache is ignored.
+    make_mask = band_mask if torch.compiler.is_compiling() else _cached_band_mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=make_mask(seq_len, window, q.device))
 
 
 @functools.lru_cache(maxsize=16)

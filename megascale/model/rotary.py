@@ -18,8 +18,11 @@ def _tables(seq_len: int, head_dim: int, base: float, device: torch.device, dtyp
 def rotary_tables(
     seq_len: int, head_dim: int, base: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq, head_dim], cached per shape (they never change)."""
-    return _tables(seq_len, head_dim, base, device, dtype)
+    """cos, sin of shape [seq, head_dim], cached per shape in eager runs (they never change).
+
+    A compiled graph computes them in-graph: Dynamo ignores the cache anyway, with a warning."""
+    make = _tables.__wrapped__ if torch.compiler.is_compiling() else _tables
+    return make(seq_len, head_dim, base, device, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
