@@ -71,7 +71,7 @@ class RedisServer:
         conf.chmod(0o600)
         self._proc = subprocess.Popen([self.binary, str(conf)], cwd=self._dir.name, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + self._startup_timeout_s
-        while not self.answers():
+        while not self.answers(self._proc.pid):  # ours: another server may hold the port
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 log_file = Path(self._dir.name) / "redis.log"
                 tail = log_file.read_text().strip().splitlines()[-3:] if log_file.exists() else []
@@ -84,15 +84,19 @@ class RedisServer:
 
     def adopt(self, pid: int) -> RedisServer:
         """Take over a server a previous driver started (same address); `stop` will end it."""
-        if not self.answers():
-            raise RuntimeError(f"no Redis server answers at {self.host}:{self.port} to adopt (pid {pid})")
+        if not self.answers(pid):
+            raise RuntimeError(f"redis-server pid {pid} does not answer at {self.host}:{self.port}; cannot adopt it")
         self._adopted = pid
         return self
 
-    def answers(self) -> bool:
-        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_connect_timeout=1)
+    def answers(self, pid: int | None = None) -> bool:
+        """Whether a server answers at our address (and, given `pid`, is that process)."""
+        client = redis.Redis(
+            host=self.host, port=self.port, password=self.password, socket_connect_timeout=1, socket_timeout=5
+        )
         try:
-            return bool(client.ping())
+            info = client.info("server")  # raises when nobody answers
+            return pid is None or int(info["process_id"]) == pid
         except (redis.ConnectionError, redis.TimeoutError):
             return False
         finally:

@@ -149,7 +149,7 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer
     if server is None:
         return None
     pid = state.api.get("redis_pid")
-    if continuing and pid and _alive(pid) and server.answers():
+    if continuing and pid and _alive(pid) and server.answers(pid):
         server.adopt(pid)
         log.info("adopted the job's redis-server (pid %d) at %s", pid, redacted(server.url))
     else:

@@ -94,3 +94,10 @@ def test_a_restarted_driver_adopts_the_jobs_server(tmp_path):
         assert not _alive(pid) and not second.answers()
     finally:
         first.stop()
+
+
+def test_a_port_held_by_another_server_is_an_error_not_a_silent_success():
+    with RedisServer() as other:
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{other.port} did not start"):
+            RedisServer(port=other.port).start()
+        assert other.answers()
