@@ -19,15 +19,23 @@ pytestmark = pytest.mark.timeout(300)
 def test_ctrl_c_saves_and_resume_continues(tmp_path):
     args = [sys.executable, "-m", "megascale.cli", "train", *TINY, f"--train.run_dir={tmp_path}",
             "--train.steps=100000", "--checkpoint.every=0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # SIGABRT prints every stack
+    err_file = tmp_path / "stderr.txt"  # a file, not a pipe nobody reads while training runs
+    with open(err_file, "wb") as err:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=err)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (
             not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130, proc.stderr.read().decode()[-2000:]
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=30)
+        pytest.fail("no exit 120 s after Ctrl-C; stacks:\n" + err_file.read_text()[-6000:])
+    assert code == 130, err_file.read_text()[-2000:]
     manifests = list((tmp_path / "checkpoints").glob("step_*/manifest.json"))
     assert len(manifests) == 1
     saved = json.loads(manifests[0].read_text())["step"]
