@@ -14,7 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli_w
 
-from megascale.config.schema import ConfigError, JobConfig
+from megascale.config.schema import ConfigError, JobConfig, redacted_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -132,10 +132,11 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """A TOML-serialisable dict (None values are dropped: TOML has no null)."""
+    """A TOML-serialisable dict (None values are dropped: TOML has no null). A password in a
+    Redis URL is redacted: these dicts are written to RUN_DIR/config.toml and checkpoints."""
     def clean(obj: Any) -> Any:
         if isinstance(obj, dict):
-            return {k: clean(v) for k, v in obj.items() if v is not None}
+            return {k: redacted_url(v) if k == "redis_url" else clean(v) for k, v in obj.items() if v is not None}
         return obj
 
     return clean(dataclasses.asdict(cfg))

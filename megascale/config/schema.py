@@ -8,9 +8,22 @@ these objects and names the offending key on any error.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
+
+# The Redis store's password: from this variable rather than the URL, it stays out of command
+# lines, RUN_DIR/config.toml and checkpoint manifests.
+REDIS_PASSWORD_ENV = "MEGASCALE_REDIS_PASSWORD"
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password replaced, for messages, logs and written configs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
 
 
 class ConfigError(ValueError):
@@ -112,6 +125,10 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def redis_password(self) -> str | None:
+        """The URL's password, else $MEGASCALE_REDIS_PASSWORD, else none."""
+        return urlsplit(self.redis_url).password or os.environ.get(REDIS_PASSWORD_ENV) or None
+
     def validate(self) -> None:
         _positive(self, "parallel", ["dp", "tp", "pp", "vpp", "tp_overlap_chunks"])
         if self.vpp > 1 and self.pp == 1:
@@ -138,10 +155,10 @@ class ParallelConfig:
                 f"parallel.redis_start serves TCP: parallel.redis_url must be redis://HOST:PORT/DB "
                 f"with a port, got {url.scheme}://{url.hostname}:{url.port}"
             )
-        if url.hostname not in ("127.0.0.1", "localhost", "::1") and not url.password:
+        if url.hostname not in ("127.0.0.1", "localhost", "::1") and not self.redis_password():
             raise ConfigError(
                 f"parallel.redis_start would expose redis-server on {url.hostname}:{url.port} without a "
-                "password; give one in parallel.redis_url (redis://:PASSWORD@HOST:PORT/0) or bind 127.0.0.1"
+                f"password; set ${REDIS_PASSWORD_ENV} (or redis://:PASSWORD@HOST:PORT/0) or bind 127.0.0.1"
             )
 
 

@@ -5,8 +5,8 @@ and `megascale launch` start redis-server at `parallel.redis_url`'s host and por
 lifetime. A Redis store outlives rank 0, which the TCPStore does not. Tests and benchmarks use
 `RedisServer()` on a free loopback port so that each session has its own server.
 
-A server bound beyond loopback must require a password (`redis://:PASSWORD@HOST:PORT/DB`): the
-password goes into a config file readable only by us, never onto the command line.
+A server bound beyond loopback must require a password ($MEGASCALE_REDIS_PASSWORD, or in the
+URL): it goes into a config file readable only by us, never onto the command line.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from contextlib import suppress
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 
@@ -140,22 +140,14 @@ def job_redis_server(cfg: ParallelConfig) -> RedisServer | None:
     if cfg.store != "redis" or not cfg.redis_start:
         return None
     parts = urlsplit(cfg.redis_url)
-    return RedisServer(port=parts.port, host=parts.hostname or "127.0.0.1", password=parts.password)
+    return RedisServer(port=parts.port, host=parts.hostname or "127.0.0.1", password=cfg.redis_password())
 
 
-def redacted(url: str) -> str:
-    """`url` with its password replaced, for messages and logs."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def delete_prefix(url: str, prefix: str, timeout_s: float = 5.0) -> int:
+def delete_prefix(url: str, prefix: str, password: str | None = None, timeout_s: float = 5.0) -> int:
     """Delete every key under `prefix` (a finished attempt's); returns how many."""
     pattern = key_pattern(prefix)
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    auth = {"password": password} if password else {}
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **auth)
     try:
         names = list(client.scan_iter(match=pattern, count=1000))
         for i in range(0, len(names), 1000):

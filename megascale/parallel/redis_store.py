@@ -23,7 +23,8 @@ import torch.distributed as dist
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from megascale.parallel.redis_server import delete_prefix, key_pattern, redacted
+from megascale.config.schema import redacted_url
+from megascale.parallel.redis_server import delete_prefix, key_pattern
 
 # TCPStore semantics of compare_set, atomically: set only if the current value is `expected`
 # (a missing key counts as ""); return the value now stored, or `expected` if the key is absent.
@@ -50,15 +51,17 @@ class RedisStore(dist.Store):
         prefix: str = "",
         timeout: timedelta = timedelta(seconds=300),
         connect_timeout_s: float = 10.0,
+        password: str | None = None,
     ) -> None:
+        """`password` is used when the URL has none ($MEGASCALE_REDIS_PASSWORD, via the config)."""
         super().__init__()
-        self.url = url
+        self.url, self._password = url, password
         self.prefix = prefix
         self.set_timeout(timeout)
         # A bare RESP2 connection: no HELLO round trip (redis-py 8 sends one for RESP3), which every
         # connection (each rank's, and each waiting thread's subscriber) would pay while the
         # whole job connects at once. Retries are ours, bounded by connect_timeout_s.
-        bare = {"protocol": 2, "retry": Retry(NoBackoff(), 0)}
+        bare = {"protocol": 2, "retry": Retry(NoBackoff(), 0), **({"password": password} if password else {})}
         connect_s = min(connect_timeout_s, 5.0)
         probe = redis.Redis.from_url(url, socket_connect_timeout=connect_s, socket_timeout=connect_s, **bare)
         kw = probe.connection_pool.connection_kwargs
@@ -83,7 +86,7 @@ class RedisStore(dist.Store):
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     if time.monotonic() >= deadline:
                         raise StoreUnreachableError(
-                            f"Redis store at {self.address} ({redacted(self.url)}) not reachable within "
+                            f"Redis store at {self.address} ({redacted_url(self.url)}) not reachable within "
                             f"{connect_timeout_s:.0f}s: {exc}. Start redis-server there or fix "
                             "parallel.redis_url"
                         ) from exc
@@ -174,7 +177,7 @@ class RedisStore(dist.Store):
     # -- housekeeping --------------------------------------------------------------------------
     def clear(self) -> int:
         """Delete every key of this store's prefix (a finished attempt); returns how many."""
-        return delete_prefix(self.url, self.prefix)
+        return delete_prefix(self.url, self.prefix, self._password)
 
     def close(self) -> None:
         pubsub = getattr(self._local, "pubsub", None)

@@ -161,6 +161,7 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
             prefix=address.prefix,
             timeout=timeout,
             connect_timeout_s=cfg.redis_connect_timeout_s,
+            password=cfg.redis_password(),
         )
         return inner
     # Under torchrun the agent already hosts the TCPStore on MASTER_PORT; workers join it.

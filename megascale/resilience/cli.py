@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megascale.config import ConfigError, JobConfig, load_config
+from megascale.config.schema import redacted_url
 from megascale.resilience.api import ApiServer, load_or_create_token
 from megascale.resilience.driver import Driver
 from megascale.resilience.local import Netns, netns_available, netns_down, netns_up, spawn_executor
@@ -143,7 +144,7 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer
     adopts the one its predecessor started instead of starting a second on the same port."""
     if not cfg.parallel.redis_start:
         return None
-    from megascale.parallel.redis_server import job_redis_server, redacted  # imports torch
+    from megascale.parallel.redis_server import job_redis_server  # imports torch
 
     server = job_redis_server(cfg.parallel)
     if server is None:
@@ -151,10 +152,10 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer
     pid = state.api.get("redis_pid")
     if continuing and pid and _alive(pid) and server.answers(pid):
         server.adopt(pid)
-        log.info("adopted the job's redis-server (pid %d) at %s", pid, redacted(server.url))
+        log.info("adopted the job's redis-server (pid %d) at %s", pid, redacted_url(server.url))
     else:
         server.start()
-        log.info("started redis-server (pid %d) for the job at %s", server.pid, redacted(server.url))
+        log.info("started redis-server (pid %d) for the job at %s", server.pid, redacted_url(server.url))
     state.api["redis_pid"] = server.pid
     return server
 

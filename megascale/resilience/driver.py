@@ -447,7 +447,7 @@ class Driver:
 
         prefix = StoreAddress("", 0, self.state.job_id, attempt).prefix
         try:
-            n = delete_prefix(self.cfg.parallel.redis_url, prefix)
+            n = delete_prefix(self.cfg.parallel.redis_url, prefix, self.cfg.parallel.redis_password())
         except redis.RedisError as exc:
             log.warning("could not clear attempt %d's rendezvous keys from Redis: %s", attempt, exc)
             return

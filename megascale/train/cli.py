@@ -14,6 +14,7 @@ import sys
 from contextlib import ExitStack
 
 from megascale.config import ConfigError, JobConfig, load_config
+from megascale.config.schema import redacted_url
 
 DEFAULT_CONFIG = "configs/default.toml"
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobConfig) -> int:
     """Run the ranks under torch.distributed.run; with `parallel.redis_start`, host their Redis too."""
-    from megascale.parallel.redis_server import job_redis_server, redacted
+    from megascale.parallel.redis_server import job_redis_server
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "megascale.cli", "train"]
@@ -70,5 +71,5 @@ def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobC
             except (FileNotFoundError, RuntimeError) as exc:  # no redis-server, or it did not start
                 print(f"megascale train: {exc}", file=sys.stderr)
                 return 2
-            print(f"megascale train: redis-server for this job at {redacted(redis_server.url)}", file=sys.stderr)
+            print(f"megascale train: redis-server for this job at {redacted_url(redis_server.url)}", file=sys.stderr)
         return subprocess.call(cmd + list(overrides), env=env)

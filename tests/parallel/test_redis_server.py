@@ -6,10 +6,12 @@ import pytest
 import redis
 from cli_train import train_cli
 
-from megascale.config import ConfigError, JobConfig, ParallelConfig
+from megascale.config import ConfigError, JobConfig, ParallelConfig, to_dict
+from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.parallel.launch import free_port
-from megascale.parallel.redis_server import RedisServer, delete_prefix, redacted
+from megascale.parallel.redis_server import RedisServer, delete_prefix, job_redis_server
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
+from megascale.parallel.store import StoreAddress, create_store
 from megascale.resilience.driver import Driver
 from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
 
@@ -39,7 +41,7 @@ def test_a_password_protected_server_refuses_strangers_and_logs_no_secret():
         store.set("k", b"v")
         assert store.get("k") == b"v"
         assert oct(server.config_path.stat().st_mode & 0o777) == "0o600"
-    assert redacted(server.url) == f"redis://:***@127.0.0.1:{server.port}/0"
+    assert redacted_url(server.url) == f"redis://:***@127.0.0.1:{server.port}/0"
     with pytest.raises(StoreUnreachableError) as err:
         RedisStore(server.url, connect_timeout_s=1)  # stopped: the error must not show the password
     assert "s3cret" not in str(err.value) and ":***@" in str(err.value)
@@ -101,3 +103,18 @@ def test_a_port_held_by_another_server_is_an_error_not_a_silent_success():
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{other.port} did not start"):
             RedisServer(port=other.port).start()
         assert other.answers()
+
+
+def test_password_from_the_environment_stays_out_of_urls_and_written_configs(monkeypatch):
+    monkeypatch.setenv(REDIS_PASSWORD_ENV, "envsecret")
+    port = free_port()
+    cfg = ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0")
+    with job_redis_server(cfg) as server:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        store = create_store(cfg, 0, 1, StoreAddress("127.0.0.1", 1, "envjob", 0))
+        store.set("k", b"v")
+        assert store.clear() == 1
+        assert server.answers()
+    written = to_dict(JobConfig(parallel=ParallelConfig(redis_url="redis://:urlsecret@10.0.0.5:6379/0")))
+    assert written["parallel"]["redis_url"] == "redis://:***@10.0.0.5:6379/0"
