@@ -22,7 +22,10 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # SIGABRT prints every stack
     err_file = tmp_path / "stderr.txt"  # a file, not a pipe nobody reads while training runs
     with open(err_file, "wb") as err:
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        # SIGINT as a terminal delivers it: a suite started in the background (`cmd &` from a
+        # script) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (
