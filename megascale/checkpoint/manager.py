@@ -83,6 +83,8 @@ class CheckpointManager:
     def maybe_save(self, trainer) -> None:
         if self.cfg.every > 0 and trainer.step % self.cfg.every == 0:
             self.save(trainer)
+        else:
+            self._poll()  # report a finished write when it finishes, not at the next save
 
     def save(self, trainer, blocking: bool = False) -> None:
         self._poll()

@@ -60,7 +60,8 @@ class Trainer:
         self.rank = self.mesh.rank
         self.run_dir = Path(cfg.train.run_dir)
         setup_logging(self.run_dir, self.rank)
-        log.info("mesh %s", self.mesh.startup.summary())  # init_mesh ran before logging was set up
+        if self.mesh.world_size > 1:  # init_mesh logged it before logging was set up
+            log.info("mesh %s", self.mesh.startup.summary())
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.toml")
 
