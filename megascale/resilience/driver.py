@@ -429,7 +429,8 @@ class Driver:
             self.resumed_pending = {"attempt": s.attempt, "fault_detected": self.current_fault["detected"]}
             self.current_fault = None
         if self.cfg.parallel.store == "redis" and s.attempt > 0:
-            self._in_background(lambda: self._clear_rendezvous(s.attempt - 1))
+            previous = s.attempt - 1  # bound now: the thread may run after a further restart
+            self._in_background(lambda: self._clear_rendezvous(previous))
         self.store.event("attempt", {"attempt": s.attempt, "layout": s.layout, "master": s.master,
                                      "nodes": [n.node_id for n in active]}, now)
         log.info("attempt %d: %s on %s (rendezvous %s:%d)", s.attempt, s.layout,
