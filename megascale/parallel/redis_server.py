@@ -52,6 +52,12 @@ class RedisServer:
         self._dir: tempfile.TemporaryDirectory | None = None
         self.config_path: Path | None = None  # holds the password: private to this user
 
+    @classmethod
+    def for_job(cls, cfg: ParallelConfig) -> RedisServer:
+        """The server `parallel.redis_start` asks for, at `redis_url`'s host and port (not started)."""
+        parts = urlsplit(cfg.redis_url)
+        return cls(port=parts.port, host=parts.hostname or "127.0.0.1", password=cfg.redis_password())
+
     def start(self) -> RedisServer:
         self._dir = tempfile.TemporaryDirectory(prefix="megascale-redis-")  # mode 0700
         conf = self.config_path = Path(self._dir.name) / "redis.conf"
@@ -132,15 +138,6 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def job_redis_server(cfg: ParallelConfig) -> RedisServer | None:
-    """The server `parallel.redis_start` asks the launcher or driver to run, not yet started
-    (None when the config does not ask for one)."""
-    if cfg.store != "redis" or not cfg.redis_start:
-        return None
-    parts = urlsplit(cfg.redis_url)
-    return RedisServer(port=parts.port, host=parts.hostname or "127.0.0.1", password=cfg.redis_password())
 
 
 def delete_prefix(url: str, prefix: str, password: str | None = None, timeout_s: float = 5.0) -> int:

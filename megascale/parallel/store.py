@@ -147,7 +147,12 @@ class StoreAddress:
 
     @property
     def prefix(self) -> str:
-        return f"megascale/{self.job_id}/attempt{self.attempt}/"
+        return attempt_prefix(self.job_id, self.attempt)
+
+
+def attempt_prefix(job_id: str, attempt: int) -> str:
+    """The key namespace of one attempt of one job, on either store."""
+    return f"megascale/{job_id}/attempt{attempt}/"
 
 
 def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: StoreAddress) -> dist.Store:

@@ -142,13 +142,11 @@ def run(args: argparse.Namespace) -> int:
 def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer | None:
     """The job's redis-server when `parallel.redis_start` asks for one; a restarted driver
     adopts the one its predecessor started instead of starting a second on the same port."""
-    if not cfg.parallel.redis_start:
+    if not cfg.parallel.redis_start:  # checked here: the import below brings in torch
         return None
-    from megascale.parallel.redis_server import job_redis_server  # imports torch
+    from megascale.parallel.redis_server import RedisServer
 
-    server = job_redis_server(cfg.parallel)
-    if server is None:
-        return None
+    server = RedisServer.for_job(cfg.parallel)
     pid = state.api.get("redis_pid")
     if continuing and pid and _alive(pid) and server.answers(pid):
         server.adopt(pid)

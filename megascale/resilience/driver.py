@@ -338,10 +338,10 @@ class Driver:
         live = [n for n in self._live_nodes(now) if n.node_id in stopped]
         # Lost active nodes are judged (no result) but not paired: a link test with a node that
         # cannot answer would only cost its neighbours a rendezvous timeout.
-        ring = [n for n in self.state.role(ACTIVE) + self.state.role(SPARE) if n in live]
+        active, spares = self.state.role(ACTIVE), [n for n in self.state.role(SPARE) if n in live]
+        ring = [n for n in active if n in live] + spares
         plan = selfcheck_plan.build(ring, self.state.ranks_per_node, self.rcfg)
-        self.check_ring = [n.node_id for n in self.state.role(ACTIVE)] + [
-            n.node_id for n in self.state.role(SPARE) if n in live]
+        self.check_ring = [n.node_id for n in active + spares]
         self.state.phase = CHECKING
         self._save()
         self._broadcast_phase_command("selfcheck", live, now, self.rcfg.selfcheck_timeout_s,
@@ -444,9 +444,9 @@ class Driver:
         import redis
 
         from megascale.parallel.redis_server import delete_prefix
-        from megascale.parallel.store import StoreAddress
+        from megascale.parallel.store import attempt_prefix
 
-        prefix = StoreAddress("", 0, self.state.job_id, attempt).prefix
+        prefix = attempt_prefix(self.state.job_id, attempt)
         try:
             n = delete_prefix(self.cfg.parallel.redis_url, prefix, self.cfg.parallel.redis_password())
         except redis.RedisError as exc:

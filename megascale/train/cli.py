@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobConfig) -> int:
     """Run the ranks under torch.distributed.run; with `parallel.redis_start`, host their Redis too."""
-    from megascale.parallel.redis_server import job_redis_server
+    from megascale.parallel.redis_server import RedisServer
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "megascale.cli", "train"]
@@ -65,9 +65,9 @@ def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobC
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     with ExitStack() as job:
-        if (redis_server := job_redis_server(cfg.parallel)) is not None:
+        if cfg.parallel.redis_start:
             try:
-                job.enter_context(redis_server)
+                redis_server = job.enter_context(RedisServer.for_job(cfg.parallel))
             except (FileNotFoundError, RuntimeError) as exc:  # no redis-server, or it did not start
                 print(f"megascale train: {exc}", file=sys.stderr)
                 return 2

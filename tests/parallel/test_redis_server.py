@@ -9,7 +9,7 @@ from cli_train import train_cli
 from megascale.config import ConfigError, JobConfig, ParallelConfig, to_dict
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.parallel.launch import free_port
-from megascale.parallel.redis_server import RedisServer, delete_prefix, job_redis_server
+from megascale.parallel.redis_server import RedisServer, delete_prefix
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
 from megascale.parallel.store import StoreAddress, create_store
 from megascale.resilience.driver import Driver
@@ -109,7 +109,7 @@ def test_password_from_the_environment_stays_out_of_urls_and_written_configs(mon
     monkeypatch.setenv(REDIS_PASSWORD_ENV, "envsecret")
     port = free_port()
     cfg = ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0")
-    with job_redis_server(cfg) as server:
+    with RedisServer.for_job(cfg) as server:
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
         store = create_store(cfg, 0, 1, StoreAddress("127.0.0.1", 1, "envjob", 0))
