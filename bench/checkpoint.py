@@ -45,14 +45,14 @@ def stall(args, work: Path) -> dict:
     sync = CheckpointManager(sync_cfg, trainer.mesh, work / "stall")
     two_stage = trainer.checkpoints
     for _ in range(2):  # warm up: optimizer state exists, buffers allocated, writer started
-        trainer._run_one_step()
+        trainer.run_step()
     two_stage.save(trainer, blocking=True)
     sync.save(trainer)
     rows = []
     for _ in range(args.rounds):
-        quiet = [_timed(trainer._run_one_step) for _ in range(args.steps)]
+        quiet = [_timed(trainer.run_step) for _ in range(args.steps)]
         two_stage.save(trainer)
-        during = [_timed(trainer._run_one_step) for _ in range(args.steps)]
+        during = [_timed(trainer.run_step) for _ in range(args.steps)]
         async_s = two_stage.last_stall_s  # save() + the optimizer's wait for stage 1
         start = time.perf_counter()
         two_stage._wait()

@@ -6,29 +6,36 @@ as skipped, never guessed. Prints a table last and writes JSON to $OUT (or bench
     python bench/gpu/run.py                 # on a GPU
     python bench/gpu/run.py --dry-run       # tiny models on CPU: exercises every code path
 
+Each variant trains through megascale's own `Trainer` (data loader, LAMB, clipping, timers) on
+a synthetic dataset, in bf16 autocast with fp32 parameters, so the figure is the system's.
 MFU = model FLOPs (megascale.diagnostics.mfu: real SWA span, no recomputation) x tokens/s /
-peak of the device's dtype from the data-sheet table; with no known peak, no MFU.
+the peak the trainer uses (data sheet on a GPU); with no known peak, no MFU.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
+import tempfile
 import time
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from megascale.config import ModelConfig
-from megascale.diagnostics.mfu import device_peak_flops, flops_per_token, parameter_count
+from megascale.config import JobConfig, ModelConfig
+from megascale.data.shards import ShardWriter, dtype_for_vocab
+from megascale.diagnostics.mfu import device_peak_flops, flops_per_token, mfu, parameter_count
 from megascale.model import GPT
 from megascale.model.attention import flex_attention, sdpa_attention
 from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_input_gemm
+from megascale.train.trainer import Trainer
 
 MODELS = {
     "1.3B": ModelConfig(vocab_size=50304, seq_len=2048, layers=24, hidden=2048, heads=16),
@@ -39,9 +46,10 @@ SWA_WINDOW = 512
 
 
 def variants(dry_run: bool) -> list[tuple[str, ModelConfig, bool, bool]]:
-    """(name, model, compile, fused input GEMM) in the order they run: most informative first."""
+    """(name, model, compile, fused input GEMM) in the order they run: most informative first.
+    A dry run goes through the code paths once, with one tiny model."""
     out = []
-    for size in ("1.3B", "2.7B"):
+    for size in ("1.3B",) if dry_run else ("1.3B", "2.7B"):
         base = TINY if dry_run else MODELS[size]
         window = 32 if dry_run else SWA_WINDOW
         for block in ("parallel", "serial"):
@@ -49,11 +57,10 @@ def variants(dry_run: bool) -> list[tuple[str, ModelConfig, bool, bool]]:
                 for compiled in (True, False):
                     if size == "2.7B" and not compiled:
                         continue  # keep within budget: the compiled 2.7B runs tell the ceiling
-                    cfg = replace(base, block=block, window=win)
                     span = f"swa{win}" if win else "full"
                     mode = "compile" if compiled else "eager"
                     name = f"{'tiny' if dry_run else size} {block} {span} {mode}"
-                    out.append((name, cfg, compiled, block == "parallel"))
+                    out.append((name, replace(base, block=block, window=win), compiled, block == "parallel"))
     return out
 
 
@@ -98,48 +105,71 @@ def gemm_ceiling(device: torch.device, dtype: torch.dtype, size: int) -> float:
     return 2 * size**3 * reps / (time.perf_counter() - start)
 
 
-def train_mfu(cfg: ModelConfig, compiled: bool, fused: bool, device: torch.device, micro_batch: int,
-              steps: int, peak: float | None) -> dict:
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    if fused:
-        fuse_parallel_input_gemm(model.blocks)
-    if compiled:
-        apply_compile(model.blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+def synthetic_dataset(root: Path, vocab_size: int, tokens: int) -> Path:
+    """Uniform random tokens in the prepared-dataset format, so variants train through the real
+    data loader (the speed of a step does not depend on what the tokens say)."""
+    rng = np.random.default_rng(0)
+    writer = ShardWriter(root, dtype_for_vocab(vocab_size), eod=vocab_size - 1)
+    for _ in range(8):  # a few documents, so the loader sees end-of-document tokens
+        writer.add(rng.integers(0, vocab_size - 1, tokens // 8))
+    writer.finish({"kind": "synthetic", "name": "uniform-random", "vocab_size": vocab_size,
+                   "eod": vocab_size - 1}, {"kind": "bench/gpu/run.py", "seed": 0})
+    return root
 
-    def step():
-        with autocast:
-            loss = model(tokens, tokens) / tokens.numel()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    start = time.perf_counter()
-    for _ in range(2):  # warm-up (and compilation)
-        step()
-    _sync(device)
-    warm = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    tokens_per_s = micro_batch * cfg.seq_len * steps / elapsed
-    flops = flops_per_token(cfg).training
+def job_config(model: ModelConfig, compiled: bool, fused: bool, device: torch.device, micro_batch: int,
+               accum: int, steps: int, data: Path, run_dir: Path) -> JobConfig:
+    """One GPU, `accum` micro-batches per step (as in real training, the optimizer step is shared
+    by several of them), no checkpoints or evaluation: only training steps are timed."""
+    cfg = JobConfig(
+        model=model,
+        data=replace(JobConfig().data, path=str(data), verify_checksums=False),
+        train=replace(
+            JobConfig().train, steps=steps, global_batch=micro_batch * accum, micro_batch=micro_batch,
+            device=device.type, dtype="bf16" if device.type == "cuda" else "fp32", compile=compiled,
+            fuse_input_gemm=fused, eval_every=0, log_every=steps, gc_every=0, run_dir=str(run_dir),
+            tensorboard=False,
+        ),
+        checkpoint=replace(JobConfig().checkpoint, every=0, resume="none"),
+    )
+    cfg.validate()
+    return cfg
+
+
+def train_mfu(cfg: JobConfig, warmup: int) -> dict:
+    """Train with megascale's own `Trainer` (optimizer, clipping, timers and all) and report the
+    steps after `warmup` (which absorb compilation and allocator growth)."""
+    trainer = Trainer(cfg)
+    try:
+        for _ in range(warmup):
+            trainer.run_step()
+        if trainer.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        records = [trainer.run_step() for _ in range(cfg.train.steps - warmup)]
+        peak_mem = (torch.cuda.max_memory_allocated(trainer.device) / 2**30
+                    if trainer.device.type == "cuda" else None)
+        peak = trainer.peak
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+        torch._dynamo.reset()  # variants share code objects: never hit the recompile limit
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    step_s = sum(r["step_time"] for r in records) / len(records)
+    tokens_per_s = cfg.train.global_batch * cfg.model.seq_len / step_s
+    flops = flops_per_token(cfg.model).training
     return {
-        "params_b": parameter_count(cfg) / 1e9,
+        "params_b": parameter_count(cfg.model) / 1e9,
         "tokens_per_s": tokens_per_s,
         "tflops": tokens_per_s * flops / 1e12,
-        "mfu": tokens_per_s * flops / peak if peak else None,
-        "step_s": elapsed / steps,
-        "warmup_s": warm,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "mfu": mfu(tokens_per_s, flops, peak.value),
+        "peak_source": peak.source,
+        "step_s": step_s,
+        "time_by_kind_s": {k[5:]: sum(r[k] for r in records) / len(records)
+                           for k in records[-1] if k.startswith("time_")},
+        "final_loss": records[-1]["loss"],
+        "peak_mem_gib": peak_mem,
     }
 
 
@@ -152,32 +182,45 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny models on CPU")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting variants after this")
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward")
+    parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation) per variant")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--only", default="", help="run only variants whose name contains this")
     args = parser.parse_args()
     begin = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"
-    peak = device_peak_flops(name, "bf16") if cuda else None
     report: dict = {
         "date": date.today().isoformat(), "device": name, "torch": torch.__version__,
-        "dtype": str(dtype), "peak_flops": peak, "dry_run": args.dry_run, "variants": {},
+        "dtype": str(dtype), "peak_flops": device_peak_flops(name, "bf16") if cuda else None,
+        "dry_run": args.dry_run, "micro_batch": args.micro_batch if cuda else 2,
+        "accum": args.accum if cuda else 2, "timed_steps": args.steps if cuda else 2, "variants": {},
     }
+    print(f"parity checks on {name} ...", flush=True)
     report["parity"] = check_parity(device, dtype)
     report["gemm_ceiling_tflops"] = gemm_ceiling(device, dtype, 8192 if cuda else 512) / 1e12
-    micro_batch = args.micro_batch if cuda else 2
-    steps = args.steps if cuda else 2
-    for label, cfg, compiled, fused in variants(args.dry_run):
-        if time.perf_counter() - begin > args.budget_s:
-            report["variants"][label] = {"skipped": "time budget"}
-            continue
-        try:
-            report["variants"][label] = train_mfu(cfg, compiled, fused, device, micro_batch, steps, peak)
-        except torch.cuda.OutOfMemoryError as exc:
-            report["variants"][label] = {"error": f"out of memory: {exc}"[:200]}
-            torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory(prefix="megascale-gpu-bench-") as work:
+        steps = args.warmup + report["timed_steps"]
+        data = synthetic_dataset(Path(work) / "data", (TINY if args.dry_run else MODELS["1.3B"]).vocab_size,
+                                 tokens=(steps * report["micro_batch"] * report["accum"] + 16) * (max(
+                                     m.seq_len for m in MODELS.values()) + 1))
+        for label, model, compiled, fused in variants(args.dry_run):
+            if args.only not in label:
+                report["variants"][label] = {"skipped": f"not selected by --only {args.only!r}"}
+                continue
+            if time.perf_counter() - begin > args.budget_s:
+                report["variants"][label] = {"skipped": "time budget"}
+                continue
+            print(f"variant {label} ...", flush=True)
+            cfg = job_config(model, compiled, fused, device, report["micro_batch"], report["accum"], steps,
+                             data, Path(work) / "runs" / label.replace(" ", "_"))
+            try:
+                report["variants"][label] = train_mfu(cfg, args.warmup)
+            except torch.cuda.OutOfMemoryError as exc:
+                report["variants"][label] = {"error": f"out of memory: {exc}"[:200]}
     report["total_s"] = time.perf_counter() - begin
     out_dir = Path(os.environ.get("OUT") or "bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ records. Weight decay is chosen per parameter group (none on biases and norms).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megascale.optim.norms import whole_sq_norms
@@ -29,32 +31,49 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Multi-tensor (`torch._foreach_*`) kernels over each group, and no read-back to the
+        host: the trust ratios stay on the device, so the CPU never waits for the GPU here."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             b1, b2 = group["betas"]
-            updates = []
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                m_hat = m / (1 - b1 ** state["step"])
-                v_hat = v / (1 - b2 ** state["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                updates.append(update)
+            grads = [p.grad for p in params]
+            m, v, steps = self._moments(params)
+            torch._foreach_mul_(m, b1)
+            torch._foreach_add_(m, grads, alpha=1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+            # u = m^ / (sqrt(v^) + eps) with m^ = m / (1 - b1^t), v^ = v / (1 - b2^t)
+            updates = torch._foreach_sqrt(v)
+            torch._foreach_div_(updates, [math.sqrt(1 - b2**t) for t in steps])
+            torch._foreach_add_(updates, group["eps"])
+            torch._foreach_reciprocal_(updates)
+            torch._foreach_mul_(updates, m)
+            torch._foreach_div_(updates, [1 - b1**t for t in steps])
+            if group["weight_decay"]:
+                torch._foreach_add_(updates, params, alpha=group["weight_decay"])
             w_norm = whole_sq_norms(params, params).sqrt()
             u_norm = whole_sq_norms(updates, params).sqrt()
             trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-            for p, update, ratio in zip(params, updates, trust.tolist(), strict=False):
-                p.add_(update, alpha=-group["lr"] * ratio)
+            scale = (trust * -group["lr"]).to(params[0].dtype).unbind()
+            torch._foreach_mul_(updates, scale)
+            torch._foreach_add_(params, updates)
         return loss
+
+    def _moments(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """Each parameter's first and second moments, created at its first step, and its step
+        count after this one (kept per parameter, as torch's optimizers keep it)."""
+        m, v, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            m.append(state["exp_avg"])
+            v.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        return m, v, steps

@@ -28,13 +28,15 @@ def norm_groups(tensor: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
 
 
 def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norm of each whole tensor, in float32 (or float64 if given).
+    """Squared L2 norm of each whole tensor, in float32 (float64 if any tensor is float64).
 
     `tensors[i]` is the local piece; `owners[i]` carries the groups it is split over (the
     parameter, when `tensors` are its gradients or updates)."""
     if not tensors:
         return torch.zeros(0)
-    local = torch.stack(torch._foreach_norm([t.detach().float() for t in tensors])).pow(2)
+    # accumulated in float32 (float64 if any piece is), without a float32 copy of bf16 tensors
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    local = torch.stack(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=dtype)).pow(2)
     by_groups: dict[tuple, list[int]] = defaultdict(list)
     for i, owner in enumerate(owners):
         by_groups[norm_groups(owner)].append(i)

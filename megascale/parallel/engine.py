@@ -62,9 +62,10 @@ class ModelRunner:
 
     def forward_backward(self, batch: TokenBatch, token_count: int) -> torch.Tensor:
         """Accumulate gradients of (sum of token losses / token_count) over the micro-batches;
-        returns this rank's summed token loss (detached)."""
+        returns this rank's summed token loss (detached, float64, on the model's device: reading
+        it on the host once per step, not once per micro-batch, keeps the GPU queue full)."""
         timers = get_timers()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
         model = self.module
         if self.grad_sync is not None:
             self.grad_sync.before_forward(0)
@@ -73,7 +74,7 @@ class ModelRunner:
                 loss = model(inputs.to(self._device), labels.to(self._device))
             with timers.span("backward"):
                 (loss / token_count).backward()
-            total += loss.detach().double().cpu()
+            total += loss.detach().double()
         if self.grad_sync is not None:
             self.grad_sync.after_backward(0)
         return total
@@ -82,11 +83,11 @@ class ModelRunner:
     def eval_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
         if self.grad_sync is not None:
             self.grad_sync.before_forward(0)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
         for inputs, labels in zip(batch.inputs, batch.labels, strict=True):
             with self.autocast():
                 loss = self.module(inputs.to(self._device), labels.to(self._device))
-            total += loss.double().cpu()
+            total += loss.double()
         return total
 
     def finish_grads(self) -> None:

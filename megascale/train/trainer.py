@@ -113,11 +113,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def global_token_count(self, batch: TokenBatch | None) -> int:
-        """Loss-bearing tokens in the global batch; the loss is their mean on every layout."""
+        """Loss-bearing tokens in the global batch; the loss is their mean on every layout.
+
+        Collectives get tensors on the mesh's device: NCCL groups reject CPU tensors."""
         local = torch.zeros((), dtype=torch.int64)
         if batch is not None:
             local += (batch.labels != IGNORE_INDEX).sum()
-            reduce_sum(local, self.mesh.dp_group)
+            if self.mesh.dp_group is not None:
+                local = reduce_sum(local.to(self.mesh.device), self.mesh.dp_group)
         return max(int(local), 1)
 
     def train_step(self, batch: TokenBatch | None) -> dict[str, float]:
@@ -140,7 +143,7 @@ class Trainer:
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum of token losses over the global batch, known on every rank: summed over dp on the
         last stage, then over pp (other stages add zero). tp ranks hold the same value."""
-        value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros((), dtype=torch.float64)
+        value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros_like(loss_sum)
         if self.mesh.is_last_stage:
             reduce_sum(value, self.mesh.dp_group)
         return float(reduce_sum(value, self.mesh.pp_group))
@@ -163,7 +166,7 @@ class Trainer:
         gc.disable()
         try:
             while self.step < cfg.steps:
-                losses.append(self._run_one_step())
+                losses.append(self.run_step()["loss"])
         except KeyboardInterrupt:
             log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
             self.checkpoints.save(self, blocking=True)
@@ -174,7 +177,9 @@ class Trainer:
             self.checkpoints.save(self, blocking=True)
         return losses
 
-    def _run_one_step(self) -> float:
+    def run_step(self) -> dict[str, float]:
+        """One whole training step as `fit` runs it (data, step, eval, GC, checkpoint, metrics);
+        returns the step's record (loss, step_time, tokens_per_s, mfu, time_* per timer kind)."""
         cfg = self.cfg.train
         start = time.perf_counter()
         with self.timers.span("data", kind="data"):
@@ -201,7 +206,7 @@ class Trainer:
         after_step(self.rank, self.step, step_time)  # progress for the executor; test faults
         if self.step % cfg.log_every == 0 or self.step == cfg.steps:
             log.info(progress_line(self.step, cfg.steps, record))
-        return record["loss"]
+        return record
 
     def close(self) -> None:
         self.watchdog.stop()

@@ -21,12 +21,12 @@ def test_snapshot_is_not_changed_by_later_steps(tmp_path):
     trainer = Trainer(tiny_config(tmp_path, "--train.steps=5", "--checkpoint.every=0",
                                   "--checkpoint.write_mb_per_s=0.5"))
     for _ in range(5):
-        trainer._run_one_step()
+        trainer.run_step()
     at_save = {n: p.detach().clone() for n, p in trainer.runner.named_parameters()}
     trainer.checkpoints.save(trainer)
     assert trainer.checkpoints.last_stall_s < 1.0
     for _ in range(5):
-        trainer._run_one_step()
+        trainer.run_step()
     assert trainer.checkpoints._inflight == 5, "stage 2 should still be writing"
     changed = {n: p.detach() for n, p in trainer.runner.named_parameters()}
     assert all(not torch.equal(changed[n], at_save[n]) for n in at_save)

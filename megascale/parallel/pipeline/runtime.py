@@ -134,9 +134,9 @@ class PipelineRunner(ModelRunner):
         self._sends.clear()
         self._warm = True
         assert not step.acts and not step.grads and not step.recvs, "schedule left state behind"
-        if step.loss is None:
-            return torch.zeros((), dtype=torch.float64)
-        return step.loss.cpu()
+        if step.loss is None:  # not the last stage
+            return torch.zeros((), dtype=torch.float64, device=self._device)
+        return step.loss
 
     def _forward(self, a: Action, step: _Step, timers) -> None:
         chunk = self.chunks[a.chunk]
