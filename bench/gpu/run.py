@@ -22,6 +22,7 @@ import os
 import platform
 import tempfile
 import time
+import traceback
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
@@ -219,8 +220,9 @@ def main() -> None:
                              data, Path(work) / "runs" / label.replace(" ", "_"))
             try:
                 report["variants"][label] = train_mfu(cfg, args.warmup)
-            except torch.cuda.OutOfMemoryError as exc:
-                report["variants"][label] = {"error": f"out of memory: {exc}"[:200]}
+            except Exception as exc:  # out of memory, a kernel this GPU lacks: the next variant still runs
+                traceback.print_exc()
+                report["variants"][label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     report["total_s"] = time.perf_counter() - begin
     out_dir = Path(os.environ.get("OUT") or "bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -203,7 +203,10 @@ class Executor:
             env.setdefault("OMP_NUM_THREADS", "1")
             log_path = base / f"rank{rank:05d}.log"
             with open(log_path, "ab") as out:
-                argv = [sys.executable, "-m", "megascale.cli", "train", *command["args"]]
+                # the driver stops ranks itself and restarts from the last committed checkpoint:
+                # ranks of a failed attempt must die on SIGTERM, not wait for peers to agree on a save
+                argv = [sys.executable, "-m", "megascale.cli", "train", *command["args"],
+                        "--checkpoint.save_on_signal=false"]
                 proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent, cwd=command.get("cwd") or None)

@@ -3,7 +3,8 @@
 `MEGASCALE_FAULT="kill:rank=1:step=6"` makes rank 1 SIGKILL itself after step 6 of restart
 attempt 0 (torchft's `fail_at(rank, step)` idea). Several faults are separated by `;`. Kinds:
 
-- `kill` SIGKILL, `stop` SIGSTOP (a hang), `raise` an exception, `exit` exit code 3;
+- `kill` SIGKILL, `stop` SIGSTOP (a hang), `raise` an exception, `exit` exit code 3,
+  `term` SIGTERM (a preemption notice that reaches this rank only);
 - `sleep:...:seconds=S` a slow step (the status write is delayed too);
 - `throttle:...:stop=S:period=P` an outside process stops the rank for S of every P seconds
   (real SIGSTOP/SIGCONT, a CPU-throttled node) until the rank ends.
@@ -24,7 +25,7 @@ from megascale.resilience.rankstatus import StatusWriter
 
 FAULT_ENV = "MEGASCALE_FAULT"
 ATTEMPT_ENV = "MEGASCALE_RESTART_ATTEMPT"
-KINDS = ("kill", "stop", "raise", "exit", "sleep", "throttle")
+KINDS = ("kill", "stop", "raise", "exit", "term", "sleep", "throttle")
 
 
 class InjectedFault(RuntimeError):
@@ -93,6 +94,8 @@ def inject(fault: Fault) -> None:
         raise InjectedFault(f"injected failure on rank {fault.rank} at step {fault.step}")
     elif fault.kind == "exit":
         os._exit(3)
+    elif fault.kind == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
     elif fault.kind == "throttle":
         subprocess.Popen([sys.executable, "-m", "megascale.resilience.faults", "throttle",
                           str(os.getpid()), str(fault.params.get("stop", 0.2)),

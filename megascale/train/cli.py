@@ -8,7 +8,9 @@ run under torchrun execute the same code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -42,16 +44,21 @@ def run(args: argparse.Namespace) -> int:
                   f"make them equal", file=sys.stderr)
             return 2
         return launch_local(nproc, path, args.overrides, cfg)
+    from megascale.data.shards import DataError
     from megascale.train.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    try:  # a bad value or dataset found while building: its message, not a traceback
+        trainer = Trainer(cfg)
+    except (ConfigError, DataError) as exc:
+        print(f"megascale train: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     try:
         trainer.fit()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once, nothing saved
         return 130
     finally:
         trainer.close()
-    return 0
+    return 128 + trainer.stop_signal if trainer.stop_signal else 0  # as if killed by it, once saved
 
 
 def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobConfig) -> int:
@@ -72,4 +79,25 @@ def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobC
                 print(f"megascale train: {exc}", file=sys.stderr)
                 return 2
             print(f"megascale train: redis-server for this job at {redacted_url(redis_server.url)}", file=sys.stderr)
-        return subprocess.call(cmd + list(overrides), env=env)
+        return _wait_forwarding_sigterm(subprocess.Popen(cmd + list(overrides), env=env))
+
+
+def _wait_forwarding_sigterm(proc: subprocess.Popen) -> int:
+    """Wait for the ranks' launcher. A SIGTERM sent to this process alone (Kubernetes signals only
+    a container's first process) is passed on once, so the ranks stop and save; Ctrl-C already
+    reaches every process of the terminal's group, so here it is only kept from ending the wait."""
+    forwarded = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal forwarded
+        if signum == signal.SIGTERM and not forwarded:
+            forwarded = True
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import random
+import signal
 import socket
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from megascale.checkpoint import CheckpointManager
-from megascale.config import JobConfig, dump_config
+from megascale.config import ConfigError, JobConfig, dump_config
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import flops_per_token, mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
@@ -32,6 +33,7 @@ from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh
 from megascale.resilience.faults import after_step
 from megascale.train.metrics import MetricsWriter, progress_line, setup_logging
+from megascale.train.stop import StopOnSignal
 
 log = logging.getLogger("megascale")
 
@@ -54,6 +56,9 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
+        if cfg.train.attention == "flex" and self.device.type != "cuda":
+            raise ConfigError("train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
+                              "use 'auto' (band-masked SDPA on CPU) or 'sdpa'")
         if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
             os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         self.mesh = init_mesh(cfg.parallel, device=self.device.type)
@@ -84,6 +89,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir)
         self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard)
         self.step = 0
+        self.stop_signal = 0  # set by fit() when a signal stopped it
         self.flops_per_token = flops_per_token(cfg.model).training
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
@@ -158,23 +164,26 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> list[float]:
-        """Train to `train.steps`; returns the losses of the steps this call ran."""
+        """Train to `train.steps`, or until SIGTERM/Ctrl-C (then `stop_signal` is set); save
+        the last step; return the losses of the steps this call ran."""
         cfg = self.cfg.train
         self.checkpoints.resume(self)
         losses: list[float] = []
         gc.collect()
         gc.disable()
         try:
-            while self.step < cfg.steps:
-                losses.append(self.run_step()["loss"])
-        except KeyboardInterrupt:
-            log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
-            self.checkpoints.save(self, blocking=True)
-            raise
+            with StopOnSignal(self.cfg.checkpoint.save_on_signal) as stop:
+                while self.step < cfg.steps:
+                    losses.append(self.run_step()["loss"])
+                    self.stop_signal = stop.agreed(self.mesh.device)
+                    if self.stop_signal:
+                        log.warning("stopping at step %d on %s: saving it; the same command resumes from there",
+                                    self.step, signal.Signals(self.stop_signal).name)
+                        break
+                if self.step > self.checkpoints.last_saved_step:
+                    self.checkpoints.save(self, blocking=True)
         finally:
             gc.enable()
-        if self.step > self.checkpoints.last_saved_step:
-            self.checkpoints.save(self, blocking=True)
         return losses
 
     def run_step(self) -> dict[str, float]:

@@ -2,6 +2,9 @@
 
 import gc
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -90,3 +93,17 @@ def test_precision_and_recompute_options_train_close_to_fp32(tmp_path, extra):
     exact = "--train.dtype=bf16" not in extra
     for a, b in zip(reference, other, strict=True):
         assert abs(a - b) <= (1e-5 if exact else 0.05) * abs(a), (reference, other)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("--data.path=/nonexistent/tokens", "DataError: data directory /nonexistent/tokens does not exist"),
+    ("--train.attention=flex", "ConfigError: train.attention='flex' trains only on CUDA"),
+])
+def test_cli_reports_bad_input_in_one_line(tmp_path, override, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "train", "--train.device=cpu", "--train.steps=1",
+         f"--train.run_dir={tmp_path}", override],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
