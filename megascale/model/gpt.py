@@ -11,14 +11,13 @@ tensor-parallel block recombines around its communication.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megascale.config.schema import ModelConfig
 from megascale.model.attention import causal_attention
+from megascale.model.init import initial_value
 from megascale.model.rotary import apply_rotary, rotary_tables
 
 IGNORE_INDEX = -100
@@ -119,7 +118,7 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
@@ -127,20 +126,17 @@ class GPT(nn.Module):
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.tokens.weight
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
-    def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2*layers)."""
-        std = self.cfg.init_std
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Each parameter from `initial_value(name, seed)`; the seed defaults to torch's initial
+        seed, so `torch.manual_seed(s)` before building makes the model reproducible. Parameters
+        on the meta device (a rank building only its part) are left for `materialize`."""
+        seed = torch.initial_seed() if seed is None else seed
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 1:  # LayerNorm weight
-                nn.init.ones_(p)
-            elif name.endswith("proj.weight"):
-                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.layers))
-            else:
-                nn.init.normal_(p, std=std)
+            if not p.is_meta:
+                p.copy_(initial_value(name, tuple(p.shape), self.cfg, seed))
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)

@@ -24,6 +24,7 @@ from megascale.model.efficiency import (
     fuse_parallel_input_gemm,
     set_attention_kernel,
 )
+from megascale.parallel.materialize import materialize
 from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
 
@@ -123,7 +124,10 @@ class ModelRunner:
 
 def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
     """Apply every parallelism the layout asks for, then the speed-only transformations of the
-    blocks (they wrap whatever blocks the parallel code left), and return this rank's runner."""
+    blocks (they wrap whatever blocks the parallel code left), and return this rank's runner.
+
+    `model` may be on the meta device: its parameters get their values (`train.seed`) after
+    the layout is applied, on the mesh's device, only for the part this rank holds."""
     runner = _parallel_runner(model, cfg, mesh)
     for chunk in runner.chunks:
         set_attention_kernel(chunk, cfg.train.attention)
@@ -139,7 +143,9 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
 
 
 def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh) -> ModelRunner:
+    device = mesh.device if mesh is not None else torch.device("cpu")
     if mesh is None or mesh.world_size == 1:
+        materialize([model], cfg.model, cfg.train.seed, device)
         return ModelRunner([model], cfg, mesh)
     if mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg, mesh)
@@ -150,6 +156,7 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh) -> ModelRunner:
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
     else:
         runner = ModelRunner([model], cfg, mesh)
+    materialize(runner.chunks, cfg.model, cfg.train.seed, device)  # only what this rank kept
     if mesh.dp_size > 1 or mesh.tp_size > 1:
         # ZeRO-2 per chunk; with dp = 1 it only sums sequence-parallel gradients over tp
         runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)

@@ -24,7 +24,7 @@ import torch
 from megascale.checkpoint import CheckpointManager
 from megascale.config import ConfigError, JobConfig, dump_config
 from megascale.data import TokenBatch, build_loaders
-from megascale.diagnostics.mfu import flops_per_token, mfu, peak_flops
+from megascale.diagnostics.mfu import flops_per_token, mfu, parameter_count, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.diagnostics.watchdog import Watchdog
 from megascale.model import GPT, IGNORE_INDEX
@@ -70,8 +70,9 @@ class Trainer:
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.toml")
 
-        seed_everything(cfg.train.seed)  # identical initial weights on every rank
-        model = GPT(cfg.model).to(self.device)
+        seed_everything(cfg.train.seed)
+        with torch.device("meta"):  # values come after the layout, for this rank's part only
+            model = GPT(cfg.model)
         if cfg.train.param_dtype == "bf16":  # parameters, gradients and their reduction in bf16
             model.to(torch.bfloat16)
         self.runner = build_runner(model, cfg, self.mesh)
@@ -94,7 +95,7 @@ class Trainer:
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
             "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %d micro-batches/step; peak %s",
-            sum(p.numel() for p in model.parameters()) / 1e6, cfg.parallel.pp, cfg.parallel.dp,
+            parameter_count(cfg.model) / 1e6, cfg.parallel.pp, cfg.parallel.dp,
             cfg.parallel.tp, cfg.parallel.vpp, cfg.micro_batches,
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )

@@ -27,11 +27,15 @@ from megascale.train.trainer import Trainer
 
 STEPS = 10
 # fp32 everywhere. A layout changes only the order in which contributions are summed (per
-# micro-batch, per rank, across dp/tp/pp), which perturbs gradients at ~1e-7 relative; after
-# ten AdamW/LAMB steps at lr 1e-2 the weights differ by ~1e-7..1e-6. Losses (and gradient
-# norms) must agree to 1e-5 relative, every final parameter element to 1e-5 absolute.
+# micro-batch, per rank, across dp/tp/pp), which perturbs gradients at ~1e-7 relative. Losses
+# and gradient norms must agree to 1e-5 relative at every step. Final parameters: after ten
+# LAMB steps they differ by ~1e-7 (every element within 1e-5). AdamW at lr 1e-2 moves every
+# element by ~lr per step whatever its gradient's size, so an element whose gradient is a
+# near-cancelling sum (a GeLU unit that is almost off) turns the ~1e-7 summation noise into
+# up to ~1e-4 after ten steps. Measured: tp2 layouts at most 7.0e-5 (dp2-tp2: 237 of 16632
+# elements above 1e-6, all in block 0's MLP), dp8 1.7e-5; LAMB on the same layouts <= 3.6e-7.
 LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-5
+PARAM_ATOL = {"lamb": 1e-5, "adamw": 2e-4}
 GLOBAL_BATCH = 8
 SEED = 7
 
@@ -114,8 +118,9 @@ class StepTrainer(Trainer):
 
     def __init__(self, cfg: JobConfig, mesh: ParallelMesh) -> None:
         self.cfg, self.mesh, self.step = cfg, mesh, 0
-        torch.manual_seed(cfg.train.seed)
-        self.runner = build_runner(GPT(cfg.model), cfg, mesh)
+        with torch.device("meta"):  # as the Trainer builds it: values after the layout
+            model = GPT(cfg.model)
+        self.runner = build_runner(model, cfg, mesh)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.timers = Timers(mesh.rank, {}, "", None, enabled=False)
 
@@ -184,6 +189,6 @@ def compare(case: Case, ranks: list[dict], ref: dict) -> dict[str, float]:
     for name in want:
         assert got[name].shape == want[name].shape, f"{case}: {name} shape"
         err = (got[name] - want[name]).abs().max().item()
-        assert err < PARAM_ATOL, f"{case}: {name} differs by {err:.2e}"
+        assert err < PARAM_ATOL[case.optim], f"{case}: {name} differs by {err:.2e}"
         param_err = max(param_err, err)
     return {"loss_rel": loss_err, "param_abs": param_err}
