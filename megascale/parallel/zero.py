@@ -3,7 +3,9 @@
 Parameters stay whole (replicated over dp) in the model, so forward and backward are the
 single-process code. Gradients are reduce-scattered into per-rank fp32 shards and the optimizer
 (with its state) only sees this rank's shards; after the step the updated shards are
-all-gathered back into the parameters.
+all-gathered back into the parameters. Both collectives run in the parameters' dtype: with
+`train.param_dtype = "bf16"` they move half the bytes, and only the fp32 master shards and
+their gradients are kept in full precision.
 
 Layout: a chunk's parameters are packed, in backward order, into buckets. Inside a bucket each
 parameter (its tensor-parallel slice, flattened and zero-padded to a multiple of dp) is cut into
@@ -59,6 +61,7 @@ class _Bucket:
     flat: torch.Tensor  # [dp * region]: reduce-scatter input, all-gather output
     shard: torch.Tensor  # [region] fp32 master values (the optimizer steps on views of it)
     grad: torch.Tensor  # [region] fp32 dp-summed gradients
+    low: torch.Tensor | None = None  # [region] in the communication dtype when it is not fp32
     ready: int = 0  # slots whose gradient is final this step
     work: dist.Work | None = None
     launched: bool = False
@@ -88,6 +91,8 @@ class ZeroGradSync:
         self.tp_group = mesh.tp_group
         self.overlap = cfg.parallel.dp_overlap
         self.expected_backwards = cfg.micro_batches
+        # gradients are reduced (and parameters gathered) in the parameters' dtype
+        self.comm_dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
         self._chunks = [self._build_chunk(c, bucket_numel) for c in chunks]
         self._named = [(s.name, s.shard) for ch in self._chunks for s in self._slots_in_order(ch)]
         self._sp_partial = [s for ch in self._chunks for b in ch.buckets for s in b.slots
@@ -119,9 +124,10 @@ class ZeroGradSync:
         bucket = _Bucket(
             slots=slots,
             region=region,
-            flat=torch.zeros(self.dp * region, dtype=torch.float32, device=device),
+            flat=torch.zeros(self.dp * region, dtype=self.comm_dtype, device=device),
             shard=torch.zeros(region, dtype=torch.float32, device=device),
             grad=torch.zeros(region, dtype=torch.float32, device=device),
+            low=None if self.comm_dtype == torch.float32 else torch.zeros(region, dtype=self.comm_dtype, device=device),
         )
         for slot in slots:
             p = slot.param
@@ -175,6 +181,8 @@ class ZeroGradSync:
                     with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
                                      group="dp"):
                         bucket.work.wait()
+                if bucket.low is not None and self.group is not None:
+                    bucket.grad.copy_(bucket.low)  # the fp32 shard gradient the optimizer reads
                 bucket.work, bucket.launched, bucket.ready = None, False, 0
                 for slot in bucket.slots:
                     slot.shard.grad = bucket.grad[slot.offset: slot.offset + slot.piece]
@@ -234,8 +242,8 @@ class ZeroGradSync:
         if self.group is None:
             bucket.grad.copy_(bucket.flat)
         else:
-            bucket.work = dist.reduce_scatter_single(
-                bucket.grad, bucket.flat, group=self.group, async_op=self.overlap)
+            out = bucket.grad if bucket.low is None else bucket.low
+            bucket.work = dist.reduce_scatter_single(out, bucket.flat, group=self.group, async_op=self.overlap)
 
     def _reduce_sp_partial(self, timers) -> None:
         """Sequence-parallel parameters (LayerNorm under SP) hold partial grads per tp rank."""
@@ -260,9 +268,12 @@ class ZeroGradSync:
             if self.group is None:
                 bucket.flat.copy_(bucket.shard)
                 works.append(None)
-            else:
-                works.append(dist.all_gather_single(
-                    bucket.flat, bucket.shard, group=self.group, async_op=True))
+                continue
+            source = bucket.shard
+            if bucket.low is not None:
+                source = bucket.low
+                source.copy_(bucket.shard)  # the updated master values, rounded once
+            works.append(dist.all_gather_single(bucket.flat, source, group=self.group, async_op=True))
         chunk.gather = works
 
     @torch.no_grad()

@@ -95,6 +95,30 @@ def _layout_check() -> dict:
         two.before_forward(1)  # idempotent within a step (the pipeline calls it per micro-batch)
         order.append((chunks[1].fresh, chunks[1].gather is None))
         out["prefetch_order"] = order
+        # train.param_dtype = bf16: gradients reduced and parameters gathered in bf16 (half the
+        # bytes), while the optimizer still steps on fp32 shards and fp32 shard gradients
+        low_cfg = JobConfig(parallel=ParallelConfig(dp=dp),
+                            train=TrainConfig(global_batch=dp, micro_batch=1, param_dtype="bf16"))
+        half = Odd().to(torch.bfloat16)
+        before = {n: p.detach().clone() for n, p in half.named_parameters()}
+        low = ZeroGradSync([half], low_cfg, mesh, bucket_numel=8)
+        for n, p in half.named_parameters():
+            p.grad = ((mesh.dp_rank + 1) * g[n]).to(torch.bfloat16)
+        low.after_backward(0)
+        low.finish()
+        buckets = low._chunks[0].buckets
+        out["bf16_comm"] = all(b.flat.dtype == torch.bfloat16 and b.low.dtype == torch.bfloat16
+                               and b.grad.dtype == b.shard.dtype == torch.float32 for b in buckets)
+        out["bf16_grad_ok"] = all(
+            torch.allclose(s.grad, local_piece(total * g[n], shard_spec(s)), rtol=2e-2, atol=2e-2)
+            for n, s in low.optimizer_tensors()
+        )
+        for _, s in low.optimizer_tensors():
+            s.data.add_(1.0)
+        low.after_step()
+        low.before_forward(0)
+        out["bf16_refresh_ok"] = all(torch.equal(p, (before[n].float() + 1).to(torch.bfloat16))
+                                     for n, p in half.named_parameters())
         dist.barrier()
         return out
     finally:
@@ -129,6 +153,7 @@ def _check_layout(layouts: list[dict]) -> None:
         # with dp_overlap every bucket was launched by the gradient hooks, before after_backward
         assert all(out["launched_by_hooks"])
         assert out["prefetch_order"] == [(True, False), (True, True), (True, True)]
+        assert out["bf16_comm"] and out["bf16_grad_ok"] and out["bf16_refresh_ok"]
 
 
 def test_dp2_matches_one_process(reference):
@@ -157,3 +182,11 @@ def test_cli_nproc_2_reports_the_single_process_loss(tmp_path):
     dp2 = cli_losses(tmp_path, "dp2", ["--nproc", "2", "--parallel.dp=2"])
     assert len(single) == len(dp2) == 4
     assert dp2 == pytest.approx(single, rel=1e-5)
+
+
+def test_cli_bf16_parameters_dp2_stay_close_to_one_process(tmp_path):
+    """With bf16 parameters the dp reduction itself runs in bf16: losses stay within bf16's
+    precision of the one-process run."""
+    single = cli_losses(tmp_path, "single", ["--train.param_dtype=bf16"])
+    dp2 = cli_losses(tmp_path, "dp2", ["--nproc", "2", "--parallel.dp=2", "--train.param_dtype=bf16"])
+    assert dp2 == pytest.approx(single, rel=2e-2)
