@@ -35,7 +35,12 @@ from megascale.data.shards import ShardWriter, dtype_for_vocab
 from megascale.diagnostics.mfu import device_peak_flops, flops_per_token, mfu, parameter_count
 from megascale.model import GPT
 from megascale.model.attention import flex_attention, sdpa_attention
-from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_input_gemm
+from megascale.model.efficiency import (
+    apply_compile,
+    apply_recompute,
+    fuse_parallel_input_gemm,
+    set_attention_kernel,
+)
 from megascale.train.trainer import Trainer
 
 MODELS = {
@@ -66,7 +71,9 @@ def variants(dry_run: bool) -> list[tuple[str, ModelConfig, bool, bool]]:
 
 
 def check_parity(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Max abs difference of each fused path against its reference on random inputs."""
+    """Each fused path against its reference on random inputs: FlexAttention's max abs
+    difference from SDPA, and for the model transformations the relative difference of the
+    loss and of the gradients (max |diff| / max |grad|) from the eager model on SDPA."""
     torch.manual_seed(0)
     results = {}
     q, k, v = (torch.randn(2, 4, 1024, 64, device=device, dtype=dtype) for _ in range(3))
@@ -74,22 +81,40 @@ def check_parity(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
         ref = sdpa_attention(q.float(), k.float(), v.float(), window)
         results[f"flex_vs_sdpa_window_{window}"] = (flex_attention(q, k, v, window).float() - ref).abs().max().item()
     cfg = replace(TINY, block="parallel", window=32)
-    base = GPT(cfg).to(device)
+    base = GPT(cfg, seed=0).to(device)
+    set_attention_kernel(base, "sdpa")
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), device=device)
-    ref_loss = base(tokens, tokens).item()
-    for name, transform in (
-        ("fused_input_gemm", fuse_parallel_input_gemm),
-        ("compile", apply_compile),
-        ("recompute_full", lambda b: apply_recompute(b, "full")),
-        ("recompute_selective", lambda b: apply_recompute(b, "selective")),
+    ref_loss, ref_grads = _loss_and_grads(base, tokens)
+    for name, transform, kernel in (
+        ("fused_input_gemm", fuse_parallel_input_gemm, "sdpa"),
+        ("compile", apply_compile, "sdpa"),
+        ("compile_flex", apply_compile, "flex"),  # how a compiled block runs SWA on a GPU
+        ("recompute_full", lambda b: apply_recompute(b, "full"), "sdpa"),
+        ("recompute_selective", lambda b: apply_recompute(b, "selective"), "sdpa"),
     ):
         other = copy.deepcopy(base)
+        set_attention_kernel(other, kernel)
         transform(other.blocks)
-        results[name] = abs(other(tokens, tokens).item() - ref_loss) / abs(ref_loss)
+        with_grads = kernel == "sdpa" or device.type == "cuda"  # FlexAttention has no CPU backward
+        loss, grads = _loss_and_grads(other, tokens, with_grads)
+        diff = abs(loss - ref_loss) / abs(ref_loss)
+        for n, g in grads.items():
+            diff = max(diff, (g - ref_grads[n]).abs().max().item() / ref_grads[n].abs().max().clamp_min(1e-12).item())
+        results[name] = diff
     if device.type == "cuda":
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             results["bf16_autocast_rel"] = abs(base(tokens, tokens).item() - ref_loss) / abs(ref_loss)
     return results
+
+
+def _loss_and_grads(model: GPT, tokens: torch.Tensor, with_grads: bool = True) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(with_grads):
+        loss = model(tokens, tokens) / tokens.numel()
+    if not with_grads:
+        return loss.item(), {}
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def gemm_ceiling(device: torch.device, dtype: torch.dtype, size: int) -> float:
@@ -234,7 +259,8 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     print(f"\n{report['device']}  torch {report['torch']}  {report['dtype']}")
-    print("parity (max abs diff / rel loss diff): " + ", ".join(f"{k}={v:.2e}" for k, v in report["parity"].items()))
+    print("parity (flex: max abs diff; transformations: rel diff of loss and gradients): "
+          + ", ".join(f"{k}={v:.2e}" for k, v in report["parity"].items()))
     print(f"GEMM ceiling: {report['gemm_ceiling_tflops']:.1f} TFLOP/s")
     print(f"{'variant':38} {'params':>7} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}")
     for label, row in report["variants"].items():

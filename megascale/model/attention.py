@@ -40,8 +40,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     return F.scaled_dot_product_attention(q, k, v, attn_mask=make_mask(seq_len, window, q.device))
 
 
-@functools.lru_cache(maxsize=16)
-def _flex_block_mask(seq_len: int, window: int | None, device: str):  # pragma: no cover - GPU
+def _block_mask(seq_len: int, window: int | None, device: str):  # pragma: no cover - GPU
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_causal(b, h, q_idx, kv_idx):
@@ -53,6 +52,9 @@ def _flex_block_mask(seq_len: int, window: int | None, device: str):  # pragma: 
     return create_block_mask(sliding_causal, None, None, seq_len, seq_len, device=device)
 
 
+_cached_block_mask = functools.lru_cache(maxsize=16)(_block_mask)
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():  # pragma: no cover - GPU
     from torch.nn.attention.flex_attention import flex_attention
@@ -61,8 +63,20 @@ def _compiled_flex():  # pragma: no cover - GPU
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-    """FlexAttention with a sliding-window block mask: masked blocks are skipped, not computed."""
-    block_mask = _flex_block_mask(q.shape[-2], window, str(q.device))
+    """FlexAttention with a sliding-window block mask: masked blocks are skipped, not computed.
+
+    Eagerly: a compiled kernel and a cached mask. Inside a compiled block both are traced into
+    the block's graph instead (Dynamo would ignore the caches, and warn).
+
+    q, k, v are made contiguous first. The compiled kernel has given silently wrong results
+    for other layouts: here, on CPU, a rotary output with the permuted layout of the QKV split
+    (test_attention.py); upstream, garbage K gradients (pytorch#146377)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        return flex(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)))
+    block_mask = _cached_block_mask(q.shape[-2], window, str(q.device))
     return _compiled_flex()(q, k, v, block_mask=block_mask)
 
 

@@ -56,3 +56,24 @@ def test_flex_attention_matches_sdpa_on_cpu(window, cpu_compiler):
 def test_dispatch_uses_sdpa_on_cpu():
     q, k, v = _qkv()
     torch.testing.assert_close(causal_attention(q, k, v, 5), sdpa_attention(q, k, v, 5))
+
+
+def test_flex_inside_a_compiled_block_is_one_graph_and_matches_sdpa(cpu_compiler):
+    """How a compiled block runs SWA on a GPU: FlexAttention and its block mask traced into the
+    block's graph (no graph break, no Dynamo cache warnings), with the eager SDPA result."""
+    from megascale.config import ModelConfig
+    from megascale.model import GPT
+    from megascale.model.efficiency import set_attention_kernel
+
+    cfg = ModelConfig(vocab_size=64, seq_len=128, layers=1, hidden=64, heads=4, window=32)
+    block = GPT(cfg, seed=0).blocks[0]
+    x = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        want = block(x)
+        set_attention_kernel(block, "flex")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            explained = torch._dynamo.explain(block)(x)
+            got = torch.compile(block, dynamic=False)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
