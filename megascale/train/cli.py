@@ -97,7 +97,11 @@ def _wait_forwarding_sigterm(proc: subprocess.Popen) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if forwarded and code:  # torchrun reports the ranks' exit 143 as a failure above this line
+        print("megascale train: stopped by SIGTERM; the ranks saved the step they reached (see their "
+              "logs) and the same command resumes from it", file=sys.stderr)
+    return code

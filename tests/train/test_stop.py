@@ -116,4 +116,5 @@ def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path):
     assert len(saved) == 1 and saved[0] >= 3, _output(run_dir)
     for rank in (0, 1):
         assert f"stopping at step {saved[0]} on SIGTERM" in (run_dir / f"rank{rank:05d}.log").read_text()
+    assert "megascale train: stopped by SIGTERM" in _output(run_dir)
     _resume_one_more_step(run_dir, saved[0])
