@@ -23,9 +23,10 @@ from megascale.diagnostics.timers import get_timers
 
 IGNORE_INDEX = -100
 
-# Recent PyTorch names the tensor collectives *_single; older releases only have *_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Recent PyTorch names the tensor collectives *_single; older releases (pyproject accepts 2.6+)
+# only have *_tensor. ZeRO uses these too.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def start_all_gather(x: torch.Tensor, tp: TPContext) -> Pending:
         return Pending(None, "tp.all_gather", x.unsqueeze(0))
     x = x.contiguous()
     out = x.new_empty((tp.size, *x.shape))
-    work = _all_gather_single(out.flatten(0, 1), x, group=tp.group, async_op=True)
+    work = all_gather_single(out.flatten(0, 1), x, group=tp.group, async_op=True)
     return Pending(work, "tp.all_gather", out)
 
 
@@ -84,7 +85,7 @@ def start_reduce_scatter(x: torch.Tensor, tp: TPContext) -> Pending:
         return Pending(None, "tp.reduce_scatter", x[0])
     x = x.contiguous()
     out = x.new_empty(x.shape[1:])
-    work = _reduce_scatter_single(out, x.flatten(0, 1), group=tp.group, async_op=True)
+    work = reduce_scatter_single(out, x.flatten(0, 1), group=tp.group, async_op=True)
     return Pending(work, "tp.reduce_scatter", out)
 
 

@@ -37,6 +37,7 @@ from megascale.config.schema import JobConfig
 from megascale.diagnostics.timers import get_timers
 from megascale.optim.norms import mark_sharded, norm_groups
 from megascale.parallel.sharding import set_shard_spec, shard_spec
+from megascale.parallel.tp_comm import all_gather_single, reduce_scatter_single
 
 DEFAULT_BUCKET_NUMEL = 1 << 22  # elements of one rank's region (16 MiB of fp32)
 SP_PARTIAL_ATTR = "_sp_partial_grad"  # set by tensor parallelism on sequence-parallel params
@@ -243,7 +244,7 @@ class ZeroGradSync:
             bucket.grad.copy_(bucket.flat)
         else:
             out = bucket.grad if bucket.low is None else bucket.low
-            bucket.work = dist.reduce_scatter_single(out, bucket.flat, group=self.group, async_op=self.overlap)
+            bucket.work = reduce_scatter_single(out, bucket.flat, group=self.group, async_op=self.overlap)
 
     def _reduce_sp_partial(self, timers) -> None:
         """Sequence-parallel parameters (LayerNorm under SP) hold partial grads per tp rank."""
@@ -273,7 +274,7 @@ class ZeroGradSync:
             if bucket.low is not None:
                 source = bucket.low
                 source.copy_(bucket.shard)  # the updated master values, rounded once
-            works.append(dist.all_gather_single(bucket.flat, source, group=self.group, async_op=True))
+            works.append(all_gather_single(bucket.flat, source, group=self.group, async_op=True))
         chunk.gather = works
 
     @torch.no_grad()
