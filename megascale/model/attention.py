@@ -13,7 +13,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from megascale.model.eager_cache import eager_cache
 
+
+@eager_cache(maxsize=16)
 def band_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
     """Boolean [s, s] mask, True where query i may attend key j (causal, within the window)."""
     i = torch.arange(seq_len, device=device).unsqueeze(1)
@@ -24,22 +27,15 @@ def band_mask(seq_len: int, window: int | None, device: torch.device) -> torch.T
     return allowed
 
 
-@functools.lru_cache(maxsize=16)
-def _cached_band_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    return band_mask(seq_len, window, device)
-
-
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
     """q, k, v: [batch, heads, seq, head_dim]."""
     seq_len = q.shape[-2]
     if window is None or window >= seq_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    # Eager runs reuse the mask; a compiled graph builds it in-graph (cheap, fused), and calling
-    # the cache from inside one only earns a Dynamo warning that the cache is ignored.
-    make_mask = band_mask if torch.compiler.is_compiling() else _cached_band_mask
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=make_mask(seq_len, window, q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(seq_len, window, q.device))
 
 
+@eager_cache(maxsize=16)
 def _block_mask(seq_len: int, window: int | None, device: str):  # pragma: no cover - GPU
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -50,9 +46,6 @@ def _block_mask(seq_len: int, window: int | None, device: str):  # pragma: no co
         return causal & (q_idx - kv_idx < window)
 
     return create_block_mask(sliding_causal, None, None, seq_len, seq_len, device=device)
-
-
-_cached_block_mask = functools.lru_cache(maxsize=16)(_block_mask)
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,7 +59,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     """FlexAttention with a sliding-window block mask: masked blocks are skipped, not computed.
 
     Eagerly: a compiled kernel and a cached mask. Inside a compiled block both are traced into
-    the block's graph instead (Dynamo would ignore the caches, and warn).
+    the block's graph instead (Dynamo would ignore the compiled wrapper, and warn).
 
     q, k, v are made contiguous first. The compiled kernel has given silently wrong results
     for other layouts: here, on CPU, a rotary output with the permuted layout of the QKV split
@@ -76,8 +69,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
         from torch.nn.attention.flex_attention import flex_attention as flex
 
         return flex(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)))
-    block_mask = _cached_block_mask(q.shape[-2], window, str(q.device))
-    return _compiled_flex()(q, k, v, block_mask=block_mask)
+    return _compiled_flex()(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)))
 
 
 def causal_attention(

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from megascale.model.eager_cache import eager_cache
 
-@functools.lru_cache(maxsize=8)
-def _tables(seq_len: int, head_dim: int, base: float, device: torch.device, dtype: torch.dtype):
+
+@eager_cache(maxsize=8)
+def rotary_tables(
+    seq_len: int, head_dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq, head_dim] (cached per shape in eager runs: they never change)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotary_tables(
-    seq_len: int, head_dim: int, base: float, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq, head_dim], cached per shape in eager runs (they never change).
-
-    A compiled graph computes them in-graph: Dynamo ignores the cache anyway, with a warning."""
-    make = _tables.__wrapped__ if torch.compiler.is_compiling() else _tables
-    return make(seq_len, head_dim, base, device, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -143,21 +143,19 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
 
 
 def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh) -> ModelRunner:
-    device = mesh.device if mesh is not None else torch.device("cpu")
-    if mesh is None or mesh.world_size == 1:
-        materialize([model], cfg.model, cfg.train.seed, device)
-        return ModelRunner([model], cfg, mesh)
-    if mesh.tp_size > 1:
+    distributed = mesh is not None and mesh.world_size > 1
+    if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg, mesh)
-    if mesh.pp_size > 1:
+    if distributed and mesh.pp_size > 1:
         from megascale.parallel.pipeline import PipelineRunner, split_model  # imports engine
 
         chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
     else:
         runner = ModelRunner([model], cfg, mesh)
+    device = mesh.device if mesh is not None else torch.device("cpu")
     materialize(runner.chunks, cfg.model, cfg.train.seed, device)  # only what this rank kept
-    if mesh.dp_size > 1 or mesh.tp_size > 1:
+    if distributed and (mesh.dp_size > 1 or mesh.tp_size > 1):
         # ZeRO-2 per chunk; with dp = 1 it only sums sequence-parallel gradients over tp
         runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
     return runner

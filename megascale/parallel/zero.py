@@ -92,8 +92,6 @@ class ZeroGradSync:
         self.tp_group = mesh.tp_group
         self.overlap = cfg.parallel.dp_overlap
         self.expected_backwards = cfg.micro_batches
-        # gradients are reduced (and parameters gathered) in the parameters' dtype
-        self.comm_dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
         self._chunks = [self._build_chunk(c, bucket_numel) for c in chunks]
         self._named = [(s.name, s.shard) for ch in self._chunks for s in self._slots_in_order(ch)]
         self._sp_partial = [s for ch in self._chunks for b in ch.buckets for s in b.slots
@@ -122,13 +120,14 @@ class ZeroGradSync:
 
     def _build_bucket(self, slots: list[_Slot], region: int) -> _Bucket:
         device = slots[0].param.device
+        comm = slots[0].param.dtype  # gradients reduced and parameters gathered in their dtype
         bucket = _Bucket(
             slots=slots,
             region=region,
-            flat=torch.zeros(self.dp * region, dtype=self.comm_dtype, device=device),
+            flat=torch.zeros(self.dp * region, dtype=comm, device=device),
             shard=torch.zeros(region, dtype=torch.float32, device=device),
             grad=torch.zeros(region, dtype=torch.float32, device=device),
-            low=None if self.comm_dtype == torch.float32 else torch.zeros(region, dtype=self.comm_dtype, device=device),
+            low=None if comm == torch.float32 else torch.zeros(region, dtype=comm, device=device),
         )
         for slot in slots:
             p = slot.param

@@ -46,10 +46,10 @@ class StopOnSignal:
         self._restore()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None and time.monotonic() - self._first_at < REPEAT_WINDOW_S:
-            return  # one event delivered twice (the terminal and torchrun both pass on Ctrl-C)
-        if self.received is not None:  # a second request: act as if we had never caught it
-            self._restore()
+        if self.received is not None:
+            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+                return  # one event delivered twice (the terminal and torchrun both pass on Ctrl-C)
+            self._restore()  # a second request: act as if we had never caught it
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signum)

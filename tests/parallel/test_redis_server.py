@@ -11,7 +11,7 @@ from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.parallel.launch import free_port
 from megascale.parallel.redis_server import RedisServer, delete_prefix
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
-from megascale.parallel.store import StoreAddress, create_store
+from megascale.parallel.store import StoreAddress, attempt_prefix, create_store
 from megascale.resilience.driver import Driver
 from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
 
@@ -62,7 +62,7 @@ def test_launcher_serves_redis_for_the_job_and_stops_it(tmp_path):
 def test_driver_clears_the_previous_attempts_keys(tmp_path, redis_server):
     job = "clearjob"
     for attempt in (0, 1):
-        RedisStore(redis_server.url, prefix=f"megascale/{job}/attempt{attempt}/").set("addr", b"x")
+        RedisStore(redis_server.url, prefix=attempt_prefix(job, attempt)).set("addr", b"x")
     cfg = JobConfig(parallel=ParallelConfig(store="redis", redis_url=redis_server.url))
     state = JobState(job, 1, 1, {"dp": 1, "tp": 1, "pp": 1}, run_dir=str(tmp_path), attempt=1)
     state.nodes["n0"] = Node("n0", "127.0.0.1", "h", ACTIVE, 0)
@@ -71,8 +71,8 @@ def test_driver_clears_the_previous_attempts_keys(tmp_path, redis_server):
     for thread in driver.evidence_threads:
         thread.join(60)
     keys = redis.Redis.from_url(redis_server.url)
-    assert keys.exists(f"megascale/{job}/attempt0/addr") == 0
-    assert keys.exists(f"megascale/{job}/attempt1/addr") == 1
+    assert keys.exists(attempt_prefix(job, 0) + "addr") == 0
+    assert keys.exists(attempt_prefix(job, 1) + "addr") == 1
     assert delete_prefix(redis_server.url, f"megascale/{job}/") == 1
 
 

@@ -95,13 +95,11 @@ def _layout_check() -> dict:
         two.before_forward(1)  # idempotent within a step (the pipeline calls it per micro-batch)
         order.append((chunks[1].fresh, chunks[1].gather is None))
         out["prefetch_order"] = order
-        # train.param_dtype = bf16: gradients reduced and parameters gathered in bf16 (half the
-        # bytes), while the optimizer still steps on fp32 shards and fp32 shard gradients
-        low_cfg = JobConfig(parallel=ParallelConfig(dp=dp),
-                            train=TrainConfig(global_batch=dp, micro_batch=1, param_dtype="bf16"))
+        # bf16 parameters (train.param_dtype): gradients reduced and parameters gathered in bf16
+        # (half the bytes), while the optimizer still steps on fp32 shards and fp32 shard gradients
         half = Odd().to(torch.bfloat16)
         before = {n: p.detach().clone() for n, p in half.named_parameters()}
-        low = ZeroGradSync([half], low_cfg, mesh, bucket_numel=8)
+        low = ZeroGradSync([half], cfg, mesh, bucket_numel=8)
         for n, p in half.named_parameters():
             p.grad = ((mesh.dp_rank + 1) * g[n]).to(torch.bfloat16)
         low.after_backward(0)
