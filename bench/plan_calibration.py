@@ -39,9 +39,9 @@ import torch.multiprocessing as mp
 
 from megascale.config import load_config
 from megascale.config.schema import JobConfig
-from megascale.diagnostics.mfu import mean_attention_span
 from megascale.model import GPT
 from megascale.model.attention import causal_attention
+from megascale.model.flops import mean_attention_span
 from megascale.optim import build_optimizer, clip_grad_norm_
 from megascale.plan import efficiency as eff
 from megascale.plan.cluster import ClusterSpec, GPUSpec, NetworkSpec, NodeSpec

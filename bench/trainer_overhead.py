@@ -22,8 +22,9 @@ import torch
 
 from megascale.config import load_config
 from megascale.data import TokenBatch
-from megascale.diagnostics.mfu import flops_per_token, measure_cpu_gemm_flops
+from megascale.diagnostics.mfu import measure_cpu_gemm_flops
 from megascale.model import GPT
+from megascale.model.flops import flops_per_token
 from megascale.train.trainer import Trainer
 
 MODEL = ["--model.layers=4", "--model.hidden=256", "--model.heads=8", "--model.seq_len=256",

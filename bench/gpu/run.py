@@ -32,7 +32,7 @@ import torch
 
 from megascale.config import JobConfig, ModelConfig
 from megascale.data.shards import ShardWriter, dtype_for_vocab
-from megascale.diagnostics.mfu import device_peak_flops, flops_per_token, mfu, parameter_count
+from megascale.diagnostics.mfu import device_peak_flops, mfu
 from megascale.model import GPT
 from megascale.model.attention import flex_attention, sdpa_attention
 from megascale.model.efficiency import (
@@ -41,6 +41,7 @@ from megascale.model.efficiency import (
     fuse_parallel_input_gemm,
     set_attention_kernel,
 )
+from megascale.model.flops import flops_per_token, parameter_count
 from megascale.train.trainer import Trainer
 
 MODELS = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megascale.diagnostics.mfu import flops_per_token, mean_attention_span
+from megascale.model.flops import flops_per_token, mean_attention_span
 from megascale.plan import comm
 from megascale.plan import efficiency as eff
 from megascale.plan.cluster import ClusterSpec

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megascale.diagnostics.mfu import parameter_count
+from megascale.model.flops import parameter_count
 from megascale.plan.cluster import GPUSpec
 from megascale.plan.layout import Layout, Workload
 

@@ -24,10 +24,11 @@ import torch
 from megascale.checkpoint import CheckpointManager
 from megascale.config import ConfigError, JobConfig, dump_config
 from megascale.data import TokenBatch, build_loaders
-from megascale.diagnostics.mfu import flops_per_token, mfu, parameter_count, peak_flops
+from megascale.diagnostics.mfu import mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.diagnostics.watchdog import Watchdog
 from megascale.model import GPT, IGNORE_INDEX
+from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
 from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh

@@ -74,7 +74,7 @@ def test_block_kinds_differ():
 @pytest.mark.parametrize("positions", ["rotary", "learned"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_gpt_loss_is_token_sum_and_parameter_count_matches(positions, tie):
-    from megascale.diagnostics.mfu import parameter_count
+    from megascale.model.flops import parameter_count
 
     cfg = ModelConfig(hidden=32, heads=4, layers=2, seq_len=16, positions=positions, tie_embeddings=tie)
     model = GPT(cfg)

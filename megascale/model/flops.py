@@ -1,0 +1,64 @@
+"""FLOPs and parameters of the GPT, counted from its config (what MFU and the planner divide by).
+
+Model FLOPs count the work the model needs, not the work the system does: forward + backward
+(3x the forward GEMMs), attention over the span each token really attends to (causal, and
+capped at the window under SWA), and never activation recomputation. These counts live beside
+the model so that a new layer option changes its count in the same place (a test keeps
+`parameter_count` equal to the built model's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.config.schema import ModelConfig
+
+
+def mean_attention_span(seq_len: int, window: int | None) -> float:
+    """Average number of keys a query attends to under causal (optionally windowed) attention."""
+    w = seq_len if window is None else min(window, seq_len)
+    # positions 1..w attend to i keys; positions w+1..s attend to w keys
+    total = w * (w + 1) / 2 + (seq_len - w) * w
+    return total / seq_len
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    """Forward FLOPs per token, by term. Training FLOPs per token are 3x the total."""
+
+    dense: float  # QKV, attention output, MLP GEMMs of all layers
+    attention: float  # QK^T and attention x V over the real span
+    head: float  # vocabulary projection
+
+    @property
+    def forward(self) -> float:
+        return self.dense + self.attention + self.head
+
+    @property
+    def training(self) -> float:
+        return 3.0 * self.forward
+
+
+def flops_per_token(cfg: ModelConfig) -> FlopsBreakdown:
+    h, f, layers = cfg.hidden, cfg.ffn, cfg.layers
+    dense = layers * 2 * (4 * h * h + 2 * h * f)
+    span = mean_attention_span(cfg.seq_len, cfg.window)
+    attention = layers * 2 * 2 * span * h
+    head = 2 * h * cfg.vocab_size
+    return FlopsBreakdown(dense=float(dense), attention=float(attention), head=float(head))
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of the GPT in `megascale.model` (kept in step with it by a test)."""
+    h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
+    b = 1 if cfg.bias else 0
+    norms_per_layer = 1 if cfg.block == "parallel" else 2
+    per_layer = (
+        3 * h * h + 3 * h * b  # qkv
+        + h * h + h * b  # attention output
+        + h * f + f * b + f * h + h * b  # MLP
+        + norms_per_layer * 2 * h  # LayerNorm weight and bias
+    )
+    embed = v * h + (cfg.seq_len * h if cfg.positions == "learned" else 0)
+    head = 0 if cfg.tie_embeddings else v * h
+    return cfg.layers * per_layer + embed + 2 * h + head
