@@ -12,7 +12,8 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megascale.train.cli", "train a model (one process, torchrun, or --nproc N local ranks)"),
-    "prep": ("megascale.data.cli", "tokenise text/JSONL/Parquet into token shards"),
+    "prep": ("megascale.data.cli", "tokenise text/JSONL/Parquet/Arrow (compressed, fsspec URLs) into token shards"),
+    "data": ("megascale.data.inspection", "look into prepared token directories: data inspect DIR"),
     "plan": ("megascale.plan.cli", "predict step time, MFU and memory; choose a layout"),
     "launch": ("megascale.resilience.cli", "run a job under the fault-tolerant driver"),
     "executor": ("megascale.resilience.executor_cli", "run a node's executor (started by a scheduler)"),

@@ -96,6 +96,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return [_coerce(get_args(tp)[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         key_t, val_t = get_args(tp)
+        if isinstance(value, str):
+            value = _pairs(value, key)
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a table, got {value!r}")
         return {_coerce(key_t, k, key): _coerce(val_t, v, f"{key}.{k}") for k, v in value.items()}
@@ -111,6 +113,22 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     elif tp is str and isinstance(value, str):
         return value
     raise ConfigError(f"{key} must be {_describe(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _pairs(text: str, key: str) -> dict[str, Any]:
+    """A table written on the command line without TOML's quotes: `a/b=3,c/d=1` or `{a/b=3, c/d=1}`."""
+    table: dict[str, Any] = {}
+    for item in text.strip().removeprefix("{").removesuffix("}").split(","):
+        name, _, value = item.strip().rpartition("=")
+        name = name.strip().strip("'\"")
+        if not name or not value.strip():
+            raise ConfigError(
+                f"{key} must be a table, got {text!r}; write --{key}=PATH=WEIGHT,PATH=WEIGHT "
+                f"(e.g. --{key}=data/a=3,data/b=1) or, in TOML, {key.rpartition('.')[2]} = "
+                f'{{"data/a" = 3.0, "data/b" = 1.0}}'
+            )
+        table[name] = parse_override(f"v={value.strip()}")[1]
+    return table
 
 
 def _describe(tp: Any) -> str:

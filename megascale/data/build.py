@@ -18,7 +18,7 @@ from megascale.data.loader import EvalLoader, Source, TrainLoader
 from megascale.data.shards import DataError, TokenStore
 from megascale.data.sharing import find_group, job_store, open_ring
 from megascale.data.sources import OwnReads, RingReader, RingWriter, Shape
-from megascale.data.tokenizer import load_tokenizer
+from megascale.data.tokenizer import describe, load_tokenizer
 
 RING_SLOTS = 3  # shared-memory slots: the reader may run two steps ahead of the slowest rank
 VOCAB_PAD = 128  # a model vocabulary may be padded up to a multiple of this for GEMM efficiency
@@ -38,18 +38,21 @@ def check_tokenizer(stores: list[TokenStore], cfg: JobConfig) -> None:
     """Every dataset made by one tokenizer, the one the config expects, fitting the model."""
     first = stores[0].manifest["tokenizer"]
     for store in stores[1:]:
-        if _tok_key(store.manifest["tokenizer"]) != _tok_key(first):
+        other = store.manifest["tokenizer"]
+        if _differences(other, first):
             raise DataError(
-                f"data.mixture: {store.root} was made with tokenizer "
-                f"{_tok_key(store.manifest['tokenizer'])} but {stores[0].root} with "
-                f"{_tok_key(first)}; a mixture needs one tokenizer"
+                f"data.mixture: {store.root} was made with tokenizer {describe(other)} but {stores[0].root} "
+                f"with {describe(first)} (they differ in {', '.join(_differences(other, first))}); "
+                f"a mixture needs one tokenizer: prep every dataset with the same one"
             )
     if cfg.data.tokenizer:
         expected = load_tokenizer(cfg.data.tokenizer).identity()
-        if _tok_key(expected) != _tok_key(first):
+        if _differences(expected, first):
             raise DataError(
-                f"{stores[0].root / 'manifest.json'}: made with tokenizer {_tok_key(first)}, but "
-                f"data.tokenizer={cfg.data.tokenizer!r} is {_tok_key(expected)}"
+                f"{stores[0].root / 'manifest.json'}: made with tokenizer {describe(first)}, but "
+                f"data.tokenizer={cfg.data.tokenizer} is {describe(expected)} (they differ in "
+                f"{', '.join(_differences(expected, first))}); prep the data with that tokenizer or "
+                f"set data.tokenizer to the one the data was made with"
             )
     vocab, model_vocab = int(first["vocab_size"]), cfg.model.vocab_size
     padded = -(-vocab // VOCAB_PAD) * VOCAB_PAD
@@ -61,9 +64,12 @@ def check_tokenizer(stores: list[TokenStore], cfg: JobConfig) -> None:
         )
 
 
-def _tok_key(identity: dict) -> tuple[Any, ...]:
-    return (identity.get("kind"), identity.get("vocab_size"), identity.get("eod"),
-            identity.get("sha256"))
+_IDENTITY_KEYS = {"kind": "kind", "vocab_size": "vocabulary", "eod": "end-of-document id", "sha256": "sha256"}
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    """What tells two tokenizer identities apart (names and paths may differ for the same file)."""
+    return [label for key, label in _IDENTITY_KEYS.items() if a.get(key) != b.get(key)]
 
 
 def open_order(cfg: JobConfig, verify: bool) -> tuple[GlobalOrder, list[TokenStore]]:

@@ -1,9 +1,10 @@
-"""`megascale prep`: text / JSONL / Parquet into token shards with a manifest.
+"""`megascale prep`: text / JSON lines / Parquet / Arrow into token shards with a manifest.
 
 Examples:
     megascale prep docs/ --out data/docs-bytes
-    megascale prep corpus.jsonl --field content --tokenizer tokenizer.json --out data/c --workers 4
+    megascale prep 'corpus/*.jsonl.zst' --field content --tokenizer tokenizer.json --out data/c --workers 8
     megascale prep corpus.parquet --train-tokenizer 8192 --out data/c-bpe8k
+    megascale prep hf_dataset_dir/ --tokenizer tokenizer.json --on-error=skip --out data/hf
 """
 
 from __future__ import annotations
@@ -11,21 +12,33 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megascale.data.inputs import KINDS
+from megascale.data.ledger import REJECTED, LostData
 from megascale.data.prep import Options, prepare
 from megascale.data.shards import DataError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", help="files or directories (searched recursively)")
+    parser.add_argument("inputs", nargs="+",
+                        help="files, directories (searched recursively), globs or fsspec URLs; "
+                             ".gz/.zst/.bz2/.xz are decompressed")
     parser.add_argument("--out", required=True, help="output token directory")
-    parser.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"],
-                        help="input format (auto: by suffix; a text file is one document)")
-    parser.add_argument("--field", default="text", help="JSONL key / Parquet column of the text")
+    parser.add_argument("--format", default="auto", choices=KINDS,
+                        help="input format (auto: by suffix; text: a file is one document; "
+                             "lines: each line of a text file is one document)")
+    parser.add_argument("--field", default="text", help="JSON key / Parquet or Arrow column of the text")
     parser.add_argument("--tokenizer", default="bytes",
                         help="'bytes' (built in, vocabulary 257) or a Hugging Face tokenizer.json")
     parser.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
                         help="train a byte-level BPE of this size on the inputs and use it")
-    parser.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    parser.add_argument("--on-error", default="stop", choices=["stop", "skip"],
+                        help=f"a bad record stops the run (stop), or is skipped, counted and listed in "
+                             f"OUT/{REJECTED} (skip)")
+    parser.add_argument("--replace-invalid", action="store_true",
+                        help="replace invalid UTF-8 and lone surrogates with U+FFFD (counted) instead of "
+                             "treating the record as bad")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="encoding processes (default 0: one per core, fewer for small inputs)")
     parser.add_argument("--shard-tokens", type=int, default=1 << 26,
                         help="tokens per shard (shards end at document boundaries)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -33,26 +46,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"megascale prep: error: {message}", file=sys.stderr)
+        return 2
+
     if args.overrides:
-        print(f"megascale prep: takes no config overrides, got {args.overrides}", file=sys.stderr)
-        return 2
+        return fail(f"takes no config overrides, got {args.overrides}")
     if args.train_tokenizer and args.tokenizer != "bytes":
-        print("megascale prep: pass --tokenizer or --train-tokenizer, not both", file=sys.stderr)
-        return 2
-    if args.workers < 1 or args.shard_tokens < 1:
-        print("megascale prep: --workers and --shard-tokens must be >= 1", file=sys.stderr)
-        return 2
+        return fail("pass --tokenizer or --train-tokenizer, not both")
+    if args.workers < 0 or args.shard_tokens < 1:
+        return fail("--workers must be >= 0 (0 = automatic) and --shard-tokens >= 1")
+    options = Options(args.format, args.field, args.on_error, args.replace_invalid)
     try:
-        manifest = prepare(args.inputs, args.out, args.tokenizer,
-                           options=Options(args.format, args.field), workers=args.workers,
+        manifest = prepare(args.inputs, args.out, args.tokenizer, options=options, workers=args.workers,
                            train_vocab=args.train_tokenizer, shard_tokens=args.shard_tokens,
                            overwrite=args.overwrite, progress=not args.quiet)
-    except (DataError, FileNotFoundError) as exc:
-        print(f"megascale prep: error: {exc}", file=sys.stderr)
+    except DataError as exc:
+        return fail(str(exc))
+    except LostData as exc:
+        print(f"megascale prep: {exc}", file=sys.stderr)
         return 1
-    tok = manifest["tokenizer"]
-    print(f"wrote {args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
-          f"in {len(manifest['shards'])} shard(s) of {manifest['dtype']}, tokenizer "
-          f"{tok['name']} (vocabulary {tok['vocab_size']}); train with "
-          f"--data.path={args.out} --model.vocab_size={tok['vocab_size']}")
+    print(summary(manifest, args.out))
     return 0
+
+
+def summary(manifest: dict, out: str) -> str:
+    """What was written, what was read and everything that did not become tokens."""
+    tok, counts, source = manifest["tokenizer"], manifest["counts"], manifest["source"]
+    lines = [f"wrote {out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
+             f"{len(manifest['shards'])} shard(s) of {manifest['dtype']}, tokenizer {tok['name']} "
+             f"(vocabulary {tok['vocab_size']})",
+             f"read {counts['bytes_read']:,} bytes from {source['files']} file(s): "
+             f"{counts['documents_in']:,} documents"]
+    not_written = {"empty documents": counts["empty_documents"],
+                   "documents with no tokens": counts["no_token_documents"],
+                   "blank lines": counts["blank_lines"],
+                   "invalid bytes replaced by U+FFFD": counts["replaced_invalid"],
+                   "end-of-document tokens inside documents": counts["eod_inside_documents"],
+                   "files ignored (unknown suffix)": source["ignored_files"]}
+    lines += [f"  {name}: {n:,}" for name, n in not_written.items() if n]
+    skipped = counts["skipped"]
+    if skipped:
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in skipped.items())
+        lines.append(f"  skipped {sum(skipped.values()):,} records ({reasons}); where: {out}/{REJECTED}")
+    lines.append(f"train with --data.path={out} --model.vocab_size={tok['vocab_size']}")
+    return "\n".join(lines)

@@ -39,14 +39,15 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     raise DataError(f"vocabulary of {vocab_size} tokens does not fit in 32 bits")
 
 
-def pack(docs: list[np.ndarray], eod: int, dtype: np.dtype) -> np.ndarray:
-    """Documents joined into one array, each followed by `eod`."""
-    out = np.empty(sum(len(d) + 1 for d in docs), dtype=dtype)
-    pos = 0
-    for doc in docs:
-        out[pos:pos + len(doc)] = doc
-        out[pos + len(doc)] = eod
-        pos += len(doc) + 1
+def with_eod(ids: np.ndarray, lengths: np.ndarray, eod: int, dtype: np.dtype) -> np.ndarray:
+    """Documents laid end to end (`ids`, `lengths` tokens each) with `eod` after each one."""
+    ends = np.cumsum(lengths)
+    out = np.empty(len(ids) + len(lengths), dtype=dtype)
+    eod_at = ends + np.arange(len(lengths))
+    mask = np.ones(len(out), dtype=bool)
+    mask[eod_at] = False
+    out[mask] = ids
+    out[eod_at] = eod
     return out
 
 
@@ -59,37 +60,58 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 class ShardWriter:
-    """Appends documents (token arrays) to shards of about `shard_tokens` tokens each."""
+    """Appends whole documents to shards of about `shard_tokens` tokens each.
+
+    A shard ends at the first document end at or past `shard_tokens`, wherever the batches of
+    documents handed in begin and end: the shards depend on the documents only, not on how the
+    work was divided (prep's output is the same for any number of workers)."""
 
     def __init__(self, out_dir: Path, dtype: np.dtype, eod: int, shard_tokens: int = 1 << 26):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.dtype, self.eod, self.shard_tokens = np.dtype(dtype), eod, shard_tokens
         self.shards: list[dict] = []
+        self.tokens_written = self.documents_written = 0
         self._file = None
         self._tokens = self._docs = 0
 
     def add(self, tokens: Iterable[int] | np.ndarray) -> None:
         """Write one document and its end-of-document token."""
-        self.add_packed(pack([np.asarray(tokens, dtype=np.int64)], self.eod, self.dtype), 1)
+        ids = np.asarray(tokens, dtype=np.int64)
+        self.add_packed(with_eod(ids, np.array([len(ids)]), self.eod, self.dtype), np.array([len(ids) + 1]))
 
-    def add_packed(self, packed: np.ndarray, documents: int) -> None:
-        """Write `documents` whole documents, each already followed by the end-of-document token.
-        A shard is closed after the first batch that fills it, so shards end at a boundary."""
-        if self._file is None:
-            name = f"shard_{len(self.shards):05d}.bin"
-            self._file = open(self.out_dir / name, "wb")  # noqa: SIM115 - closed in _close_shard
-            self._name, self._tokens, self._docs = name, 0, 0
-        self._file.write(np.ascontiguousarray(packed, dtype=self.dtype).tobytes())
-        self._tokens += len(packed)
-        self._docs += documents
-        if self._tokens >= self.shard_tokens:
-            self._close_shard()
+    def add_packed(self, packed: np.ndarray, lengths: np.ndarray) -> None:
+        """Write whole documents laid end to end; `lengths` counts each one's end-of-document token."""
+        packed = np.ascontiguousarray(packed, dtype=self.dtype)
+        ends = np.cumsum(lengths)
+        pos, doc = 0, 0
+        while doc < len(ends):
+            if self._file is None:
+                self._open_shard()
+            room = self.shard_tokens - self._tokens
+            last = min(int(np.searchsorted(ends, pos + room)), len(ends) - 1)  # first end that fills it
+            stop = int(ends[last])
+            view = memoryview(packed[pos:stop]).cast("B")
+            self._file.write(view)
+            self._hash.update(view)
+            self._tokens += stop - pos
+            self._docs += last + 1 - doc
+            self.tokens_written += stop - pos
+            self.documents_written += last + 1 - doc
+            if self._tokens >= self.shard_tokens:
+                self._close_shard()
+            pos, doc = stop, last + 1
 
     @property
     def pending_tokens(self) -> int:
         """Tokens in the shard being written."""
         return self._tokens if self._file is not None else 0
+
+    def _open_shard(self) -> None:
+        self._name = f"shard_{len(self.shards):05d}.bin"
+        self._file = open(self.out_dir / self._name, "wb")  # noqa: SIM115 - closed in _close_shard
+        self._hash = hashlib.sha256()
+        self._tokens = self._docs = 0
 
     def _close_shard(self) -> None:
         if self._file is None:
@@ -98,10 +120,10 @@ class ShardWriter:
         self._file = None
         path = self.out_dir / self._name
         self.shards.append({"file": self._name, "documents": self._docs, "tokens": self._tokens,
-                            "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+                            "bytes": path.stat().st_size, "sha256": self._hash.hexdigest()})
 
-    def finish(self, tokenizer: dict, source: dict) -> dict:
-        """Close the last shard and write the manifest; returns it."""
+    def finish(self, tokenizer: dict, source: dict, **extra: object) -> dict:
+        """Close the last shard and write the manifest (with `extra` keys); returns it."""
         self._close_shard()
         manifest = {
             "format": FORMAT_VERSION,
@@ -111,6 +133,7 @@ class ShardWriter:
             "eod": self.eod,
             "documents": sum(s["documents"] for s in self.shards),
             "tokens": sum(s["tokens"] for s in self.shards),
+            **extra,
             "shards": self.shards,
         }
         if manifest["tokens"] == 0:

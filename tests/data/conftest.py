@@ -55,3 +55,47 @@ def _toml(value: object) -> str:
 def dataset(tmp_path: Path) -> tuple[Path, list[bytes]]:
     docs = make_docs(300)
     return write_bytes_dataset(tmp_path / "tokens", docs), docs
+
+
+def bpe_tokenizer(corpus: list[str], vocab: int = 400):
+    """A byte-level BPE with an <|endoftext|> token, trained by the tokenizers library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def wordpiece_tokenizer(corpus: list[str], vocab: int = 300):
+    """A BERT-style WordPiece (lower-cased, accents stripped, [UNK] for the rest), no EOS token."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(
+        vocab_size=vocab, special_tokens=["[UNK]", "[CLS]", "[SEP]", "[PAD]"]))
+    return tok
+
+
+def library_encoding(tok, docs: list[str]) -> list[list[int]]:
+    """Each document encoded in full, one at a time, by the library itself."""
+    tok.no_truncation()
+    tok.no_padding()
+    return [tok.encode(d, add_special_tokens=False).ids for d in docs]
+
+
+def written_documents(root: Path) -> list[list[int]]:
+    """The documents of a prepared directory, cut by the manifest's per-document layout: every
+    document is followed by the end-of-document id, and no test text spells that token."""
+    from megascale.data.shards import TokenStore
+
+    store = TokenStore(root)
+    stream = store.read(0, store.tokens)
+    store.close()
+    cuts = np.flatnonzero(stream == store.eod)
+    assert len(cuts) == store.manifest["documents"] and stream[-1] == store.eod
+    return [d[:-1].tolist() for d in np.split(stream, cuts + 1)[:-1]]

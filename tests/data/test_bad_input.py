@@ -11,6 +11,7 @@ import pytest
 from megascale.cli import main
 from megascale.data import DataError, build_loaders
 from megascale.data.prep import prepare
+from megascale.data.tokenizer import load_tokenizer
 from tests.data.conftest import job, make_docs, write_bytes_dataset
 
 
@@ -49,10 +50,21 @@ def test_manifest_tokenizer_differs_from_the_config(two_shards, tmp_path):
     with open(tmp_path / "a.jsonl", "w") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     prepare([str(tmp_path / "a.jsonl")], tmp_path / "bpe", train_vocab=280, progress=False)
-    with pytest.raises(DataError, match=r"tokens/manifest\.json: made with tokenizer .*"
-                                        r"data\.tokenizer=.*tokenizer\.json"):
-        build_loaders(job(two_shards, data__tokenizer=str(tmp_path / "bpe" / "tokenizer.json")),
-                      None)
+    tok = tmp_path / "bpe" / "tokenizer.json"
+    sha = load_tokenizer(str(tok)).identity()["sha256"][:12]
+    with pytest.raises(DataError) as caught:
+        build_loaders(job(two_shards, data__tokenizer=str(tok)), None)
+    assert str(caught.value) == (
+        f"{two_shards}/manifest.json: made with tokenizer 'bytes' (built-in byte-level, vocabulary 257, "
+        f"end-of-document id 256), but data.tokenizer={tok} is 'bpe/tokenizer.json' (BPE, vocabulary 280, "
+        f"end-of-document id 0 '<|endoftext|>', sha256 {sha}, {tok.resolve()}) (they differ in kind, vocabulary, "
+        f"end-of-document id, sha256); prep the data with that tokenizer or set data.tokenizer to the one the "
+        f"data was made with")
+    mixture = {str(two_shards): 1.0, str(tmp_path / "bpe"): 1.0}
+    with pytest.raises(DataError, match=r"data\.mixture: .*bpe was made with tokenizer 'bpe-280 \(trained by "
+                                        r"prep, tokenizer\.json\)' \(BPE, vocabulary 280, .*, sha256 \w{12}, "
+                                        r"\S*/bpe/tokenizer\.json\) but .*tokens with 'bytes' \(built-in byte-level"):
+        build_loaders(job(data__mixture=mixture, model__vocab_size=280), None)
 
 
 def test_not_a_prepared_directory(tmp_path):
@@ -83,13 +95,13 @@ def test_jsonl_line_without_the_field_names_file_and_line(tmp_path, capsys):
     path.write_text('{"text": "a"}\n{"text": "b"\n')
     with pytest.raises(DataError, match=r"c\.jsonl:2: not valid JSON"):
         prepare([str(path)], tmp_path / "out", progress=False)
-    assert main(["prep", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    assert main(["prep", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     assert "c.jsonl:2: not valid JSON" in capsys.readouterr().err
 
 
 def test_parquet_without_the_column(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
-    with pytest.raises(DataError, match=r"p\.parquet has no column 'text'"):
+    with pytest.raises(DataError, match=r"p\.parquet has no column 'text' \(columns: \['body'\]\); pass --field"):
         prepare([str(tmp_path / "p.parquet")], tmp_path / "out", progress=False)
 
 

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
+from rich.console import Console
 
 from megascale.cli import main
+from megascale.config import ConfigError, load_config
 from megascale.data import EOD, build_loaders, ensure_default_corpus
 from megascale.data.corpus import stdlib_files
 from megascale.data.prep import prepare
 from megascale.data.shards import TokenStore
 from megascale.data.tokenizer import load_tokenizer
-from tests.data.conftest import job, make_docs, write_bytes_dataset
+from tests.data.conftest import bpe_tokenizer, job, library_encoding, make_docs, write_bytes_dataset, written_documents
 
 
 def documents_of(root: Path) -> tuple[list[np.ndarray], TokenStore]:
@@ -48,19 +49,34 @@ def test_text_round_trip_byte_level_over_several_shards(tmp_path):
         assert store.memmap(i)[-1] == EOD and int((store.memmap(i) == EOD).sum()) == shard["documents"]
 
 
-def test_jsonl_and_parquet_with_workers_match_one_process(tmp_path):
-    docs = [d.decode() for d in make_docs(200, seed=5)]
+def test_saved_truncation_and_padding_are_switched_off(tmp_path):
+    """A tokenizer.json as model repositories ship it (max_length 16, padded to 16) must not cut
+    or pad documents: prep's output equals the library encoding every document in full."""
+    docs = [d.decode() for d in make_docs(30, seed=4)]
+    tok = bpe_tokenizer(docs)
+    tok.enable_truncation(16)
+    tok.enable_padding(length=16, pad_id=3, pad_token="<pad>")
+    tok.save(str(tmp_path / "tokenizer.json"))
     with open(tmp_path / "a.jsonl", "w") as f:
-        for i, doc in enumerate(docs[:120]):
-            f.write(json.dumps({"id": i, "body": doc}) + ("\n\n" if i % 7 == 0 else "\n"))
-    pq.write_table(pa.table({"body": docs[120:]}), tmp_path / "b.parquet", row_group_size=16)
-    one = prepare([str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], tmp_path / "one",
-                  options=_opts("body"), progress=False)
-    two = prepare([str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], tmp_path / "two",
-                  options=_opts("body"), workers=2, progress=False)
-    assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
-    got, _ = documents_of(tmp_path / "two")
-    assert [bytes(d[:-1].astype(np.uint8)).decode() for d in got] == docs
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    said: list[str] = []
+    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / "tokenizer.json"),
+                       progress=False, say=said.append)
+    full = library_encoding(tok, docs)
+    assert max(map(len, full)) > 100  # far past the saved max_length
+    assert written_documents(tmp_path / "out") == full
+    assert manifest["counts"]["tokens_in"] == sum(map(len, full))
+    assert len(said) == 1 and "truncation to 16 tokens and padding to 16 tokens" in said[0]
+    assert manifest["notes"] == [said[0].removeprefix("megascale prep: note: ")]
+
+
+def test_progress_bar_total_is_the_input_bytes_of_a_single_file(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text("".join(json.dumps({"text": d.decode()}) + "\n" for d in make_docs(60)))
+    shown = io.StringIO()
+    prepare([str(path)], tmp_path / "out", progress=Console(file=shown, width=100))
+    kb = path.stat().st_size / 1000
+    assert f"{kb:.1f}/{kb:.1f} kB" in shown.getvalue()
 
 
 def test_trained_bpe_round_trip_and_config_match(tmp_path):
@@ -105,6 +121,10 @@ def test_mixture_follows_weights_and_resumes(tmp_path):
     a = write_bytes_dataset(tmp_path / "a", make_docs(200, seed=1))
     b = write_bytes_dataset(tmp_path / "b", [d.upper() for d in make_docs(200, seed=2)])
     cfg = job(data__mixture={str(a): 3.0, str(b): 1.0})
+    unquoted = load_config(None, [f"--data.mixture={{{a}=3.0,{b}=1.0}}"])  # no TOML quoting needed
+    assert unquoted.data.mixture == cfg.data.mixture == load_config(None, [f"--data.mixture={a}=3,{b}=1"]).data.mixture
+    with pytest.raises(ConfigError, match=r"write --data\.mixture=PATH=WEIGHT,PATH=WEIGHT"):
+        load_config(None, [f"--data.mixture={a}"])
     train, _ = build_loaders(cfg, None)
     batches = [train.next_batch() for _ in range(60)]
     # only dataset a has lower-case ASCII letters
@@ -122,12 +142,6 @@ def test_mixture_follows_weights_and_resumes(tmp_path):
         assert torch.equal(resumed.next_batch().inputs, want.inputs)
     for loader in (train, resumed):
         loader.close()
-
-
-def _opts(field: str):
-    from megascale.data.prep import Options
-
-    return Options(field=field)
 
 
 @pytest.fixture(autouse=True)
