@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from megascale.checkpoint.catalog import candidates
 from megascale.checkpoint.comm import Comm
+from megascale.checkpoint.manifest import RNG
 from megascale.checkpoint.restore import restore
-from megascale.checkpoint.state import RNG, VALUE, Target
-from megascale.checkpoint.storage import CheckpointError, check_manifest, committed, join, open_root
+from megascale.checkpoint.state import VALUE, Target, torch_dtype
+from megascale.checkpoint.storage import CheckpointError, open_root
 from megascale.config import ModelConfig
 from megascale.model import GPT
 from megascale.parallel.sharding import ShardSpec
@@ -29,17 +31,14 @@ def whole_tensors(url: str, fields: tuple[str, ...] = (VALUE,)):
     checkpoint directory, or a root whose newest valid checkpoint is used). Reads every
     stored byte once and checks every checksum."""
     fs, path = open_root(url)
-    candidates = [path] if fs.exists(join(path, "manifest.json")) else [
-        e.path for e in committed(fs, path)]
-    for candidate in candidates:
+    for candidate, manifest in candidates(fs, path):
         try:
-            manifest, _ = check_manifest(fs, candidate)
             shapes: dict[tuple[str, str], tuple[list[int], str]] = {}
             for rec in manifest["tensors"]:
                 if not rec["param"].startswith(RNG) and rec["field"] in fields:
                     shapes[(rec["param"], rec["field"])] = (rec["spec"]["global_shape"], rec["dtype"])
             targets = [Target(param, fld, ShardSpec(tuple(shape)),
-                              torch.empty(shape, dtype=getattr(torch, dtype)))
+                              torch.empty(shape, dtype=torch_dtype(dtype)))
                        for (param, fld), (shape, dtype) in sorted(shapes.items())]
             restore(fs, candidate, manifest, targets, Comm(None, 0, 1))
             return {(t.param, t.field): t.tensor for t in targets}, manifest

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import posixpath
 import queue
 import secrets
 import subprocess
@@ -24,7 +25,9 @@ from typing import Any
 
 import torch
 
+from megascale.checkpoint import catalog
 from megascale.checkpoint.comm import Comm
+from megascale.checkpoint.manifest import FORMAT, VERSION, checkpoint_bytes
 from megascale.checkpoint.restore import restore
 from megascale.checkpoint.snapshot import HostBuffer, layout
 from megascale.checkpoint.state import (
@@ -37,18 +40,10 @@ from megascale.checkpoint.state import (
     shared_pieces,
     spec_to_json,
 )
-from megascale.checkpoint.storage import (
-    FORMAT,
-    VERSION,
-    CheckpointError,
-    check_manifest,
-    checkpoint_bytes,
-    committed,
-    open_root,
-    step_name,
-)
+from megascale.checkpoint.storage import CheckpointError, open_root, step_name
 from megascale.checkpoint.writer import WriteJob, persist
 from megascale.config import JobConfig, to_dict
+from megascale.data.shards import DataError
 
 log = logging.getLogger("megascale.checkpoint")
 
@@ -113,7 +108,7 @@ class CheckpointManager:
             rank=self.rank, world=self.world, shm_name=self._buffer.name, nbytes=nbytes,
             index=index, commit=self._header(step) if self.rank == 0 else None,
             keep=self.cfg.keep, bytes_per_s=self.cfg.write_mb_per_s * 1e6,
-            commit_timeout_s=self.cfg.commit_timeout_s,
+            commit_timeout_s=self.cfg.commit_timeout_s, durable=self.cfg.fsync,
         )
         self.last_saved_step = step
         self._inflight = step
@@ -264,6 +259,10 @@ class CheckpointManager:
                 log.info("checkpoint step %d committed: %s (%.1f MB, stage 2 %.2f s)%s", step,
                          info["path"], info["total_bytes"] / 1e6, info["write_s"],
                          f"; removed {', '.join(info['removed'])}" if info["removed"] else "")
+                for line in info["quarantined"]:
+                    log.warning("invalid checkpoint moved aside (never loaded; inspect or delete it): %s", line)
+                for line in info["unchecked"]:
+                    log.warning("checkpoint could not be checked, left in place: %s", line)
         else:
             log.error("checkpoint at step %d FAILED on rank %d: %s -- training continues; "
                       "older checkpoints are intact", step, self.rank, info)
@@ -277,16 +276,9 @@ class CheckpointManager:
             log.info("checkpoint.resume=none: starting from scratch")
             return False
         fs, root = open_root(self.root if mode == "auto" else mode)
-        candidates = self._candidates(fs, root) if self.rank == 0 else []
+        candidates = catalog.candidates(fs, root) if self.rank == 0 else []
         while True:
-            choice = None
-            while self.rank == 0 and candidates and choice is None:
-                path = candidates.pop(0)
-                try:
-                    choice = (path, check_manifest(fs, path)[0])
-                except (CheckpointError, OSError) as exc:
-                    log.warning("skipping checkpoint %s: %s", path, exc)
-            choice = self.comm.broadcast(choice)
+            choice = self.comm.broadcast(candidates.pop(0) if candidates else None)
             if choice is None:
                 if mode != "auto":
                     raise CheckpointError(f"checkpoint.resume={mode!r}: no valid checkpoint there "
@@ -296,15 +288,13 @@ class CheckpointManager:
             path, manifest = choice
             try:
                 self._load(trainer, fs, path, manifest)
-                return True
             except CheckpointError as exc:
                 log.warning("checkpoint %s cannot be used: %s -- trying the previous one",
                             path, exc)
-
-    def _candidates(self, fs, root: str) -> list[str]:
-        if fs.exists(f"{root}/manifest.json"):
-            return [root]
-        return [entry.path for entry in committed(fs, root)]
+                continue
+            if posixpath.dirname(path) == open_root(self.root)[1]:
+                self.last_saved_step = trainer.step  # committed here already: never saved again
+            return True
 
     def _load(self, trainer, fs, path: str, manifest: dict) -> None:
         start = time.perf_counter()
@@ -314,14 +304,10 @@ class CheckpointManager:
                 fields[rec["param"]].add(rec["field"])
         targets = load_targets(trainer, fields)
         restored = restore(fs, path, manifest, targets, self.comm)
-        install_optimizer_state(trainer, targets, manifest["plain"])
-        trainer.step = manifest["step"]
-        ranks = manifest["ranks"]
-        meta = ranks.get(str(self.rank), ranks["0"])
-        trainer.train_loader.load_state_dict(meta["loader"])
-        if restored.rng and str(self.rank) in ranks:
-            trainer.set_rng_state(rng_from_arrays(restored.rng, ranks[str(self.rank)]["rng"]))
-        else:
+        problems = [p for p in self.comm.gather(self._install(trainer, targets, manifest, restored)) if p]
+        if problems:  # every rank falls back together
+            raise CheckpointError(f"{path}: " + "; ".join(problems))
+        if not (restored.rng and str(self.rank) in manifest["ranks"]):
             log.warning("rank %d has no RNG state in %s (saved by %d ranks): it keeps its seeded "
                         "RNG", self.rank, path, manifest["world_size"])
         read = sum(self.comm.gather(restored.bytes_read))
@@ -335,6 +321,22 @@ class CheckpointManager:
                  saved["tp"], manifest["world_size"], read, size, self.last_restore["seconds"])
         if manifest["config"].get("model") != to_dict(self.job_cfg)["model"]:
             log.warning("the checkpoint's model config differs from this job's (shapes match)")
+
+    def _install(self, trainer, targets, manifest: dict, restored) -> str | None:
+        """Put the loaded state in place; a value the trainer rejects is reported, not raised,
+        so that all ranks agree on the outcome (a data-config mismatch still stops the job)."""
+        ranks = manifest["ranks"]
+        try:
+            install_optimizer_state(trainer, targets, manifest["plain"])
+            trainer.step = manifest["step"]
+            trainer.train_loader.load_state_dict(ranks.get(str(self.rank), ranks["0"])["loader"])
+            if restored.rng and str(self.rank) in ranks:
+                trainer.set_rng_state(rng_from_arrays(restored.rng, ranks[str(self.rank)]["rng"]))
+        except DataError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
+            return f"rank {self.rank} cannot use its state: {type(exc).__name__}: {exc}"
+        return None
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the writer and free the host buffer."""

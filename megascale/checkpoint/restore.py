@@ -21,15 +21,16 @@ from dataclasses import dataclass, field
 import torch
 
 from megascale.checkpoint.comm import Comm
+from megascale.checkpoint.manifest import RNG, confined
 from megascale.checkpoint.state import (
-    RNG,
     Target,
     piece_numel,
     spec_from_json,
     spec_to_json,
+    torch_dtype,
     valid_numel,
 )
-from megascale.checkpoint.storage import CheckpointError, join
+from megascale.checkpoint.storage import CheckpointError
 from megascale.parallel.sharding import ShardSpec, local_piece, tp_slice
 
 
@@ -49,7 +50,7 @@ class Record:
     @staticmethod
     def from_json(data: dict) -> Record:
         return Record(data["param"], data["field"], spec_from_json(data["spec"]),
-                      getattr(torch, data["dtype"]), tuple(data["shape"]), data["file"],
+                      torch_dtype(data["dtype"]), tuple(data["shape"]), data["file"],
                       data["offset"], data["nbytes"])
 
     @property
@@ -216,7 +217,7 @@ def _read_my_files(fs, path: str, manifest: dict, plan: Plan, rank: int):
         info = manifest["files"][name]
         buf = bytearray(info["size"])
         try:
-            with fs.open(join(path, name), "rb") as f:
+            with fs.open(confined(fs, path, name), "rb") as f:
                 got = f.readinto(buf)
         except OSError as exc:
             problems.append(f"{name}: cannot be read ({exc})")

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from megascale.checkpoint.manifest import DTYPE_SIZES, RNG
 from megascale.parallel.sharding import ShardSpec, shard_spec
 
 VALUE = "value"
 OPTIM = "optim."
-RNG = "__rng__/"
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
 
 
 @dataclass
@@ -33,6 +34,11 @@ class Piece:
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.param, self.field, spec_key(self.spec))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The dtype of a manifest's dtype name (the manifest schema admits only these names)."""
+    return TORCH_DTYPES[name]
 
 
 def spec_to_json(spec: ShardSpec | None) -> dict | None:
@@ -103,7 +109,7 @@ def scalar_to_json(value: Any, key: str) -> dict[str, Any]:
 def scalar_from_json(data: dict[str, Any]) -> Any:
     """Scalar tensors come back on the CPU, where PyTorch's optimizers keep their "step"."""
     if data["kind"] == "tensor":
-        return torch.tensor(data["value"], dtype=getattr(torch, data["dtype"]))
+        return torch.tensor(data["value"], dtype=torch_dtype(data["dtype"]))
     return {"bool": bool, "int": int, "float": float}[data["kind"]](data["value"])
 
 

@@ -1,14 +1,18 @@
-"""Checkpoint storage through fsspec: names, the manifest, validation, listing and pruning.
+"""Checkpoint storage through fsspec: names, durable writes, atomic renames and listing.
 
-A checkpoint is a directory `step_<N>` holding one data file per writing rank and
-`manifest.json`, written last, with every file's size and sha256. It is built under a
-temporary name (`step_<N>.tmp-<run id>`) and renamed when complete, so a directory with the
-committed name is either whole or not there. This module imports no torch: the stage-2 writer
-process uses it.
+A checkpoint is a directory `step_<N>` (a re-save of the same step: `step_<N>.g<K>`, a new
+generation) holding one data file per writing rank and `manifest.json`, written last. It is
+built under a temporary name (`step_<N>.tmp-<run id>`) and renamed, to a name that does not
+exist yet, when complete: a directory with a committed name is whole or not there, and a commit
+never moves or deletes the checkpoint it supersedes. On local filesystems every file and
+directory involved is fsynced around the rename, so a commit survives a power loss; other
+fsspec targets (object stores, HDFS) give their own durability when a write completes. This
+module imports no torch: the stage-2 writer process uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,21 +21,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
-FORMAT = "megascale-checkpoint"
-VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_COMMITTED = re.compile(r"^step_(\d{9})$")
-_TEMPORARY = re.compile(r"^step_(\d{9})\.(tmp|replaced)-[0-9a-f]+$")
+_COMMITTED = re.compile(r"^step_(\d{9})(?:\.g(\d{1,6}))?$")
+_TEMPORARY = re.compile(r"^step_(\d{9})\.tmp-[0-9a-f]+$")
+QUARANTINE = ".invalid-"  # suffix of an invalid checkpoint moved aside: never loaded, kept to inspect
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial, corrupt or does not fit this job."""
 
 
-def step_name(step: int) -> str:
-    return f"step_{step:09d}"
+def step_name(step: int, generation: int = 0) -> str:
+    return f"step_{step:09d}" + (f".g{generation}" if generation else "")
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    """(step, generation) of a committed checkpoint's directory name, else None."""
+    match = _COMMITTED.match(name)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
 def data_file(rank: int) -> str:
@@ -57,12 +67,47 @@ def join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts)
 
 
-def write_json(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> None:
-    """Write JSON under a temporary name, then rename: readers see all of it or nothing."""
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def sync_file(fs: fsspec.AbstractFileSystem, f: Any, durable: bool = True) -> None:
+    """Flush an open file to the disk (local filesystems; elsewhere closing the file commits it)."""
+    if durable and is_local(fs):
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_dir(fs: fsspec.AbstractFileSystem, path: str, durable: bool = True) -> None:
+    """Make a directory's entries (files created or renamed in it) durable."""
+    if durable and is_local(fs):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rename(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    """Atomic on local filesystems, and never into or over an existing directory there
+    (`os.rename` refuses a non-empty target; fsspec's local `mv` would move src inside it)."""
+    if is_local(fs):
+        os.rename(src, dst)
+    else:
+        fs.mv(src, dst, recursive=True)
+
+
+def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, durable: bool = True) -> None:
+    """Write under a temporary name, sync, rename: readers see all of it or nothing."""
     part = path + ".part"
     with fs.open(part, "wb") as f:
-        f.write(json.dumps(data, indent=1, sort_keys=True).encode())
-    fs.mv(part, path)
+        f.write(data)
+        sync_file(fs, f, durable)
+    rename(fs, part, path)
+
+
+def write_json(fs: fsspec.AbstractFileSystem, path: str, data: Any, durable: bool = True) -> None:
+    write_bytes(fs, path, json.dumps(data, indent=1, sort_keys=True).encode(), durable)
 
 
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, int]:
@@ -83,73 +128,35 @@ class Entry:
     name: str
     step: int
     path: str
+    generation: int = 0
 
 
 def committed(fs: fsspec.AbstractFileSystem, root: str) -> list[Entry]:
-    """Committed checkpoints under root, newest first (none if root does not exist)."""
-    return sorted(_entries(fs, root, _COMMITTED), key=lambda e: e.step, reverse=True)
+    """Directories with a committed name, highest (step, generation) first; whether each holds
+    a valid checkpoint, and which was committed last, is `catalog.survey`'s job."""
+    out = []
+    for name in _names(fs, root):
+        parsed = parse_name(name)
+        if parsed is not None:
+            out.append(Entry(name, parsed[0], join(root, name), parsed[1]))
+    return sorted(out, key=lambda e: (e.step, e.generation), reverse=True)
 
 
 def temporaries(fs: fsspec.AbstractFileSystem, root: str) -> list[Entry]:
-    return _entries(fs, root, _TEMPORARY)
+    """Saves that never committed (in progress, or left by a killed or failed save)."""
+    return [Entry(n, int(m.group(1)), join(root, n)) for n in _names(fs, root)
+            if (m := _TEMPORARY.match(n))]
 
 
-def _entries(fs: fsspec.AbstractFileSystem, root: str, pattern: re.Pattern) -> list[Entry]:
+def _names(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     try:
         listing = fs.ls(root, detail=True)
     except (FileNotFoundError, NotADirectoryError):  # nothing saved there yet
         return []
-    out = []
-    for info in listing:
-        name = os.path.basename(info["name"].rstrip("/"))
-        match = pattern.match(name)
-        if match and info.get("type") == "directory":
-            out.append(Entry(name, int(match.group(1)), join(root, name)))
-    return out
+    return [os.path.basename(info["name"].rstrip("/")) for info in listing
+            if info.get("type") == "directory"]
 
 
-def check_manifest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict, int]:
-    """Read a checkpoint's manifest and check, without reading data, that it is complete:
-    the format is ours and every listed file exists with its recorded size.
-    Returns (manifest, manifest bytes). Checksums are verified when the data is read."""
-    manifest_path = join(path, MANIFEST)
-    if not fs.exists(manifest_path):
-        raise CheckpointError(f"{path} is partial: it has no {MANIFEST}")
-    try:
-        manifest, nbytes = read_json(fs, manifest_path)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: format version {manifest.get('version')}, expected {VERSION}")
-    for name, info in manifest["files"].items():
-        file_path = join(path, name)
-        if not fs.exists(file_path):
-            raise CheckpointError(f"{path} is partial: {name} is missing")
-        size = fs.size(file_path)
-        if size != info["size"]:
-            raise CheckpointError(
-                f"{path}: {name} has {size} bytes, the manifest says {info['size']}")
-    manifest["manifest_bytes"] = nbytes
-    return manifest, nbytes
-
-
-def checkpoint_bytes(manifest: dict) -> int:
-    """Bytes stored for a checkpoint: its data files and its manifest."""
-    return sum(info["size"] for info in manifest["files"].values()) + manifest["manifest_bytes"]
-
-
-def prune(fs: fsspec.AbstractFileSystem, root: str, keep: int, newest: int) -> list[str]:
-    """Delete committed checkpoints beyond the newest `keep` and temporaries of steps older
-    than `newest` (left by killed or failed saves). Returns the names removed."""
-    removed = []
-    for entry in committed(fs, root)[keep:]:
-        fs.rm(entry.path, recursive=True)
-        removed.append(entry.name)
-    for entry in temporaries(fs, root):
-        if entry.step < newest:
-            fs.rm(entry.path, recursive=True)
-            removed.append(entry.name)
-    return removed
+def remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=True)

@@ -2,9 +2,12 @@
 
 Runs in a background process per rank (or inline for `checkpoint.async_save=false`). It reads
 the snapshot from shared memory, so the training process only pays for stage 1. Each rank
-writes its data file and then its index; rank 0 waits for every rank's index, writes the
-manifest (sizes and sha256 of every file) last, renames the directory to its committed name,
-updates `latest` and prunes. This module imports no torch, so the process starts quickly.
+writes and syncs its data file and then its index; rank 0 waits for every rank's index, writes
+the sealed manifest (sizes and sha256 of every file, its own checksum, its commit sequence
+number) last, syncs the directory, renames it to a committed name no directory has yet, syncs
+the root, updates `latest`, then prunes, which first confirms that the new checkpoint is the
+newest valid one. At every instant the newest committed checkpoint is complete and findable.
+This module imports no torch, so the process starts quickly.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+from megascale.checkpoint.catalog import next_commit, prune, survey
+from megascale.checkpoint.manifest import seal
 from megascale.checkpoint.storage import (
     LATEST,
     MANIFEST,
@@ -29,14 +35,19 @@ from megascale.checkpoint.storage import (
     failed_file,
     join,
     open_root,
-    prune,
     read_json,
+    rename,
     sidecar_file,
-    step_name,
+    sync_dir,
+    sync_file,
+    write_bytes,
     write_json,
 )
 
 CHUNK = 4 << 20
+# Called with "written" (manifest synced), "renamed" (committed), "latest" (pointer updated) on
+# rank 0's commit; fault tests install a pause here and kill the process there. None in production.
+COMMIT_HOOK: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -53,6 +64,7 @@ class WriteJob:
     keep: int
     bytes_per_s: float  # 0 = unlimited
     commit_timeout_s: float
+    durable: bool = True  # fsync files and directories (checkpoint.fsync)
 
 
 def persist(job: WriteJob, buffer: memoryview, abort: Any = None) -> dict[str, Any]:
@@ -64,9 +76,9 @@ def persist(job: WriteJob, buffer: memoryview, abort: Any = None) -> dict[str, A
     try:
         fs.makedirs(tmp, exist_ok=True)
         digest = _write_data(fs, join(tmp, data_file(job.rank)), buffer[: job.nbytes],
-                             job.bytes_per_s)
+                             job.bytes_per_s, job.durable)
         index = dict(job.index, file=data_file(job.rank), size=job.nbytes, sha256=digest)
-        write_json(fs, join(tmp, sidecar_file(job.rank)), index)
+        write_json(fs, join(tmp, sidecar_file(job.rank)), index, job.durable)
     except Exception as exc:
         _report_failure(fs, join(tmp, failed_file(job.rank)), exc)
         raise
@@ -76,7 +88,7 @@ def persist(job: WriteJob, buffer: memoryview, abort: Any = None) -> dict[str, A
     return result
 
 
-def _write_data(fs, path: str, data: memoryview, bytes_per_s: float) -> str:
+def _write_data(fs, path: str, data: memoryview, bytes_per_s: float, durable: bool) -> str:
     digest = hashlib.sha256()
     start = time.perf_counter()
     with fs.open(path, "wb") as f:
@@ -88,6 +100,7 @@ def _write_data(fs, path: str, data: memoryview, bytes_per_s: float) -> str:
                 ahead = (offset + len(chunk)) / bytes_per_s - (time.perf_counter() - start)
                 if ahead > 0:
                     time.sleep(ahead)
+        sync_file(fs, f, durable)
     return digest.hexdigest()
 
 
@@ -107,24 +120,29 @@ def _commit(fs, root: str, tmp: str, job: WriteJob, abort: Any) -> dict[str, Any
     plain: dict[str, Any] = {}
     for index in indexes.values():
         plain.update(index["plain"])
-    manifest = dict(job.commit, files=files, tensors=tensors, ranks=ranks, plain=plain)
-    write_json(fs, join(tmp, MANIFEST), manifest)  # last: the checkpoint is now complete
+    name, seq = next_commit(survey(fs, root), job.step)
+    manifest = seal(dict(job.commit, seq=seq, files=files, tensors=tensors, ranks=ranks, plain=plain))
+    write_json(fs, join(tmp, MANIFEST), manifest, job.durable)  # last: the checkpoint is complete
     for rank in range(job.world):
         fs.rm(join(tmp, sidecar_file(rank)))
-    final = join(root, step_name(job.step))
-    replaced = None
-    if fs.exists(final):  # the same step saved again (e.g. after resuming from it)
-        replaced = join(root, f"{step_name(job.step)}.replaced-{job.tmp_name.rsplit('-', 1)[1]}")
-        fs.mv(final, replaced, recursive=True)
-    fs.mv(tmp, final, recursive=True)
-    if replaced is not None:
-        fs.rm(replaced, recursive=True)
-    latest_part = join(root, LATEST + ".part")
-    fs.pipe(latest_part, step_name(job.step).encode())
-    fs.mv(latest_part, join(root, LATEST))
-    removed = prune(fs, root, job.keep, job.step)
+    sync_dir(fs, tmp, job.durable)
+    _reached("written")
+    final = join(root, name)
+    rename(fs, tmp, final)  # a new name: the checkpoint it supersedes stays until prune
+    sync_dir(fs, root, job.durable)
+    _reached("renamed")
+    write_bytes(fs, join(root, LATEST), name.encode(), job.durable)
+    sync_dir(fs, root, job.durable)
+    _reached("latest")
+    pruned = prune(fs, root, job.keep, name, job.tmp_name.rsplit("-", 1)[1], job.durable)
     total = sum(f["size"] for f in files.values())
-    return {"path": final, "total_bytes": total, "removed": removed}
+    return {"path": final, "total_bytes": total, "removed": pruned.removed,
+            "quarantined": pruned.quarantined, "unchecked": pruned.unchecked}
+
+
+def _reached(point: str) -> None:
+    if COMMIT_HOOK is not None:
+        COMMIT_HOOK(point)
 
 
 def _wait_for_ranks(fs, tmp: str, job: WriteJob, abort: Any) -> dict[int, dict]:

@@ -223,6 +223,7 @@ class CheckpointConfig:
     write_mb_per_s: float = 0.0  # cap on stage-2 write bandwidth per rank; 0 = unlimited
     commit_timeout_s: float = 600.0  # rank 0 gives up on a save whose other ranks never finish
     save_on_signal: bool = True  # SIGTERM/Ctrl-C: every rank stops after the same step and saves
+    fsync: bool = True  # sync files and directories around each commit (false: scratch storage only)
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:

@@ -34,12 +34,20 @@ def train(run_dir: Path, steps: int, *overrides: str, keep_open: bool = False):
     return losses, params, trainer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight_run(tmp_path_factory):
     """20 steps without stopping (no checkpoints), the reference for resumed runs."""
     run_dir = tmp_path_factory.mktemp("straight")
     losses, params, _ = train(run_dir, 20, "--checkpoint.every=0", "--checkpoint.resume=none")
     return losses, params
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> Path:
+    """A run directory with committed checkpoints at steps 5 and 10 (tests copy it)."""
+    run = tmp_path_factory.mktemp("trained")
+    train(run, 10, "--checkpoint.every=5")
+    return run
 
 
 def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

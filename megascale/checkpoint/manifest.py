@@ -1,0 +1,274 @@
+"""The manifest: its schema, its own checksum, and every check made before a byte of data is read.
+
+Nothing in a manifest is trusted. Rank 0 validates it against the schema below (pydantic, strict:
+no type coercion, no unknown keys), recomputes its checksum (sha256 of its canonical JSON without
+the `checksum` key, so that any edit, even one byte of one offset, is caught), checks it against
+its directory's name, checks that every file name is a rank data file inside the checkpoint
+directory and that every tensor record lies inside its file without overlapping another, and
+finally that every listed file exists with its recorded size. Each defect is a `CheckpointError`,
+which makes resume and export fall back to the previous checkpoint. No torch here: the stage-2
+writer uses this module to prune by validity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from typing import Annotated, Any, Literal
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from megascale.checkpoint.storage import MANIFEST, CheckpointError, join, parse_name, read_json
+
+FORMAT = "megascale-checkpoint"
+VERSION = 2  # 2: the manifest carries its checksum and commit sequence number
+RNG = "__rng__/"  # parameter name prefix of a rank's RNG arrays
+# bytes per element of every dtype a checkpoint may hold (torch names without "torch.")
+DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+               "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+DATA_FILE = re.compile(r"^rank-(\d{5,})\.bin$")
+_SHA256 = r"^[0-9a-f]{64}$"
+
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]
+Name = Annotated[str, Field(min_length=1, max_length=1000)]
+DType = Literal[tuple(DTYPE_SIZES)]  # type: ignore[valid-type]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class FileInfo(_Strict):
+    size: Count
+    sha256: Annotated[str, Field(pattern=_SHA256)]
+
+
+class Spec(_Strict):
+    global_shape: list[Count]
+    tp_dim: Count | None
+    tp_rank: Count
+    tp_size: Positive
+    flat_range: Annotated[list[Count], Field(min_length=2, max_length=2)] | None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Spec:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        if self.tp_dim is not None and (self.tp_dim >= len(self.global_shape)
+                                        or self.global_shape[self.tp_dim] % self.tp_size):
+            raise ValueError(f"tp_dim {self.tp_dim} cannot split {self.global_shape} {self.tp_size} ways")
+        if self.flat_range is not None and self.flat_range[0] > self.flat_range[1]:
+            raise ValueError(f"flat_range {self.flat_range} ends before it starts")
+        return self
+
+    @property
+    def numel(self) -> int:
+        """Elements a rank holding this piece stores (ZeRO ranges include their padding)."""
+        if self.flat_range is not None:
+            return self.flat_range[1] - self.flat_range[0]
+        return math.prod(self.global_shape) // self.tp_size
+
+
+class TensorRecord(_Strict):
+    param: Name
+    field: Name
+    spec: Spec | None
+    dtype: DType
+    shape: list[Count]
+    file: Name
+    offset: Count
+    nbytes: Count
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TensorRecord:
+        numel = math.prod(self.shape)
+        if self.nbytes != numel * DTYPE_SIZES[self.dtype]:
+            raise ValueError(f"{self.param} {self.field}: {self.nbytes} bytes for shape {self.shape} "
+                             f"of {self.dtype}")
+        if self.param.startswith(RNG):
+            if self.spec is not None or not self.param[len(RNG):].isdigit():
+                raise ValueError(f"RNG record {self.param!r} must name a rank and have no spec")
+        elif self.spec is None or self.spec.numel != numel:
+            raise ValueError(f"{self.param} {self.field}: shape {self.shape} does not match its spec")
+        return self
+
+
+class Layout(_Strict):
+    pp: Positive
+    dp: Positive
+    tp: Positive
+    vpp: Positive
+
+
+class PythonRng(_Strict):
+    version: int
+    gauss_next: float | None
+
+
+class NumpyRng(_Strict):
+    kind: Literal["MT19937"]
+    pos: Count
+    has_gauss: Count
+    cached_gaussian: float
+
+
+class TensorRng(_Strict):
+    pass
+
+
+class RngMeta(_Strict):
+    python: PythonRng | None = None
+    numpy: NumpyRng | None = None
+    torch: TensorRng | None = None
+    cuda: TensorRng | None = None
+
+
+class RankMeta(_Strict):
+    rng: RngMeta
+    loader: dict[str, str | int]
+
+
+class Scalar(_Strict):
+    kind: Literal["tensor", "bool", "int", "float"]
+    value: bool | int | float
+    dtype: DType | None = None
+
+    @model_validator(mode="after")
+    def _typed(self) -> Scalar:
+        if (self.kind == "tensor") != (self.dtype is not None):
+            raise ValueError("a dtype is given for tensor scalars, and only for them")
+        return self
+
+
+class Manifest(_Strict):
+    format: Literal[FORMAT]  # type: ignore[valid-type]
+    version: Literal[VERSION]  # type: ignore[valid-type]
+    step: Count
+    seq: Positive  # commit order within the checkpoint root: the newest commit has the highest
+    world_size: Positive
+    layout: Layout
+    config: dict[str, Any]
+    created: float
+    run_id: Name
+    torch: str
+    files: dict[Name, FileInfo]
+    tensors: list[TensorRecord]
+    ranks: dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], RankMeta]
+    plain: dict[Name, dict[Name, Scalar]]
+    checksum: Annotated[str, Field(pattern=_SHA256)]
+
+
+def checksum(manifest: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of everything but the checksum itself."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    return dict(manifest, checksum=checksum(manifest))
+
+
+def validate(data: Any, path: str) -> Manifest:
+    """The parsed manifest if its content is sound; every check that needs no storage access."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} manifest")
+    if data.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format version {data.get('version')!r}, this megascale reads "
+                              f"version {VERSION}; load it with the megascale that wrote it")
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise CheckpointError(f"{path}: {MANIFEST} does not fit the schema ({exc.error_count()} "
+                              f"problem(s); first: {where}: {first['msg']})") from None
+    if checksum(data) != manifest.checksum:
+        raise CheckpointError(f"{path}: {MANIFEST} was changed after it was written (checksum mismatch)")
+    named = parse_name(os.path.basename(path.rstrip("/")))
+    if named is not None and named[0] != manifest.step:
+        raise CheckpointError(f"{path}: the manifest says step {manifest.step}, the directory name "
+                              f"says step {named[0]}")
+    _check_files_and_ranks(manifest, path)
+    _check_bounds(manifest, path)
+    return manifest
+
+
+def _check_files_and_ranks(manifest: Manifest, path: str) -> None:
+    for name in manifest.files:
+        match = DATA_FILE.match(name)
+        if match is None:
+            raise CheckpointError(f"{path}: file name {name!r} is not a rank data file (rank-NNNNN.bin)")
+        if int(match.group(1)) >= manifest.world_size:
+            raise CheckpointError(f"{path}: {name} names a rank beyond world_size {manifest.world_size}")
+    if "0" not in manifest.ranks or any(int(r) >= manifest.world_size for r in manifest.ranks):
+        raise CheckpointError(f"{path}: per-rank metadata must cover rank 0 and ranks below world_size")
+    rng_records = {(rec.param[len(RNG):], rec.field) for rec in manifest.tensors if rec.param.startswith(RNG)}
+    for rank, meta in manifest.ranks.items():
+        for name in meta.rng.model_dump(exclude_none=True):
+            if (str(int(rank)), name) not in rng_records:
+                raise CheckpointError(f"{path}: rank {rank}'s {name} RNG state has no tensor record")
+
+
+def _check_bounds(manifest: Manifest, path: str) -> None:
+    """Every record inside its file, none overlapping another."""
+    by_file: dict[str, list[TensorRecord]] = {}
+    for rec in manifest.tensors:
+        if rec.file not in manifest.files:
+            raise CheckpointError(f"{path}: {rec.param} {rec.field} is in {rec.file!r}, which is not listed")
+        by_file.setdefault(rec.file, []).append(rec)
+    for name, records in by_file.items():
+        end = 0
+        for rec in sorted(records, key=lambda r: r.offset):
+            if rec.offset < end:
+                raise CheckpointError(f"{path}: {rec.param} {rec.field} at offset {rec.offset} of {name} "
+                                      f"overlaps the record before it (ends at {end})")
+            end = rec.offset + rec.nbytes
+        if end > manifest.files[name].size:
+            raise CheckpointError(f"{path}: records of {name} reach byte {end}, the file has "
+                                  f"{manifest.files[name].size}")
+
+
+def confined(fs: fsspec.AbstractFileSystem, directory: str, name: str) -> str:
+    """The path of `name` inside `directory`; a name or link leading elsewhere is a defect."""
+    if DATA_FILE.match(name) is None and name != MANIFEST:
+        raise CheckpointError(f"{directory}: {name!r} is not a checkpoint file name")
+    path = join(directory, name)
+    if isinstance(fs, LocalFileSystem):
+        real_dir = os.path.realpath(directory)
+        if os.path.dirname(os.path.realpath(path)) != real_dir:
+            raise CheckpointError(f"{path} resolves to {os.path.realpath(path)}, outside the checkpoint")
+    return path
+
+
+def check_manifest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict, int]:
+    """Read a checkpoint's manifest, validate it, and check (metadata only) that every listed file
+    exists with its recorded size. Returns (manifest as a dict, manifest bytes); the data files'
+    checksums are verified when they are read."""
+    manifest_path = confined(fs, path, MANIFEST)
+    if not fs.exists(manifest_path):
+        raise CheckpointError(f"{path} is partial: it has no {MANIFEST}")
+    try:
+        data, nbytes = read_json(fs, manifest_path)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from exc
+    manifest = validate(data, path)
+    for name, info in manifest.files.items():
+        file_path = confined(fs, path, name)
+        if not fs.exists(file_path):
+            raise CheckpointError(f"{path} is partial: {name} is missing")
+        size = fs.size(file_path)
+        if size != info.size:
+            raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {info.size}")
+    data["manifest_bytes"] = nbytes
+    return data, nbytes
+
+
+def checkpoint_bytes(manifest: dict) -> int:
+    """Bytes stored for a checkpoint: its data files and its manifest."""
+    return sum(info["size"] for info in manifest["files"].values()) + manifest["manifest_bytes"]

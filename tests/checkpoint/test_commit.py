@@ -1,0 +1,171 @@
+"""The commit protocol under real faults: the real writer process is paused at each point of rank
+0's commit and SIGKILLed there; at every point the newest committed checkpoint is complete and is
+the resume point, and training resumes bit-identically. Pruning by validity with keep=1 beside
+stale and corrupt checkpoints of higher steps; fsync around the commit rename."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import pytest
+
+from megascale.checkpoint import catalog
+from megascale.checkpoint.storage import open_root, step_name
+from megascale.checkpoint.writer import WriteJob
+from tests.checkpoint.conftest import assert_same_params, train
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+    return tmp_path
+
+
+def resave_job(checkpoint: Path, run_id: str, shm_name: str, keep: int) -> WriteJob:
+    """Step N saved again by a new run, with exactly the bytes and records it has."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    header = {k: v for k, v in manifest.items()
+              if k not in ("files", "tensors", "ranks", "plain", "checksum", "seq")}
+    header["run_id"] = run_id
+    step = manifest["step"]
+    return WriteJob(
+        step=step, root=str(checkpoint.parent), tmp_name=f"{step_name(step)}.tmp-{run_id}", rank=0,
+        world=1, shm_name=shm_name, nbytes=manifest["files"]["rank-00000.bin"]["size"],
+        index={"records": [{k: v for k, v in t.items() if k != "file"} for t in manifest["tensors"]],
+               "plain": manifest["plain"], "meta": manifest["ranks"]["0"]},
+        commit=header, keep=keep, bytes_per_s=0.0, commit_timeout_s=60.0)
+
+
+def run_writer(job: WriteJob, data: bytes, pause: str | None, marker: Path) -> subprocess.Popen:
+    """The writer process with `job` queued; with `pause`, returns once it is paused there."""
+    module = ["tests.checkpoint.paused_writer", pause, str(marker)] if pause else ["megascale.checkpoint.writer"]
+    proc = subprocess.Popen([sys.executable, "-m", *module], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc.stdin.write(json.dumps({"job": dataclasses.asdict(job)}) + "\n")
+    proc.stdin.flush()
+    if pause:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.02)
+    return proc
+
+
+@pytest.fixture
+def shm(trained):
+    data = (trained / "checkpoints" / step_name(10) / "rank-00000.bin").read_bytes()
+    segment = shared_memory.SharedMemory(create=True, size=len(data))
+    segment.buf[: len(data)] = data
+    yield segment, data
+    segment.close()
+    segment.unlink()
+
+
+@pytest.mark.parametrize("point", ["written", "renamed", "latest"])
+def test_resave_killed_at_each_commit_point(run, shm, point, straight_run, tmp_path):
+    root = run / "checkpoints"
+    segment, data = shm
+    job = resave_job(root / step_name(10), "feedbeef", segment.name, keep=3)
+    writer = run_writer(job, data, point, tmp_path / "paused")
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    fs, path = open_root(str(root))
+    found = catalog.survey(fs, path)
+    assert found.invalid == [] and found.unreadable == []
+    assert [v.entry.step for v in found.valid].count(5) == 1  # nothing complete was deleted
+    newest = found.newest
+    if point == "written":  # not renamed yet: the old step 10 is still the newest commit
+        assert newest.entry.name == step_name(10) and newest.manifest["run_id"] != "feedbeef"
+        assert [t.name for t in found.temporaries] == [f"{step_name(10)}.tmp-feedbeef"]
+    else:  # committed as a new generation; the one it supersedes is still whole beside it
+        assert newest.entry.name == step_name(10, 1) and newest.manifest["run_id"] == "feedbeef"
+        assert {v.entry.name for v in found.valid} == {step_name(5), step_name(10), step_name(10, 1)}
+    assert catalog.candidates(fs, path)[0][0] == newest.entry.path  # what resume loads first
+    if point == "renamed":  # and it trains on exactly as if nothing had happened
+        losses, params, trainer = train(run, 20, "--checkpoint.every=0")
+        assert trainer.checkpoints.last_restore["path"] == newest.entry.path
+        assert losses == straight_run[0][10:]
+        assert_same_params(params, straight_run[1])
+
+
+def test_next_commit_cleans_up_after_a_killed_one(run, shm, tmp_path):
+    root = run / "checkpoints"
+    segment, data = shm
+    killed = run_writer(resave_job(root / step_name(10), "0badc0de", segment.name, 1), data, "written",
+                        tmp_path / "paused")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    again = run_writer(resave_job(root / step_name(10), "600dc0de", segment.name, 1), data, None, tmp_path / "x")
+    result = json.loads(again.stdout.readline())
+    again.stdin.close()
+    assert again.wait(30) == 0
+    assert result["kind"] == "ok", result
+    assert sorted(result["info"]["removed"]) == sorted([step_name(5), step_name(10), f"{step_name(10)}.tmp-0badc0de"])
+    assert sorted(p.name for p in root.iterdir()) == ["latest", step_name(10, 1)]
+    assert (root / "latest").read_text() == step_name(10, 1)
+
+
+def test_keep_1_beside_stale_and_corrupt_newer_checkpoints(run, straight_run):
+    """Step 10 of an abandoned timeline (valid), a copy named step 50 (its manifest says 10) and a
+    partial step 40 sit above the run that resumes step 5 on purpose and saves step 8 with keep=1.
+    The new commit is kept and is the next resume point; the invalid ones are moved aside."""
+    root = run / "checkpoints"
+    shutil.copytree(root / step_name(10), root / step_name(50))
+    shutil.copytree(root / step_name(10), root / step_name(40))
+    (root / step_name(40) / "manifest.json").unlink()
+    train(run, 8, "--checkpoint.every=4", "--checkpoint.keep=1", f"--checkpoint.resume={root / step_name(5)}")
+    names = sorted(p.name for p in root.iterdir())
+    assert [n for n in names if not n.startswith(("latest", f"{step_name(40)}.invalid", f"{step_name(50)}.invalid"))] \
+        == [step_name(8)], names
+    assert len(names) == 4, names  # latest, step 8, two quarantined
+    log = (run / "rank00000.log").read_text()
+    assert "invalid checkpoint moved aside" in log and "the directory name says step 50" in log
+    losses, params, trainer = train(run, 20, "--checkpoint.every=0")
+    assert trainer.checkpoints.last_restore["step"] == 8
+    assert losses == straight_run[0][8:]
+    assert_same_params(params, straight_run[1])
+
+
+def test_commit_syncs_files_and_directories_around_the_rename(tmp_path, monkeypatch):
+    """Spy on the system calls of an inline save: every file and both directories reach the disk,
+    the root after the rename."""
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst, **kwargs):
+        calls.append(("rename", os.fspath(dst)))
+        return real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    train(tmp_path, 1, "--checkpoint.every=1", "--checkpoint.async_save=false")
+    root = str(tmp_path / "checkpoints")
+    commit = calls.index(("rename", f"{root}/{step_name(1)}"))
+    before = [p.removeprefix(root + "/") for kind, p in calls[:commit] if kind == "fsync"]
+    tmp = next(p for p in before if "/" not in p)  # the directory step_000000001.tmp-<run id>
+    assert tmp.startswith(f"{step_name(1)}.tmp-")
+    assert {f"{tmp}/rank-00000.bin", f"{tmp}/manifest.json.part"} <= set(before)
+    assert before.index(tmp) > before.index(f"{tmp}/manifest.json.part")
+    assert ("fsync", root) in calls[commit:]
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(os, "fsync", fsync)
+    train(tmp_path / "scratch", 1, "--checkpoint.every=1", "--checkpoint.async_save=false", "--checkpoint.fsync=false")
+    assert calls == []
