@@ -12,7 +12,10 @@ of one small kernel, gloo bandwidth and latency between two processes), turned i
 
 Machine figures are measured right before and after each run (the machine is shared and noisy),
 and the GEMM rate also during it (between in-process steps; by a sampling thread beside
-`megascale train`); both errors are reported. Writes bench/results/plan_calibration.json.
+`megascale train`); both errors are reported. Then `megascale plan --calibrate` (plan/calibrate.py)
+fits the efficiency constants to the `megascale train` runs' timer databases and reports the fit
+error per term (compute, collectives, pipeline, optimizer, host, step), before and after the fit.
+Writes bench/results/plan_calibration.json.
 
     OMP_NUM_THREADS=1 python bench/plan_calibration.py [--steps 4] [--layouts 1x1x1,2x1x1]
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -44,6 +48,7 @@ from megascale.model.attention import causal_attention
 from megascale.model.flops import mean_attention_span
 from megascale.optim import build_optimizer, clip_grad_norm_
 from megascale.plan import efficiency as eff
+from megascale.plan.calibrate import calibrate, format_calibration
 from megascale.plan.cluster import ClusterSpec, GPUSpec, NetworkSpec, NodeSpec
 from megascale.plan.cost import estimate
 from megascale.plan.layout import Features, Layout, Workload
@@ -214,26 +219,25 @@ def measure_in_process(cfg: JobConfig, steps: int) -> list[tuple[float, float]]:
     return out[1:]  # the first step pays for allocations
 
 
-def measure_train(config: str, layout: Layout, steps: int) -> tuple[float | None, str]:
-    """Median step time of `megascale train` with this layout, or None and why."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        cmd = [sys.executable, "-m", "megascale.cli", "train", "--config", config,
-               f"--train.steps={steps + 1}", "--train.eval_every=0", "--checkpoint.every=0",
-               "--train.tensorboard=false", f"--train.run_dir={run_dir}", *layout.overrides()]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env,
-                                  cwd=ROOT)
-        except subprocess.TimeoutExpired:
-            return None, "timed out after 900 s"
-        metrics = Path(run_dir) / "metrics.jsonl"
-        if proc.returncode != 0 or not metrics.exists():
-            lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()]
-            errors = [ln for ln in lines if "Error" in ln or "error" in ln] or lines or ["-"]
-            return None, f"exit {proc.returncode}: {errors[-1][:300]}"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        times = [r["step_time"] for r in rows[1:]]  # drop the warm-up step
-        return (statistics.median(times), "ok") if times else (None, "no steps recorded")
+def measure_train(config: str, layout: Layout, steps: int, run_dir: Path) -> tuple[float | None, str]:
+    """Median step time of `megascale train` with this layout (run kept in `run_dir` for the
+    calibration), or None and why."""
+    cmd = [sys.executable, "-m", "megascale.cli", "train", "--config", config,
+           f"--train.steps={steps + 1}", "--train.eval_every=0", "--checkpoint.every=0",
+           "--train.tensorboard=false", f"--train.run_dir={run_dir}", *layout.overrides()]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return None, "timed out after 900 s"
+    metrics = run_dir / "metrics.jsonl"
+    if proc.returncode != 0 or not metrics.exists():
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln] or lines or ["-"]
+        return None, f"exit {proc.returncode}: {errors[-1][:300]}"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = [r["step_time"] for r in rows[1:]]  # drop the warm-up step
+    return (statistics.median(times), "ok") if times else (None, "no steps recorded")
 
 
 def parse_layout(text: str, micro_batch: int) -> Layout:
@@ -258,6 +262,9 @@ def main() -> int:
 
     runs = [("GPT in-process", "1x1x1")] + [("megascale train", t) for t in args.layouts.split(",")]
     rows = []
+    scratch = Path(tempfile.mkdtemp(prefix="plan-calibration-"))
+    run_dirs: list[str] = []
+    first_cluster: ClusterSpec | None = None
     for kind, text in runs:
         layout = parse_layout(text, mb)
         before = measure_machine(cfg)  # machine figures on both sides of the run: it is shared
@@ -266,13 +273,17 @@ def main() -> int:
             per_step = measure_in_process(cfg, args.steps)
             measured, why = statistics.median(t for t, _ in per_step), "ok"
         else:
+            run_dir = scratch / text
             with GemmSampler() as sampler:
-                measured, why = measure_train(args.config, layout, args.steps)
+                measured, why = measure_train(args.config, layout, args.steps, run_dir)
             if measured is not None and sampler.rates:  # one step's worth of GEMM share
                 per_step = [(measured, statistics.median(sampler.rates))]
+            if measured is not None:
+                run_dirs.append(str(run_dir))
         after = measure_machine(cfg)
         figures = {k: (before[k] + after[k]) / 2 for k in before}
         cluster = cpu_cluster(**figures, gloo_bw=gloo[0], gloo_lat=gloo[1], cfg=cfg)
+        first_cluster = first_cluster or cluster
         pred = estimate(work, layout, cluster, Features.from_job(cfg))
         err = None if measured is None else (pred.step_time - measured) / measured
         # the same prediction with the GEMM rate probed during the run (per step in-process,
@@ -292,10 +303,17 @@ def main() -> int:
         print(f"{kind} {text:<8} predicted {pred.step_time:.3f} s  measured {shown}{extra}  "
               f"(GEMM {before['gemm'] / 1e9:.1f}->{after['gemm'] / 1e9:.1f} GFLOP/s) {note}")
 
+    fit = None
+    if run_dirs and first_cluster is not None:  # one set of constants for all trainer runs
+        fitted = calibrate(run_dirs, first_cluster)
+        print(format_calibration(fitted))
+        fit = fitted.as_dict()
+    shutil.rmtree(scratch, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "config": args.config, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "torch": torch.__version__, "load_average": os.getloadavg(), "rows": rows}, indent=2))
+        "torch": torch.__version__, "load_average": os.getloadavg(), "rows": rows,
+        "calibration": fit}, indent=2))
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     probed = [abs(statistics.median(r["error_with_in_run_probe"])) for r in rows
               if r["error_with_in_run_probe"]]

@@ -14,6 +14,7 @@ from typing import Any
 
 from megascale.config.schema import ConfigError
 from megascale.diagnostics.mfu import PEAK_FLOPS
+from megascale.plan.stragglers import SlowHosts
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,8 +67,10 @@ class NetworkSpec:
     oversubscription: tuple[float, float] = (1.0, 1.0)  # (ToR, aggregation) downlink:uplink
     efficiency: float = 0.85  # achievable fraction of line rate for a collective (RoCE/IB)
     hop_latency_s: float = 8e-6  # per ring step across the network (NIC + switches + software)
-    uplinks_per_tor: int = 32
+    uplinks_per_tor: int = 32  # per ToR switch (per rail switch when multi-rail)
     split_downlinks: bool = True  # a 400G port split into 2x200G downlinks (MegaScale)
+    rails: int = 1  # NIC k of every node goes to ToR switch k of its rail group (multi-rail)
+    flows_per_connection: int = 2  # independently hashed flows per ring hop (NCCL channels x QPs)
 
     @property
     def nodes_per_pod(self) -> int:
@@ -81,6 +84,7 @@ class ClusterSpec:
     node: NodeSpec
     network: NetworkSpec
     notes: str = ""
+    slow_hosts: SlowHosts = SlowHosts()  # the fleet's persistently slow hosts (stragglers.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -104,29 +108,37 @@ def list_presets() -> list[str]:
 
 def load_cluster(name_or_path: str) -> ClusterSpec:
     """A preset name (`a100-8x200g`) or a TOML path; errors name the key that is wrong."""
+    path = find_preset(name_or_path, PRESET_DIR, "cluster")
+    return cluster_from_dict(read_preset(path, PRESET_DIR), default_name=path.stem)
+
+
+def find_preset(name_or_path: str, preset_dir: Path, kind: str) -> Path:
+    """A TOML file, else `<preset_dir>/<name>.toml`; the error lists the presets."""
     path = Path(name_or_path)
     if not path.is_file():
-        path = PRESET_DIR / f"{name_or_path}.toml"
+        path = preset_dir / f"{name_or_path}.toml"
     if not path.is_file():
-        raise ConfigError(
-            f"cluster {name_or_path!r} is neither a file nor a preset; presets: {list_presets()}"
-        )
-    return cluster_from_dict(_read_with_base(path), default_name=path.stem)
+        presets = sorted(p.stem for p in preset_dir.glob("*.toml"))
+        raise ConfigError(f"{kind} {name_or_path!r} is neither a file nor a preset; "
+                          f"presets: {presets}")
+    return path
 
 
-def _read_with_base(path: Path, depth: int = 0) -> dict[str, Any]:
-    """TOML with `extends = "<preset>"`: the variant overrides only the keys it names."""
+def read_preset(path: Path, preset_dir: Path, depth: int = 0) -> dict[str, Any]:
+    """TOML with `extends = "<preset in preset_dir>"`: the variant overrides only the keys it
+    names (tables merge key by key). Used for cluster and system presets alike."""
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from exc
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     base_name = raw.pop("extends", None)
     if base_name is None:
         return raw
-    base_path = PRESET_DIR / f"{base_name}.toml"
+    base_path = preset_dir / f"{base_name}.toml"
     if depth > 4 or not base_path.is_file():
-        raise ConfigError(f"{path}: extends={base_name!r} is not a preset (or extends too deep)")
-    merged = _read_with_base(base_path, depth + 1)
+        raise ConfigError(f"{path}: extends={base_name!r} is not a preset in {preset_dir} "
+                          "(or extends too deep)")
+    merged = read_preset(base_path, preset_dir, depth + 1)
     merged.pop("notes", None)
     for key, value in raw.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -173,9 +185,21 @@ def cluster_from_dict(raw: dict[str, Any], default_name: str = "cluster") -> Clu
         hop_latency_s=float(net_raw.get("hop_latency_us", 8.0)) * 1e-6,
         uplinks_per_tor=int(net_raw.get("uplinks_per_tor", 32)),
         split_downlinks=bool(net_raw.get("split_downlinks", True)),
+        rails=int(net_raw.get("rails", 1)),
+        flows_per_connection=int(net_raw.get("flows_per_connection", 2)),
     )
+    if network.rails not in (1, node.gpus):
+        raise ConfigError(f"network.rails must be 1 or node.gpus={node.gpus}, got {network.rails}")
+    if network.flows_per_connection < 1:
+        raise ConfigError("network.flows_per_connection must be >= 1")
+    fleet = raw.get("fleet", {})
+    slow = SlowHosts(fraction=float(fleet.get("slow_host_fraction", 0.0)),
+                     slowdown=float(fleet.get("slow_host_slowdown", 0.0)))
+    if not (0 <= slow.fraction <= 1 and slow.slowdown >= 0):
+        raise ConfigError("fleet.slow_host_fraction must be in [0, 1] and "
+                          "fleet.slow_host_slowdown >= 0")
     return ClusterSpec(name=str(raw.get("name", default_name)), gpu=gpu, node=node,
-                       network=network, notes=str(raw.get("notes", "")))
+                       network=network, notes=str(raw.get("notes", "")), slow_hosts=slow)
 
 
 def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:

@@ -87,12 +87,13 @@ def group_link(cluster: ClusterSpec, size: int, stride: int,
     return Link(bandwidth, net.hop_latency_s, scope)
 
 
-def p2p_link(cluster: ClusterSpec, stride: int) -> Link:
-    """Link between a rank and the rank `stride` away (pipeline neighbours)."""
+def p2p_link(cluster: ClusterSpec, stride: int, network_slowdown: float = 1.0) -> Link:
+    """Link between a rank and the rank `stride` away (pipeline neighbours); `network_slowdown`
+    folds in ECMP collisions of the hops that leave a ToR (congestion.pp_traffic)."""
     if stride < cluster.gpus_per_node:
         return Link(cluster.node.nvlink_bytes_per_s, cluster.node.nvlink_latency_s, "node")
     per_gpu = cluster.node.network_bytes_per_gpu * cluster.network.efficiency
-    return Link(per_gpu, cluster.network.hop_latency_s, "tor")
+    return Link(per_gpu / network_slowdown, cluster.network.hop_latency_s, "tor")
 
 
 def all_gather_time(n: int, nbytes: float, link: Link) -> float:

@@ -1,12 +1,15 @@
 """Time of one training step of a decoder-only model under a layout, term by term.
 
 One micro-batch through one pipeline stage (all its v chunks) costs forward + backward compute,
-recomputation, and the tensor-parallel communication the chunked-GEMM overlap does not hide.
-The interleaved 1F1B schedule runs m such micro-batches plus a bubble of (p-1)/v of one, i.e.
-a bubble of (p-1)/(v*m) of the compute (Narayanan et al. 2021). On top come the exposed pipeline
-sends, the exposed data-parallel all-gather/reduce-scatter (ZeRO), the optimizer step and the
-global gradient-norm all-reduce. Every overlap can be switched off (`Features`) and is modelled
-so that switching it on never makes the step slower. Derivations: docs/planning.md.
+recomputation, the tensor-parallel communication the chunked-GEMM overlap does not hide, the
+gaps between kernel launches and a fixed cost per model-chunk run. The interleaved 1F1B schedule
+runs m such micro-batches plus a bubble of (p-1)/v of one, i.e. a bubble of (p-1)/(v*m) of the
+busy time (Narayanan et al. 2021). On top come the exposed pipeline sends, the exposed
+data-parallel all-gather/reduce-scatter (ZeRO), the compute lost to communication it overlaps,
+the wait for the slowest of N ranks, the optimizer step, the global gradient-norm all-reduce and
+the host's per-step work. Every overlap can be switched off (`Features`) and is modelled so that
+switching it on never makes the step slower; every second-order effect (`Effects`) is its own
+term. Derivations: docs/planning.md.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megascale.model.flops import flops_per_token, mean_attention_span
-from megascale.plan import comm
+from megascale.model.flops import mean_attention_span
+from megascale.plan import comm, congestion
 from megascale.plan import efficiency as eff
 from megascale.plan.cluster import ClusterSpec
+from megascale.plan.flops import CONVENTIONS, training_flops_per_token
 from megascale.plan.layout import Features, Layout, Workload
 from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split
+
+TERMS = ("compute", "recompute", "tp_exposed", "launch_gaps", "interleave", "bubble",
+         "pp_exposed", "dp_exposed", "contention", "stragglers", "optimizer", "other", "host")
 
 
 @dataclass(frozen=True)
@@ -31,11 +38,13 @@ class MicroBatchTimes:
     recompute: float
     tp_total: float  # TP collectives issued, if nothing overlapped
     tp_exposed: float
+    launch: float  # idle gaps between the stage's kernels
+    chunk: float  # fixed cost of running each of the v chunks forward and backward
     detail: dict[str, float] = field(default_factory=dict)
 
     @property
     def busy(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.tp_exposed
+        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.launch + self.chunk
 
 
 @dataclass(frozen=True)
@@ -43,43 +52,41 @@ class StepEstimate:
     layout: Layout
     features: Features
     micro_batches: int
-    compute: float  # forward + backward + recompute, all micro-batches
-    recompute: float
-    tp_exposed: float
-    bubble: float
-    pp_exposed: float
-    dp_exposed: float
-    optimizer: float
-    other: float  # global gradient-norm all-reduce
+    terms: dict[str, float]  # seconds per step, keys TERMS; "compute" includes "recompute"
     tokens_per_step: int
-    model_flops_per_step: float
+    flops_per_step: dict[str, float]  # model FLOPs per step in each convention (flops.py)
     peak_flops_total: float
     memory: MemoryEstimate
     totals: dict[str, float]  # communication issued (exposed or hidden), per step
     detail: dict[str, float]
+    inputs: dict[str, str] = field(default_factory=dict)  # what each effect was computed from
 
     @property
     def step_time(self) -> float:
-        return (self.compute + self.tp_exposed + self.bubble + self.pp_exposed + self.dp_exposed
-                + self.optimizer + self.other)
+        return sum(v for k, v in self.terms.items() if k != "recompute")
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_time
 
     @property
+    def model_flops_per_step(self) -> float:
+        return self.flops_per_step["causal"]
+
+    @property
     def mfu(self) -> float:
-        return self.model_flops_per_step / self.step_time / self.peak_flops_total
+        return self.mfu_in("causal")
+
+    def mfu_in(self, convention: str) -> float:
+        return self.flops_per_step[convention] / self.step_time / self.peak_flops_total
 
     @property
     def fits(self) -> bool:
         return self.memory.fits
 
     def breakdown(self) -> dict[str, float]:
-        return {"compute": self.compute - self.recompute, "recompute": self.recompute,
-                "tp_exposed": self.tp_exposed, "bubble": self.bubble,
-                "pp_exposed": self.pp_exposed, "dp_exposed": self.dp_exposed,
-                "optimizer": self.optimizer, "other": self.other}
+        """Step terms with recomputation apart from the useful compute."""
+        return {**self.terms, "compute": self.terms["compute"] - self.terms["recompute"]}
 
 
 def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
@@ -103,13 +110,21 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
 
     gemm_fwd = sum(gemm(col) + gemm(row) for col, row in pairs)
     span = mean_attention_span(m.seq_len, m.window)
-    attn_fwd_flops = 2 * 2 * span * h * tokens / t
-    attn_fwd, attn_bwd = eff.attention_time(gpu, dt, attn_fwd_flops, span, m.head_dim)
-    elem_bytes = tokens * eff.elementwise_bytes_per_token(h, f, m.block, ab) / t
+    if features.attention == "unfused":
+        attn_fwd, attn_bwd = eff.unfused_attention_time(gpu, dt, layout.micro_batch, m.seq_len,
+                                                        m.heads / t, m.head_dim, ab)
+    else:
+        attn_fwd, attn_bwd = eff.attention_time(gpu, dt, 2 * 2 * span * h * tokens / t, span,
+                                                m.head_dim)
+        if features.attention == "flash1":
+            attn_fwd, attn_bwd = (x / eff.FLASH1_RELATIVE_SPEED for x in (attn_fwd, attn_bwd))
+    unfused = 1 if features.fused_elementwise else eff.UNFUSED_ELEMENTWISE_FACTOR
+    elem_bytes = unfused * tokens * eff.elementwise_bytes_per_token(h, f, m.block, ab) / t
     elem_fwd = eff.memory_time(gpu, elem_bytes)
-    launch = eff.KERNELS_PER_LAYER_FWD * gpu.kernel_overhead_s
-    layer_fwd = gemm_fwd + attn_fwd + elem_fwd + launch
-    layer_bwd = 2 * gemm_fwd + attn_bwd + eff.ELEMENTWISE_BWD_RATIO * (elem_fwd + launch)
+    kernels = unfused * eff.KERNELS_PER_LAYER_FWD
+    overhead = kernels * gpu.kernel_overhead_s
+    layer_fwd = gemm_fwd + attn_fwd + elem_fwd + overhead
+    layer_bwd = 2 * gemm_fwd + attn_bwd + eff.ELEMENTWISE_BWD_RATIO * (elem_fwd + overhead)
 
     # TP + sequence parallelism: per pair, an all-gather of the (b, s, h) input and a
     # reduce-scatter of the output; backward re-gathers the input for the weight gradient.
@@ -135,22 +150,29 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
     head_bwd = 2 * gemm(head_shape) + ce_time
     head_tp = 2 * coll  # gather before the head, reduce-scatter of its input gradient
 
+    passes = 1 + eff.ELEMENTWISE_BWD_RATIO
     if layout.recompute == "full":
         recompute = layers * (layer_fwd + tp_fwd_exposed)
+        passes += 1
     elif layout.recompute == "selective":
         norms = 1 if m.block == "parallel" else 2
         recompute = layers * eff.memory_time(gpu, tokens * (norms * 2 * h + 2 * f) * ab / t)
     else:
         recompute = 0.0
+    impl, effects = features.impl, features.effects
+    gap = impl.launch_gap_us * 1e-6 if effects.launch_gaps else 0.0
+    chunk = impl.chunk_overhead_us * 1e-6 if effects.interleave else 0.0
     return MicroBatchTimes(
         fwd=layers * layer_fwd + head_fwd,
         bwd=layers * layer_bwd + head_bwd,
         recompute=recompute,
         tp_total=layers * tp_layer_total + head_tp,
         tp_exposed=layers * (tp_fwd_exposed + tp_bwd_exposed) + head_tp,
+        launch=layers * kernels * passes * gap,
+        chunk=2 * layout.v * chunk,
         detail={"layer_fwd": layer_fwd, "layer_bwd": layer_bwd, "gemm_fwd": gemm_fwd,
                 "attention_fwd": attn_fwd, "elementwise_fwd": elem_fwd, "tp_collective": coll,
-                "head_fwd": head_fwd, "layers_per_stage": layers},
+                "head_fwd": head_fwd, "layers_per_stage": layers, "kernels_per_layer": kernels},
     )
 
 
@@ -159,24 +181,27 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec,
     """Predict one optimizer step of `work` under `layout` on `cluster`."""
     features = features or Features()
     layout.check(work, cluster.gpus_per_node if layout.world > 1 else None)
-    m = work.model
+    m, impl, effects = work.model, features.impl, features.effects
     micro = layout.micro_batches(work.global_batch)
     mb = micro_batch_times(work, layout, cluster, features)
     p, v = layout.pp, layout.v
-    bubble = (p - 1) / v * mb.busy
+    inputs: dict[str, str] = {}
 
     # Pipeline: each micro-batch crosses 2v stage boundaries per stage (forward and backward).
     pp_total = pp_exposed = 0.0
     if p > 1:
-        link = comm.p2p_link(cluster, layout.tp * layout.dp)
+        traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp, p)
+        slowdown = traffic.slowdown if effects.collisions else 1.0
+        link = comm.p2p_link(cluster, layout.tp * layout.dp, slowdown)
         hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes
                             / layout.tp, link)
         pp_total = (micro + (p - 1) / v) * 2 * v * hop
         # decoupled sends: only the fill and drain hops are on the critical path
         pp_exposed = 2 * (p - 1) * hop if features.pp_overlap else pp_total
+        inputs["collisions_pp"] = _traffic_text(traffic, slowdown)
 
-    dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro)
-
+    dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro,
+                                                     inputs)
     split = param_split(work)
     psi = split.stage(m.layers, p) / layout.tp
     shard = psi / layout.dp if layout.zero >= 1 else psi
@@ -187,23 +212,49 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec,
     if world > 1:  # global grad norm (and LAMB's norms batched with it)
         other = 2 * math.ceil(math.log2(world)) * cluster.network.hop_latency_s
 
-    peak = cluster.gpu.peak(work.dtype)
+    terms = {"compute": micro * (mb.fwd + mb.bwd + mb.recompute), "recompute": micro * mb.recompute,
+             "tp_exposed": micro * mb.tp_exposed, "launch_gaps": micro * mb.launch,
+             "interleave": micro * mb.chunk, "bubble": (p - 1) / v * mb.busy,
+             "pp_exposed": pp_exposed, "dp_exposed": dp_exposed}
+    hidden = micro * (mb.tp_total - mb.tp_exposed) + (pp_total - pp_exposed) + (dp_total - dp_exposed)
+    terms["contention"] = impl.overlap_contention * hidden if effects.contention else 0.0
+    busy = (terms["compute"] + terms["tp_exposed"] + terms["launch_gaps"] + terms["interleave"]
+            + terms["contention"])
+    hosts = max(1, world // cluster.gpus_per_node)
+    slow = cluster.slow_hosts
+    slowest = impl.jitter.expected_max(world, hosts, slow) if effects.stragglers else 1.0
+    terms["stragglers"] = (slowest - 1.0) * busy
+    inputs["stragglers"] = (f"{impl.jitter.describe()}; slow hosts {slow.fraction:.2%} at "
+                            f"+{slow.slowdown:.0%}; E[max of {world} ranks on {hosts} hosts] = "
+                            f"{slowest:.4f}")
+    inputs["contention"] = (f"{impl.overlap_contention:.3f} x {hidden:.4f} s of hidden "
+                            "communication")
+    terms |= {"optimizer": optimizer, "other": other,
+              "host": impl.host_overhead_s if effects.host else 0.0}
+
+    tokens = work.tokens_per_step
     return StepEstimate(
-        layout=layout, features=features, micro_batches=micro,
-        compute=micro * (mb.fwd + mb.bwd + mb.recompute), recompute=micro * mb.recompute,
-        tp_exposed=micro * mb.tp_exposed, bubble=bubble, pp_exposed=pp_exposed,
-        dp_exposed=dp_exposed, optimizer=optimizer, other=other,
-        tokens_per_step=work.tokens_per_step,
-        model_flops_per_step=work.tokens_per_step * flops_per_token(m).training,
-        peak_flops_total=peak * world,
-        memory=memory_per_gpu(work, layout, cluster.gpu),
+        layout=layout, features=features, micro_batches=micro, terms=terms,
+        tokens_per_step=tokens,
+        flops_per_step={c: tokens * training_flops_per_token(m, c, layout.recompute)
+                        for c in CONVENTIONS},
+        peak_flops_total=cluster.gpu.peak(work.dtype) * world,
+        memory=memory_per_gpu(work, layout, cluster.gpu, features.attention),
         totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total},
-        detail={**mb.detail, **dp_detail, "fwd_mb": mb.fwd, "bwd_mb": mb.bwd},
+        detail={**mb.detail, **dp_detail, "fwd_mb": mb.fwd, "bwd_mb": mb.bwd,
+                "busy_mb": mb.busy, "straggler_factor": slowest},
+        inputs=inputs,
     )
 
 
+def _traffic_text(traffic: congestion.Traffic, slowdown: float) -> str:
+    return (f"{traffic.flows_per_switch} flows out of each of {traffic.switches} ToR switches, "
+            f"{traffic.uplinks} uplinks of {traffic.capacity} flows: slowdown {slowdown:.3f}x")
+
+
 def _data_parallel(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features,
-                   mb: MicroBatchTimes, micro: int) -> tuple[float, float, dict[str, float]]:
+                   mb: MicroBatchTimes, micro: int,
+                   inputs: dict[str, str]) -> tuple[float, float, dict[str, float]]:
     """(issued, exposed, detail) seconds of ZeRO data-parallel communication per step.
 
     Units are transformer layers (FSDP wraps each block), plus the embedding/head unit.
@@ -217,24 +268,30 @@ def _data_parallel(work: Workload, layout: Layout, cluster: ClusterSpec, feature
         return 0.0, 0.0, {}
     split = param_split(work)
     t, v = layout.tp, layout.v
-    link = comm.group_link(cluster, n, t, features.network_slowdown)
-    nbytes = work.act_bytes  # bf16 parameters and gradients on the wire (fp32 on CPU)
+    traffic = congestion.dp_traffic(cluster, n, t, layout.pp)
+    slowdown = features.network_slowdown or (
+        traffic.slowdown if features.effects.collisions else 1.0)
+    inputs["collisions_dp"] = _traffic_text(traffic, slowdown)
+    link = comm.group_link(cluster, n, t, slowdown)
+    nbytes = work.act_bytes  # bf16 parameters on the wire (fp32 on CPU)
+    grad_bytes = features.impl.grad_wire_bytes or nbytes
     layers = work.model.layers // layout.pp
-    unit = split.layer / t * nbytes
-    ends = (split.embedding + split.head if layout.pp == 1
-            else max(split.embedding, split.head)) / t * nbytes
+    unit, grad_unit = split.layer / t * nbytes, split.layer / t * grad_bytes
+    ends_params = (split.embedding + split.head if layout.pp == 1
+                   else max(split.embedding, split.head)) / t
+    ends, grad_ends = ends_params * nbytes, ends_params * grad_bytes
     detail = {"dp_link_gbps": link.bytes_per_s / 1e9, "dp_scope_" + link.scope: 1.0}
 
     if layout.zero == 0:
-        ar_unit = comm.all_reduce_time(n, unit, link)
-        total = layers * ar_unit + comm.all_reduce_time(n, ends, link)
+        ar_unit = comm.all_reduce_time(n, grad_unit, link)
+        total = layers * ar_unit + comm.all_reduce_time(n, grad_ends, link)
         exposed = (ar_unit + max(0.0, total / v - mb.bwd / v)) if features.dp_overlap else total
         return total, min(total, exposed), {**detail, "dp_allreduce_layer": ar_unit}
 
     ag_unit = comm.all_gather_time(n, unit, link)
-    rs_unit = comm.reduce_scatter_time(n, unit, link)
+    rs_unit = comm.reduce_scatter_time(n, grad_unit, link)
     ag = layers * ag_unit + comm.all_gather_time(n, ends, link)
-    rs = layers * rs_unit + comm.reduce_scatter_time(n, ends, link)
+    rs = layers * rs_unit + comm.reduce_scatter_time(n, grad_ends, link)
     detail |= {"dp_allgather_layer": ag_unit, "dp_reducescatter_layer": rs_unit}
     if layout.zero == 3:  # parameters re-gathered in forward and backward of every micro-batch
         total = micro * (2 * ag + rs)

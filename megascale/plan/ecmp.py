@@ -1,8 +1,10 @@
-"""Flow-level model of ECMP hash collisions of data-parallel ring traffic on a three-tier Clos.
+"""Flow-level Monte Carlo of ECMP hash collisions on a three-tier Clos, for a concrete placement.
 
-Every GPU of a dp ring sends one flow to its ring successor, all rings at once (a ZeRO
-reduce-scatter/all-gather step). A flow between GPUs of one node uses NVLink; between nodes it
-leaves through the GPU's NIC to its ToR. Under one ToR it goes straight down to the peer; else
+Data-parallel traffic: every GPU of a dp ring sends one flow to its ring successor, all rings at
+once (a ZeRO reduce-scatter/all-gather step); pipeline traffic: every GPU of stage i sends to
+its peer in stage i+1. A flow between GPUs of one node uses NVLink; between nodes it leaves
+through the GPU's NIC to its ToR (to rail switch k for NIC k when the fabric is multi-rail).
+Under one ToR it goes straight down to the peer; else
 the ToR hashes it onto one of its uplinks (to aggregation switch u of its pod), and between pods
 the aggregation switch hashes it again onto a core uplink; the way down is fixed by the switch
 the flow reached (a fat tree's planes). ECMP hashes the 5-tuple, which we model as uniform and
@@ -28,6 +30,7 @@ from megascale.plan.placement import Placement, mesh_groups
 class Fabric:
     uplinks: int  # ToR -> aggregation links per ToR (= aggregation -> core per agg switch)
     capacity: float  # capacity of one uplink/downlink in NIC line rates
+    rails: int = 1  # ToR switches per rail group; NIC k of a node goes to switch k
 
     @classmethod
     def of(cls, cluster: ClusterSpec, split: bool | None = None) -> Fabric:
@@ -35,8 +38,8 @@ class Fabric:
         net = cluster.network
         split = net.split_downlinks if split is None else split
         if split:
-            return cls(uplinks=net.uplinks_per_tor, capacity=2.0)
-        return cls(uplinks=2 * net.uplinks_per_tor, capacity=1.0)
+            return cls(uplinks=net.uplinks_per_tor, capacity=2.0, rails=net.rails)
+        return cls(uplinks=2 * net.uplinks_per_tor, capacity=1.0, rails=net.rails)
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,21 @@ def dp_flows(placement: Placement) -> list[tuple[int, int]]:
     return flows
 
 
-def simulate(placement: Placement, fabric: Fabric, trials: int = 20, seed: int = 0) -> EcmpResult:
+def pp_flows(placement: Placement) -> list[tuple[int, int]]:
+    """(source rank, destination rank) of the forward sends of every pipeline boundary."""
+    return [(g[i], g[i + 1]) for g in mesh_groups(placement.layout)["pp"] for i in range(len(g) - 1)]
+
+
+def simulate(placement: Placement, fabric: Fabric, trials: int = 20, seed: int = 0,
+             kind: str = "dp") -> EcmpResult:
     flows = []
-    for src, dst in dp_flows(placement):
+    gpn = placement.gpus_per_node
+    for src, dst in (dp_flows(placement) if kind == "dp" else pp_flows(placement)):
         a, b = placement.host_of(src), placement.host_of(dst)
         if a.name != b.name:
-            flows.append((src, dst, a, b))
-    cross = [f for f in flows if f[2].tor != f[3].tor]
+            rail = placement.local_gpu(src) * fabric.rails // gpn
+            flows.append((src, dst, (a.tor, rail), (b.tor, rail), a, b))
+    cross = [f for f in flows if f[4].tor != f[5].tor]
     if not cross:
         return EcmpResult(1.0, 1.0, 0.0, 0, len(flows))
     rng = random.Random(seed)
@@ -71,15 +82,15 @@ def simulate(placement: Placement, fabric: Fabric, trials: int = 20, seed: int =
     for _ in range(trials):
         paths = []
         load: Counter = Counter()
-        for _src, _dst, a, b in cross:
+        for _src, _dst, switch_a, switch_b, a, b in cross:
             up = rng.randrange(fabric.uplinks)
-            links = [("tor_up", a.tor, up)]
+            links = [("tor_up", switch_a, up)]
             if a.pod == b.pod:
-                links.append(("tor_down", b.tor, up))
+                links.append(("tor_down", switch_b, up))
             else:
                 core = rng.randrange(fabric.uplinks)
-                links += [("agg_up", a.pod, up, core), ("agg_down", b.pod, up, core),
-                          ("tor_down", b.tor, up)]
+                links += [("agg_up", a.pod, switch_a[1], up, core),
+                          ("agg_down", b.pod, switch_b[1], up, core), ("tor_down", switch_b, up)]
             paths.append(links)
             load.update(links)
         rates = [min(1.0, min(fabric.capacity / load[link] for link in links)) for links in paths]

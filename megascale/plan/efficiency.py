@@ -24,6 +24,15 @@ ATTN_HALF_SPAN = 192.0
 ATTN_HALF_HEAD_DIM = 16.0
 # FlashAttention's convention: backward costs 2.5x the forward FLOPs (it recomputes QK^T).
 ATTN_BWD_FLOPS_RATIO = 2.5
+# FlashAttention-1 runs at about half of FlashAttention-2's speed (Dao 2023, "FlashAttention-2":
+# "around 2x faster than FlashAttention" on A100, forward + backward).
+FLASH1_RELATIVE_SPEED = 0.5
+# Attention with materialised scores (Megatron's fused scale-mask-softmax path): the s x s score
+# matrix is written by QK^T, read and written by the softmax and read by PV in forward (4 passes
+# of 2 bytes), and about twice that in backward; both batched GEMMs run over the full s x s
+# (the causal half is masked, not skipped).
+UNFUSED_SCORE_PASSES_FWD = 4
+UNFUSED_SCORE_PASSES_BWD = 8
 
 # Element-wise traffic per token per layer, forward, in vectors of width `hidden` (h) and of the
 # MLP width (f), counting each read and write once, with biases fused into the GEMMs:
@@ -34,6 +43,10 @@ ELEMENTWISE_F = 2
 ELEMENTWISE_BWD_RATIO = 2.0  # backward reads the saved input and the incoming gradient
 # Kernels launched per layer (forward); backward launches about twice as many.
 KERNELS_PER_LAYER_FWD = 14
+# Unfused LayerNorm and GeLU (MegaScale 3.3: "composed of fine-grained kernels in previous
+# implementations"): assumed to be about two kernels each where the fused path has one, each
+# reading and writing the tensor, so twice the element-wise bytes and twice the kernels.
+UNFUSED_ELEMENTWISE_FACTOR = 2
 
 # Bytes the optimizer moves per parameter of its shard: read param/grad/m/v, write param/m/v
 # (7 x 4 bytes); mixed precision adds the fp32 master read/write and the bf16 copy write; LAMB
@@ -67,6 +80,18 @@ def attention_time(gpu: GPUSpec, dtype: str, fwd_flops: float, span: float,
     """(forward, backward) seconds of fused attention with `fwd_flops` forward FLOPs."""
     rate = gpu.peak(dtype) * attention_efficiency(gpu, span, head_dim)
     return fwd_flops / rate, ATTN_BWD_FLOPS_RATIO * fwd_flops / rate
+
+
+def unfused_attention_time(gpu: GPUSpec, dtype: str, sequences: float, seq: int, heads: float,
+                           head_dim: int, elem_bytes: int) -> tuple[float, float]:
+    """(forward, backward) seconds of attention that materialises the s x s scores per head."""
+    batch = sequences * heads  # independent (s x d) @ (d x s) and (s x s) @ (s x d) products
+    rate = gpu.peak(dtype) * gemm_efficiency(gpu, seq, seq, head_dim)
+    gemms = 2 * (2.0 * batch * seq * seq * head_dim) / rate  # QK^T and PV over the full square
+    scores = batch * seq * seq * elem_bytes
+    fwd = gemms + memory_time(gpu, UNFUSED_SCORE_PASSES_FWD * scores)
+    bwd = 2 * gemms + memory_time(gpu, UNFUSED_SCORE_PASSES_BWD * scores)
+    return fwd, bwd
 
 
 def elementwise_bytes_per_token(hidden: int, ffn: int, block: str, elem_bytes: int) -> float:

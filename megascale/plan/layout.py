@@ -1,10 +1,12 @@
-"""What the planner is asked about: a workload, a layout of it on GPUs, and the overlaps in use.
+"""What the planner is asked about: a workload, a layout of it on GPUs, and how the system runs it.
 
 A `Workload` is the part of a job that does not depend on the cluster (model shape, global
 batch, precision, optimizer). A `Layout` is one way to run it (dp, tp, pp, v, micro-batch, ZeRO
-stage, recomputation). `Features` switch each MegaScale overlap on or off so the cost model can
-answer "what does this overlap buy?". Layout validity reuses the job config's own checks, so the
-planner never proposes a layout `megascale train` would reject.
+stage, recomputation). `Features` say how the training system runs it: each MegaScale overlap on
+or off, which operator kernels, the system's measured or fitted `Implementation` constants, and
+which second-order `Effects` are modelled, so the cost model can answer "what does this buy?".
+Layout validity reuses the job config's own checks, so the planner never proposes a layout
+`megascale train` would reject.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from megascale.config.schema import (
     ParallelConfig,
     TrainConfig,
 )
+from megascale.plan.stragglers import Jitter
 
 Recompute = Literal["none", "selective", "full"]
+Attention = Literal["flash2", "flash1", "unfused"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,41 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Implementation:
+    """How fast a system's code runs around the kernels: constants measured or fitted per system
+    (configs/systems/*.toml; docs/planning.md says where each comes from). Zero = ideal."""
+
+    launch_gap_us: float = 0.0  # GPU idle between two dependent kernels (launch, stream waits)
+    chunk_overhead_us: float = 0.0  # per model-chunk run: wait for the receive, post the send
+    overlap_contention: float = 0.0  # compute slowed by this fraction of the comm it hides
+    host_overhead_s: float = 0.0  # per step on the critical path: data, logging, Python GC
+    jitter: Jitter = Jitter()  # per-rank busy-time factor (stragglers)
+    grad_wire_bytes: int = 0  # bytes per gradient element on the DP wire (0: activation dtype)
+
+
+@dataclass(frozen=True)
+class Effects:
+    """Which second-order effects the cost model includes; each is a named step term, so
+    turning one off shows its weight."""
+
+    stragglers: bool = True
+    collisions: bool = True  # ECMP collisions of every flow that leaves a ToR
+    interleave: bool = True  # per model-chunk overhead, paid 2v times per micro-batch
+    contention: bool = True  # overlapped communication slows the compute it hides behind
+    launch_gaps: bool = True
+    host: bool = True
+
+    NAMES = ("stragglers", "collisions", "interleave", "contention", "launch_gaps", "host")
+
+    @classmethod
+    def without(cls, names: list[str] | tuple[str, ...]) -> Effects:
+        unknown = sorted(set(names) - set(cls.NAMES))
+        if unknown:
+            raise ConfigError(f"unknown effect(s) {unknown}; effects: {list(cls.NAMES)}")
+        return cls(**{n: False for n in names})
+
+
+@dataclass(frozen=True)
 class Features:
     """Which MegaScale overlaps are on (section 3.2 of the paper); all on by default."""
 
@@ -108,7 +147,11 @@ class Features:
     pp_overlap: bool = True  # sends and receives decoupled from compute
     dp_overlap: bool = True  # ZeRO all-gather prefetch, reduce-scatter as chunks finish
     data_overlap: bool = True  # first all-gather hidden behind data loading
-    network_slowdown: float = 1.0  # ECMP collision slowdown of cross-ToR DP traffic (ecmp.py)
+    network_slowdown: float = 0.0  # DP slowdown from ecmp.simulate (0: the closed-form model)
+    attention: Attention = "flash2"  # FlashAttention-2, FlashAttention-1, or materialised scores
+    fused_elementwise: bool = True  # LayerNorm and GeLU each one kernel (else their pieces)
+    impl: Implementation = Implementation()
+    effects: Effects = Effects()
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Features:

@@ -97,7 +97,8 @@ class MemoryEstimate:
                 "reserved": self.reserved, "total": self.total, "capacity": self.capacity}
 
 
-def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec) -> MemoryEstimate:
+def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec,
+                   attention: str = "flash2") -> MemoryEstimate:
     m = work.model
     t, dp = layout.tp, layout.dp
     psi = stage_params_per_gpu(work, layout)
@@ -113,6 +114,8 @@ def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec) -> MemoryEstima
     tokens = layout.micro_batch * m.seq_len
     per_layer = tokens * activation_elements_per_token(work, layout.recompute) * ab / t
     per_layer += tokens * m.heads * 4 / t  # fused attention's fp32 log-sum-exp per head
+    if attention == "unfused" and layout.recompute == "none":  # the softmax output, s x s per head
+        per_layer += layout.micro_batch * m.heads / t * m.seq_len * m.seq_len * ab
     stage_layers = m.layers // layout.pp
     micro = layout.micro_batches(work.global_batch)
     activations = per_layer * stage_layers * in_flight_micro_batches(layout, micro)

@@ -13,6 +13,7 @@ from megascale.config.schema import ConfigError
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.cost import StepEstimate, estimate
 from megascale.plan.layout import Features, Layout, Workload
+from megascale.plan.system import SystemSpec, ablation_steps, switch_on
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -25,10 +26,18 @@ class SearchSpace:
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     max_virtual: int = MAX_VIRTUAL
     max_tp: int | None = None  # default: GPUs per node (tensor parallelism stays on NVLink)
+    tps: tuple[int, ...] | None = None  # only these degrees (None: every valid one)
+    pps: tuple[int, ...] | None = None
+    virtuals: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(values: list[int], only: tuple[int, ...] | None) -> list[int]:
+    return values if only is None else [x for x in values if x in only]
 
 
 def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
@@ -38,10 +47,10 @@ def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
     m = work.model
     max_tp = min(space.max_tp or cluster.gpus_per_node, gpus)
     out: list[Layout] = []
-    for tp in _divisors(max_tp):
+    for tp in _allowed(_divisors(max_tp), space.tps):
         if cluster.gpus_per_node % tp:
             continue
-        for pp in _divisors(m.layers):
+        for pp in _allowed(_divisors(m.layers), space.pps):
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
@@ -50,7 +59,7 @@ def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
                     continue
                 virtuals = [1] if pp == 1 else [v for v in _divisors(m.layers // pp)
                                                  if v <= space.max_virtual]
-                for v in virtuals:
+                for v in _allowed(virtuals, space.virtuals):
                     for zero in space.zero_stages:
                         layout = Layout(dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb,
                                         zero=zero if dp > 1 else 0)
@@ -62,10 +71,10 @@ def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
     return sorted(set(out), key=Layout.label)
 
 
-def cheapest_fitting(work: Workload, layout: Layout, cluster: ClusterSpec,
-                     features: Features) -> StepEstimate | None:
+def cheapest_fitting(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features,
+                     order: tuple[str, ...] = RECOMPUTE_ORDER) -> StepEstimate | None:
     """The layout with the least recomputation that fits in memory, or None."""
-    for recompute in RECOMPUTE_ORDER:
+    for recompute in order:
         est = estimate(work, replace(layout, recompute=recompute), cluster, features)
         if est.fits:
             return est
@@ -76,9 +85,10 @@ def search(work: Workload, gpus: int, cluster: ClusterSpec, features: Features |
            space: SearchSpace | None = None) -> list[StepEstimate]:
     """Fitting layouts, fastest first. Empty when nothing fits (more GPUs or a smaller model)."""
     features = features or Features()
+    space = space or SearchSpace()
     results = []
     for layout in candidate_layouts(work, gpus, cluster, space):
-        est = cheapest_fitting(work, layout, cluster, features)
+        est = cheapest_fitting(work, layout, cluster, features, space.recompute)
         if est is not None:
             results.append(est)
     results.sort(key=lambda e: (e.step_time, e.memory.total))
@@ -92,48 +102,38 @@ class AblationRow:
     alone: StepEstimate  # only this optimisation on, over the baseline
 
 
-def ablate(work: Workload, gpus: int, cluster: ClusterSpec, swa_window: int | None = None,
-           lamb_scale: int = 4, space: SearchSpace | None = None) -> list[AblationRow]:
-    """MFU with each MegaScale optimisation turned on in turn (the paper's ablation, one row per optimisation).
+def ablate(work: Workload, gpus: int, cluster: ClusterSpec, base: SystemSpec, target: SystemSpec,
+           lamb_scale: int = 4, layout: Layout | None = None,
+           space: SearchSpace | None = None) -> list[AblationRow]:
+    """MFU with each optimisation of `target` switched on over `base` in turn (MegaScale's
+    Table 3), on one fixed layout, so every difference comes from the optimisation.
 
-    The baseline is a serial block, full attention, no overlaps and AdamW at batch/lamb_scale
-    (the largest batch AdamW tolerates); LAMB's step multiplies the batch by `lamb_scale`. The
-    layout is the best one for the baseline batch with everything else on, held fixed, so every
-    difference comes from the optimisation, not from a different layout.
+    The baseline runs `base` with AdamW at batch / lamb_scale; the last row switches to LAMB
+    and multiplies the batch by `lamb_scale`. Without `layout` the layout is the best one for
+    `target` at the baseline batch.
     """
     if work.global_batch % lamb_scale:
         raise ConfigError(
             f"--batch={work.global_batch} must be a multiple of --lamb-scale={lamb_scale}")
-    window = swa_window or work.model.window or work.model.seq_len // 2
     small = replace(work, global_batch=work.global_batch // lamb_scale)
-    best = search(small.with_model(window=window), gpus, cluster, Features(), space)
-    if not best:
-        raise ConfigError(
-            f"no layout of {gpus} GPUs fits {cluster.name} at batch {small.global_batch}")
-    layout = best[0].layout
-    base_work = replace(small.with_model(block="serial", window=None), optimizer="adamw")
-    off = Features.none()
-    steps: list[tuple[str, dict, dict]] = [
-        ("parallel block", {"block": "parallel"}, {}),
-        (f"sliding window {window}", {"window": window}, {}),
-        ("TP overlap", {}, {"tp_overlap": True}),
-        ("PP overlap", {}, {"pp_overlap": True}),
-        ("DP overlap", {}, {"dp_overlap": True, "data_overlap": True}),
-        (f"LAMB, batch x{lamb_scale}", {"lamb": True}, {}),
-    ]
+    if layout is None:
+        best = search(target.apply(small), gpus, cluster, target.features, space)
+        if not best:
+            raise ConfigError(
+                f"no layout of {gpus} GPUs fits {cluster.name} at batch {small.global_batch}")
+        layout = best[0].layout
+    adam = replace(base, optimizer="adamw")
 
-    def apply(w: Workload, model_changes: dict) -> Workload:
-        changes = dict(model_changes)
-        if changes.pop("lamb", False):
-            return replace(w, optimizer="lamb", global_batch=w.global_batch * lamb_scale)
-        return w.with_model(**changes) if changes else w
+    def run(system: SystemSpec, w: Workload = small) -> StepEstimate:
+        return estimate(system.apply(w), layout, cluster, system.features)
 
-    rows = [AblationRow("baseline", *(2 * [estimate(base_work, layout, cluster, off)]))]
-    cum_work, cum_feat = base_work, off
-    for name, model_changes, feature_changes in steps:
-        cum_work = apply(cum_work, model_changes)
-        cum_feat = replace(cum_feat, **feature_changes)
-        alone = estimate(apply(base_work, model_changes), layout, cluster,
-                         replace(off, **feature_changes))
-        rows.append(AblationRow(name, estimate(cum_work, layout, cluster, cum_feat), alone))
+    baseline = run(adam)
+    rows = [AblationRow("baseline", baseline, baseline)]
+    current = adam
+    for name, current in ablation_steps(adam, target):
+        rows.append(AblationRow(name, run(current), run(switch_on(adam, target, name))))
+    lamb = replace(current, optimizer="lamb")
+    large = replace(small, global_batch=small.global_batch * lamb_scale)
+    rows.append(AblationRow(f"LAMB, batch x{lamb_scale}", run(lamb, large),
+                            run(replace(adam, optimizer="lamb"), large)))
     return rows

@@ -37,3 +37,9 @@ def medium() -> Workload:
 @pytest.fixture
 def a100():
     return load_cluster("a100-8x200g")
+
+
+@pytest.fixture
+def flat8(a100):
+    """The same nodes under one ToR switch per 8 nodes (no rails): small ToRs, many crossings."""
+    return a100.with_network(nodes_per_tor=8, tors_per_pod=32, rails=1)

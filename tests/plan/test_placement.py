@@ -37,9 +37,9 @@ def ragged_hosts(nodes: int, seed: int) -> list[Host]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.label)
-def test_tp_groups_never_cross_nodes(a100, layout):
+def test_tp_groups_never_cross_nodes(flat8, layout):
     nodes = layout.world // 8
-    for hosts in (synthetic_hosts(a100, nodes), ragged_hosts(nodes, seed=nodes)):
+    for hosts in (synthetic_hosts(flat8, nodes), ragged_hosts(nodes, seed=nodes)):
         for placement in (place(layout, hosts, 8), scheduler_order(layout, hosts, 8)):
             for group in mesh_groups(layout)["tp"]:
                 assert len({placement.host_of(r).name for r in group}) == 1
@@ -47,12 +47,12 @@ def test_tp_groups_never_cross_nodes(a100, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.label)
-def test_placement_keeps_dp_groups_under_few_tors(a100, layout):
+def test_placement_keeps_dp_groups_under_few_tors(flat8, layout):
     nodes = layout.world // 8
     hosts = ragged_hosts(nodes, seed=1)
     placed, naive = describe(place(layout, hosts, 8)), describe(scheduler_order(layout, hosts, 8))
     assert placed["dp_group_tors_mean"] <= naive["dp_group_tors_mean"]
-    on_grid = describe(place(layout, synthetic_hosts(a100, nodes), 8))
+    on_grid = describe(place(layout, synthetic_hosts(flat8, nodes), 8))
     stage_nodes = max(1, layout.dp * layout.tp // 8)
     assert on_grid["dp_group_tors_max"] == -(-stage_nodes // 8)  # the fewest ToRs possible
 
@@ -66,17 +66,17 @@ def test_mesh_groups_partition_ranks():
     assert [0, 1] in groups["tp"] and [0, 2] in groups["dp"] and [0, 4] in groups["pp"]
 
 
-def test_ecmp_fewer_collisions_with_placement(a100):
+def test_ecmp_fewer_collisions_with_placement(flat8):
     layout = Layout(dp=64, tp=8, pp=4)  # 2048 GPUs: each stage's 64 nodes span 8 ToRs
-    hosts = synthetic_hosts(a100, layout.world // 8)
+    hosts = synthetic_hosts(flat8, layout.world // 8)
     placed = place(layout, hosts, 8)
     naive = scheduler_order(layout, hosts, 8, seed=3)
-    split = ecmp.Fabric.of(a100, split=True)
+    split = ecmp.Fabric.of(flat8, split=True)
     good, bad = ecmp.simulate(placed, split, trials=5), ecmp.simulate(naive, split, trials=5)
     assert good.cross_tor_flows < bad.cross_tor_flows / 4
     assert good.collided_flows < bad.collided_flows
     assert good.slowdown < bad.slowdown
-    unsplit = ecmp.simulate(naive, ecmp.Fabric.of(a100, split=False), trials=5)
+    unsplit = ecmp.simulate(naive, ecmp.Fabric.of(flat8, split=False), trials=5)
     assert bad.slowdown < unsplit.slowdown  # 2x200G split downlinks collide less
 
 

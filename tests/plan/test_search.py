@@ -13,6 +13,7 @@ from megascale.plan.cluster import GIB, list_presets, load_cluster
 from megascale.plan.comm import all_gather_time, chunked_overlap_exposed, group_link, group_span
 from megascale.plan.layout import Layout
 from megascale.plan.search import ablate, candidate_layouts, search
+from megascale.plan.system import load_system
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +37,13 @@ def test_cluster_errors_name_the_key(tmp_path):
         load_cluster("no-such-cluster")
 
 
-def test_ring_formulas_and_spans(a100):
+def test_ring_formulas_and_spans(a100, flat8):
     link = group_link(a100, 8, 1)
     assert link.scope == "node"
     assert all_gather_time(8, 8e9, link) == pytest.approx(7 / 8 * 8e9 / 230e9 + 7 * 3e-6)
-    span = group_span(a100, 384, 4)  # dp=384 over tp=4: two members per node
+    span = group_span(flat8, 384, 4)  # dp=384 over tp=4: two members per node
     assert (span.per_node, span.nodes, span.tors) == (2, 192, 24)
+    assert group_span(a100, 384, 4).tors == 3  # 64 nodes per rail group
     cross = group_link(a100, 384, 4)
     assert cross.bytes_per_s == pytest.approx(2 * 25e9 * 0.85)
     for comm_t, gemm_t in [(1.0, 0.1), (0.1, 1.0), (1.0, 1.0)]:
@@ -69,27 +71,41 @@ def test_search_ranks_fitting_layouts(gpt175b, a100):
 
 
 def test_ablation_turns_each_on(gpt175b, a100):
-    rows = ablate(gpt175b, 256, a100)
+    base, target = load_system("megatron"), load_system("megascale")
+    rows = ablate(gpt175b, 256, a100, base, target, lamb_scale=4)
     names = [r.name for r in rows]
-    assert names[0] == "baseline" and names[-1].startswith("LAMB") and len(rows) == 7
-    assert rows[-1].cumulative.mfu > rows[0].cumulative.mfu
+    assert names[0] == "baseline" and names[-1].startswith("LAMB") and len(rows) == 9
+    assert rows[-1].cumulative.mfu_in("full") > rows[0].cumulative.mfu_in("full")
     assert {r.cumulative.layout for r in rows} == {rows[0].cumulative.layout}
     assert rows[-1].cumulative.micro_batches == 4 * rows[0].cumulative.micro_batches
+    # the last system step is the target system, the first is the baseline
+    assert rows[-2].cumulative.features == target.features
+    assert rows[0].cumulative.features == base.features
 
 
 def test_cli_plan_prints_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--cluster", "a100-8x200g",
-                 "--gpus", "256", "--batch", "768", "--top", "3", "--explain", "dp=4,tp=8,pp=8,v=2",
+                 "--gpus", "256", "--batch", "768", "--top", "3", "--explain",
                  "--placement", "--ecmp", "--ecmp-trials", "3", "--env", "--json", str(out)])
     text = capsys.readouterr().out
     assert code == 0
-    assert "MFU" in text and "bubble / (compute + tp)" in text and "NCCL_IB_TIMEOUT" in text
+    assert "MFU" in text and "bubble / busy" in text and "NCCL_IB_TIMEOUT" in text
     data = json.loads(out.read_text())
-    assert len(data["ranking"]) == 3
+    assert len(data["ranking"]) == 3 and data["explain"] == data["ranking"][0]
+    assert set(data["explain"]["mfu_by_convention"]) == {"causal", "full", "megatron"}
+    assert len(data["ecmp"]) == 4
+
+
+def test_cli_explain_layout_skips_the_search(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--gpus", "256",
+                 "--batch", "768", "--explain", "dp=4,tp=8,pp=8,v=2", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert "ranking" not in data
     assert data["explain"]["layout"] == {"dp": 4, "tp": 8, "pp": 8, "v": 2, "micro_batch": 1,
                                          "zero": 2, "recompute": "none"}
-    assert len(data["ecmp"]) == 4
 
 
 def test_cli_rejects_bad_layout(capsys):
