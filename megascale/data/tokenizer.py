@@ -110,7 +110,7 @@ class HFTokenizer:
         are added. A str holding a lone surrogate makes the library raise TypeError."""
         ids = [e.ids for e in self._tok.encode_batch_fast(docs, add_special_tokens=False)]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        return np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())), lengths
+        return np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum())), lengths
 
     def decode(self, ids: np.ndarray) -> bytes:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False).encode()
