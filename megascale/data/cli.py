@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from concurrent.futures.process import BrokenProcessPool
 
 from megascale.data.inputs import KINDS
 from megascale.data.ledger import REJECTED, LostData
@@ -61,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
         manifest = prepare(args.inputs, args.out, args.tokenizer, options=options, workers=args.workers,
                            train_vocab=args.train_tokenizer, shard_tokens=args.shard_tokens,
                            overwrite=args.overwrite, progress=not args.quiet)
-    except DataError as exc:
+    except (DataError, OSError) as exc:  # OSError: unreadable input, no space left, ...
         return fail(str(exc))
+    except BrokenProcessPool:
+        print("megascale prep: a worker process died (killed for memory? see dmesg); nothing was written",
+              file=sys.stderr)
+        return 1
     except LostData as exc:
         print(f"megascale prep: {exc}", file=sys.stderr)
         return 1

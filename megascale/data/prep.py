@@ -42,8 +42,10 @@ class Options:
 
 
 def auto_workers(total: int) -> int:
-    """One process per core, but none beyond one per CHUNK_MIN of input (start-up costs)."""
-    return max(1, min(os.cpu_count() or 1, total // CHUNK_MIN))
+    """One process per core this process may run on, but none beyond one per CHUNK_MIN of input
+    (each costs a start-up)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, total // CHUNK_MIN))
 
 
 def chunk_size(total: int, workers: int) -> int:

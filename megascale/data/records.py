@@ -138,8 +138,9 @@ class Encoder:
             return self._json_field(line.decode("utf-8", "megascale.replace").encode(), unit, task, result)
         except json.JSONDecodeError as exc:
             hint = ""
-            if task.start == 0 and unit == 0 and line.lstrip().startswith(b"["):
-                hint = "; .json files are read as JSON lines (one object per line), not as one JSON array"
+            if task.start == 0 and unit == 0 and (line.lstrip().startswith(b"[") or line.strip() == b"{"):
+                hint = ("; a file of JSON lines holds one object per line, and this looks like one JSON "
+                        "document spread over lines: give prep the .jsonl files only")
             result.rejects.append(Reject(unit, "invalid JSON", f"not valid JSON ({exc.msg}){hint}"))
             return None
         if not isinstance(record, dict):

@@ -97,6 +97,10 @@ def test_jsonl_line_without_the_field_names_file_and_line(tmp_path, capsys):
         prepare([str(path)], tmp_path / "out", progress=False)
     assert main(["prep", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     assert "c.jsonl:2: not valid JSON" in capsys.readouterr().err
+    (tmp_path / "meta.json").write_text(json.dumps({"text": "a", "n": [1, 2]}, indent=2))  # one document, pretty
+    with pytest.raises(DataError, match=r"meta\.json:1: not valid JSON \(.*\); a file of JSON lines holds one "
+                                        r"object per line, and this looks like one JSON document"):
+        prepare([str(tmp_path / "meta.json")], tmp_path / "out", progress=False)
 
 
 def test_parquet_without_the_column(tmp_path):

@@ -18,7 +18,15 @@ from megascale.data.corpus import stdlib_files
 from megascale.data.prep import prepare
 from megascale.data.shards import TokenStore
 from megascale.data.tokenizer import load_tokenizer
-from tests.data.conftest import bpe_tokenizer, job, library_encoding, make_docs, write_bytes_dataset, written_documents
+from tests.data.conftest import (
+    bpe_tokenizer,
+    job,
+    library_encoding,
+    make_docs,
+    wordpiece_tokenizer,
+    write_bytes_dataset,
+    written_documents,
+)
 
 
 def documents_of(root: Path) -> tuple[list[np.ndarray], TokenStore]:
@@ -68,6 +76,16 @@ def test_saved_truncation_and_padding_are_switched_off(tmp_path):
     assert manifest["counts"]["tokens_in"] == sum(map(len, full))
     assert len(said) == 1 and "truncation to 16 tokens and padding to 16 tokens" in said[0]
     assert manifest["notes"] == [said[0].removeprefix("megascale prep: note: ")]
+
+
+def test_documents_that_become_no_tokens_are_counted(tmp_path):
+    docs = [d.decode() for d in make_docs(20, seed=6)]
+    wordpiece_tokenizer(docs).save(str(tmp_path / "wp.json"))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["hello", " \t ", "", "x"]))
+    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / "wp.json"), progress=False)
+    counts = manifest["counts"]
+    assert (counts["documents_in"], counts["documents"], counts["no_token_documents"], counts["empty_documents"]) \
+        == (4, 2, 1, 1)
 
 
 def test_progress_bar_total_is_the_input_bytes_of_a_single_file(tmp_path):
