@@ -11,12 +11,15 @@ reason it is there; docs/planning.md ("Communication settings") explains the ari
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 IB_TIMEOUT_EXPONENT = 22  # verbs local ACK timeout = 4.096 us * 2**n: ~17 s per attempt
 IB_RETRY_COUNT = 7  # the largest value the 3-bit verbs retry field holds
 FLIGHT_RECORDER_ENTRIES = 2000
 MIN_COLLECTIVE_TIMEOUT_S = 600.0  # never tighter than the config's default
 STEPS_OF_SLACK = 20  # a collective may wait this many predicted step times before it is a hang
+FLIGHT_RECORDER_VARS = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE",
+                        "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,20 @@ def communication_env(step_time_s: float | None = None,
 
 def format_env(settings: list[EnvSetting]) -> str:
     return "\n".join(f"export {s.name}={s.value}  # {s.why}" for s in settings)
+
+
+def launch_env(run_dir: str | Path, flight_recorder: bool = True) -> dict[str, str]:
+    """What the launchers hand every rank: the settings above, the Flight Recorder ones only when
+    the job records collectives (the collective timeout is a config key, not a variable)."""
+    settings = communication_env(None, dump_dir=str(Path(run_dir) / "flight_recorder"))
+    return {s.name: s.value for s in settings if s.name != "MEGASCALE_COLLECTIVE_TIMEOUT_S"
+            and (flight_recorder or s.name not in FLIGHT_RECORDER_VARS)}
+
+
+def with_defaults(env: dict[str, str], defaults: dict[str, str]) -> dict[str, str]:
+    """`env` plus every default it does not set itself: a node's own settings win."""
+    return {**defaults, **env}
+
+
+def format_applied(env: dict[str, str]) -> str:
+    return "communication env: " + " ".join(f"{k}={v}" for k, v in sorted(env.items()))

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cluster mode: do not start executors; wait for them to register")
     parser.add_argument("--netns", action="store_true",
                         help="local mode: each simulated node in its own network namespace (root)")
+    parser.add_argument("--topology", metavar="SOURCE",
+                        help="order the nodes by the planner's placement: file:HOSTS (name tor [pod]),"
+                             " slurm[:FILE] (scontrol show topology) or k8s:NODES.json[#tor=LABEL]")
     parser.epilog = "Training options as --section.key=value, e.g. --model.layers=2 --train.steps=100"
 
 
@@ -69,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"megascale launch: config error: {exc}", file=sys.stderr)
         return 2
+    if args.topology:
+        from megascale.plan.apply import read_topology  # brings in torch: only when asked for
+
+        try:
+            read_topology(args.topology)
+        except (ConfigError, OSError, subprocess.CalledProcessError) as exc:
+            print(f"megascale launch: --topology {args.topology}: {exc}", file=sys.stderr)
+            return 2
     if args.netns and (why := netns_available()):
         print(f"megascale launch: --netns unavailable: {why}", file=sys.stderr)
         return 2
@@ -90,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
                          layout=layout_for(cfg, args.nodes, args.ranks_per_node), train_args=train_args,
                          config_path=str(Path(args.config).resolve()) if args.config else None,
                          run_dir=str(run_dir), restart_budget=rcfg.restart_budget)
-        state.api = {"netns": args.netns, "local": not args.external, "count": args.nodes + spares}
+        state.api = {"netns": args.netns, "local": not args.external, "count": args.nodes + spares,
+                     "topology": args.topology}
     netns = Netns(state.job_id[:4]) if state.api.get("netns") else None
     token_file = Path(rcfg.token_file) if rcfg.token_file else state_dir / "token"
     token = load_or_create_token(rcfg.token, token_file)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.config.schema import JobConfig
+from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence, selfcheck_plan
 from megascale.resilience.ettr import ettr
 from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks, usable_nodes
@@ -74,6 +75,7 @@ class Driver:
         self.check_ring: list[str] = []
         self.evidence_threads: list[threading.Thread] = []
         self.resumed_pending: dict[str, Any] | None = None
+        self.plan_env = launch_env(state.run_dir, cfg.diagnostics.flight_recorder)
         now = time.time()
         for node in state.nodes.values():
             if node.role != EVICTED:
@@ -411,6 +413,7 @@ class Driver:
             s.layout = layout_for(self.cfg, len(active), s.ranks_per_node)
         except PlacementError as exc:
             return self._finish(FAILED, str(exc))
+        active = self._in_planned_order(active)
         s.master = {"addr": active[0].address, "port": rendezvous_port(self.rcfg.rendezvous_port, s.attempt)}
         env = {"WORLD_SIZE": str(len(active) * s.ranks_per_node), "MASTER_ADDR": s.master["addr"],
                "MASTER_PORT": str(s.master["port"]), "MEGASCALE_JOB_ID": s.job_id,
@@ -419,7 +422,7 @@ class Driver:
             f"--parallel.dp={s.layout['dp']}", f"--train.run_dir={s.run_dir}", "--checkpoint.resume=auto"]
         for node in active:
             self._send(node.node_id, "start", attempt=s.attempt, ranks=slot_ranks(node.slot, s.ranks_per_node),
-                       env=env, args=args)
+                       env=env, plan_env=self.plan_env, args=args)
         s.phase, s.attempt_started = RUNNING, now
         self.hang.reset(now)
         self.slow.reset()
@@ -433,9 +436,23 @@ class Driver:
             self._in_background(lambda: self._clear_rendezvous(previous))
         self.store.event("attempt", {"attempt": s.attempt, "layout": s.layout, "master": s.master,
                                      "nodes": [n.node_id for n in active]}, now)
-        log.info("attempt %d: %s on %s (rendezvous %s:%d)", s.attempt, s.layout,
-                 ", ".join(n.node_id for n in active), s.master["addr"], s.master["port"])
+        log.info("attempt %d: %s on %s (rendezvous %s:%d); %s", s.attempt, s.layout,
+                 ", ".join(n.node_id for n in active), s.master["addr"], s.master["port"],
+                 format_applied(self.plan_env))
         self._save()
+
+    def _in_planned_order(self, active: list[Node]) -> list[Node]:
+        """The active nodes in the planner's placement order (slot k runs ranks k*R...) when
+        the job was given a topology; the order it has otherwise."""
+        source = self.state.api.get("topology")
+        if source:
+            from megascale.plan.apply import order_nodes  # brings in torch: only when asked for
+
+            active, line = order_nodes(source, active, self.state.layout, self.state.ranks_per_node)
+            log.info(line)
+        for slot, node in enumerate(active):
+            node.slot = slot
+        return active
 
     def _clear_rendezvous(self, attempt: int) -> None:
         """Delete a dead attempt's keys from the shared Redis store (its ranks are all stopped;

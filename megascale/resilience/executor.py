@@ -198,7 +198,9 @@ class Executor:
         attempt = Attempt(number, base / "status")
         attempt.status_dir.mkdir(parents=True, exist_ok=True)
         for local, rank in enumerate(command["ranks"]):
-            env = {**os.environ, **command["env"], "RANK": str(rank), "LOCAL_RANK": str(local),
+            # the planner's communication settings are defaults: this node's own environment wins
+            env = {**command.get("plan_env", {}), **os.environ, **command["env"], "RANK": str(rank),
+                   "LOCAL_RANK": str(local),
                    "LOCAL_WORLD_SIZE": str(len(command["ranks"])), STATUS_DIR_ENV: str(attempt.status_dir)}
             env.setdefault("OMP_NUM_THREADS", "1")
             log_path = base / f"rank{rank:05d}.log"

@@ -3,7 +3,8 @@
 Local tests: host memory bandwidth (a large array copy), loopback TCP bandwidth (the network
 stack and CPU), a GEMM (on the GPU when there is one), and an all-to-all among `ranks` gloo ranks
 of the node. Pair tests with a neighbour node: point-to-point bandwidth (send/recv
-both ways) and an all-reduce, over a two-rank gloo group. Each figure is compared with an
+both ways) and an all-reduce, over a two-rank group: NCCL between the nodes' GPUs on GPU nodes,
+gloo on CPU. Each figure is compared with an
 expected floor: measured on healthy nodes (`megascale selfcheck --measure`) or built in, low
 enough that only a broken or badly degraded node misses it.
 """
@@ -119,32 +120,46 @@ def all_to_all(ranks: int, mb: int = 2) -> float:
     return mb * (1 << 20) * (ranks - 1) / ranks / max(seconds.values()) / 1e6
 
 
+def pair_backend() -> tuple[str, str]:
+    """(backend, device) of the node-to-node tests: NCCL between GPUs where there are GPUs (the
+    path training takes over the network), gloo between CPUs otherwise."""
+    import torch
+
+    return ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
+
+
 def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, mb: int = 4) -> list[dict]:
-    """p2p bandwidth and all-reduce with one neighbour node over a 2-rank gloo group."""
+    """p2p bandwidth and all-reduce with one neighbour node over a 2-rank group (pair_backend)."""
     import torch
     import torch.distributed as dist
 
     tests = []
+    backend, device = pair_backend()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
         store = dist.TCPStore(master, port, 2, is_master=role == 0, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=role, world_size=2,
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, store=store, rank=role, world_size=2,
                                 timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # the peer or the link is down: both pair tests fail
         error = f"cannot reach {peer}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return [{"name": n, "peer": peer, "error": error} for n in ("p2p_bandwidth", "all_reduce")]
     try:
-        x = torch.ones(mb * (1 << 20) // 4)
+        x = torch.ones(mb * (1 << 20) // 4, device=device)
         start = time.perf_counter()
         for sender in (0, 1):
             if role == sender:
                 dist.send(x, 1 - role)
             else:
                 dist.recv(x, 1 - role)
-        tests.append({"name": "p2p_bandwidth", "peer": peer,
+        sync()
+        tests.append({"name": "p2p_bandwidth", "peer": peer, "backend": backend,
                       "value": 2 * x.numel() * 4 / (time.perf_counter() - start) / 1e6})
         start = time.perf_counter()
         dist.all_reduce(x)
-        tests.append({"name": "all_reduce", "peer": peer,
+        sync()
+        tests.append({"name": "all_reduce", "peer": peer, "backend": backend,
                       "value": x.numel() * 4 / (time.perf_counter() - start) / 1e6})
     except Exception as exc:
         tests.append({"name": "all_reduce", "peer": peer, "error": f"{type(exc).__name__}: {exc}"[:300]})

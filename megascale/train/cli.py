@@ -17,6 +17,7 @@ from contextlib import ExitStack
 
 from megascale.config import ConfigError, JobConfig, load_config
 from megascale.config.schema import redacted_url
+from megascale.plan.env import format_applied, launch_env, with_defaults
 
 DEFAULT_CONFIG = "configs/default.toml"
 
@@ -69,8 +70,11 @@ def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobC
            "-m", "megascale.cli", "train"]
     if config:
         cmd += ["--config", config]
-    env = dict(os.environ)
+    planned = launch_env(cfg.train.run_dir, cfg.diagnostics.flight_recorder)
+    env = with_defaults(dict(os.environ), planned)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    print(f"megascale train: {nproc} local ranks on this node; {format_applied(planned)} "
+          "(values already in the environment win)", file=sys.stderr)
     with ExitStack() as job:
         if cfg.parallel.redis_start:
             try:
