@@ -4,7 +4,9 @@
    next optimizer step's wait for the stage-1 copy, which runs beside data/forward/backward;
    stage 2 in the writer process) against a synchronous save of the same state, alternating
    in one run on the same trainer. Also the extra time of the training
-   steps that run while stage 2 writes (both compete for this machine's cores).
+   steps that run while stage 2 writes (both compete for this machine's cores), and the cost
+   of durability: the synchronous save with fsync of every file and directory around the
+   commit (the default) against the same save with `checkpoint.fsync=false`.
 2. Recovery reads: for dp = 1, 2, 4, a job of that size saves, a fresh one resumes; bytes read
    from storage / bytes stored (1.0 = every byte once; reading on every rank would be dp).
 
@@ -43,11 +45,16 @@ def stall(args, work: Path) -> dict:
     from megascale.checkpoint import CheckpointManager
 
     sync = CheckpointManager(sync_cfg, trainer.mesh, work / "stall")
+    unsynced_cfg = load_config(None, model + COMMON + [f"--train.run_dir={work / 'stall'}",
+                                                       f"--checkpoint.dir={work / 'unsynced'}",
+                                                       "--checkpoint.async_save=false", "--checkpoint.fsync=false"])
+    unsynced = CheckpointManager(unsynced_cfg, trainer.mesh, work / "stall")
     two_stage = trainer.checkpoints
     for _ in range(2):  # warm up: optimizer state exists, buffers allocated, writer started
         trainer.run_step()
     two_stage.save(trainer, blocking=True)
     sync.save(trainer)
+    unsynced.save(trainer)
     rows = []
     for _ in range(args.rounds):
         quiet = [_timed(trainer.run_step) for _ in range(args.steps)]
@@ -58,16 +65,20 @@ def stall(args, work: Path) -> dict:
         two_stage._wait()
         tail = time.perf_counter() - start
         sync_s = _timed(lambda: sync.save(trainer))
-        rows.append({"async_stall_s": async_s, "sync_save_s": sync_s, "stage2_tail_s": tail,
+        unsynced_s = _timed(lambda: unsynced.save(trainer))
+        rows.append({"async_stall_s": async_s, "sync_save_s": sync_s, "sync_save_no_fsync_s": unsynced_s,
+                     "stage2_tail_s": tail,
                      "step_quiet_s": statistics.median(quiet),
                      "step_during_stage2_s": statistics.median(during)})
     size = sum(p.stat().st_size for p in (work / "sync").rglob("*") if p.is_file()) / max(
         1, len(list((work / "sync").glob("step_*"))))
     sync.close()
+    unsynced.close()
     trainer.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {"checkpoint_mb": size / 1e6, "rounds": rows, "median": med,
-            "stall_over_sync": med["async_stall_s"] / med["sync_save_s"]}
+            "stall_over_sync": med["async_stall_s"] / med["sync_save_s"],
+            "fsync_over_no_fsync": med["sync_save_s"] / med["sync_save_no_fsync_s"]}
 
 
 def _timed(fn) -> float:
@@ -112,8 +123,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dir", default=None, help="where to write (a disk, not tmpfs, for fsync's cost)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
         result = {"stall": stall(args, work), "recovery": recovery(work)}
     s = result["stall"]
@@ -121,6 +133,9 @@ def main() -> None:
           f"vs synchronous save {s['median']['sync_save_s'] * 1e3:.0f} ms -> "
           f"{100 * s['stall_over_sync']:.1f}% (target <= 5%); step {s['median']['step_quiet_s'] * 1e3:.0f} ms "
           f"quiet, {s['median']['step_during_stage2_s'] * 1e3:.0f} ms while stage 2 writes")
+    print(f"durability: synchronous save {s['median']['sync_save_s'] * 1e3:.0f} ms with fsync, "
+          f"{s['median']['sync_save_no_fsync_s'] * 1e3:.0f} ms without -> {s['fsync_over_no_fsync']:.2f}x "
+          f"(the stage-2 time; training does not wait for it)")
     for dp, r in result["recovery"].items():
         print(f"recovery {dp}: read {r['bytes_read']} of {r['checkpoint_bytes']} bytes -> "
               f"{r['ratio']:.3f} (target 1.0; {r['if_every_rank_read']}.0 if every rank read)")

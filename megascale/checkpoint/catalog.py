@@ -103,8 +103,9 @@ class Pruned:
 def prune(fs: fsspec.AbstractFileSystem, root: str, keep: int, just_committed: str, tag: str,
           durable: bool = True) -> Pruned:
     """Keep the newest `keep` valid checkpoints (by commit order; an older commit of a step that
-    was committed again later does not count and goes), move invalid ones aside, delete
-    uncommitted temporaries. Refuses to touch anything unless `just_committed` is valid and
+    was committed again later does not count and goes), move invalid ones aside, delete the
+    temporaries of dead saves: other runs' (`tag` is this run's id), and this run's up to the
+    step just committed. Refuses to touch anything unless `just_committed` is valid and
     the newest: nothing is removed on the word of a commit that did not hold."""
     current = survey(fs, root)
     if current.newest is None or current.newest.entry.name != just_committed:
@@ -121,9 +122,11 @@ def prune(fs: fsspec.AbstractFileSystem, root: str, keep: int, just_committed: s
     for entry, why in current.invalid:
         rename(fs, entry.path, join(root, entry.name + QUARANTINE + tag))
         out.quarantined.append(f"{entry.name} -> {entry.name}{QUARANTINE}{tag}: {why}")
-    for entry in current.temporaries:
-        remove(fs, entry.path)
-        out.removed.append(entry.name)
+    step = current.newest.entry.step
+    for entry in current.temporaries:  # other ranks may already be writing this run's next save
+        if entry.name.rsplit("-", 1)[1] != tag or entry.step <= step:
+            remove(fs, entry.path)
+            out.removed.append(entry.name)
     out.unchecked = [f"{entry.name}: {why}" for entry, why in current.unreadable]
     if out.removed or out.quarantined:
         sync_dir(fs, root, durable)

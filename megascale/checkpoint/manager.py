@@ -29,6 +29,7 @@ from megascale.checkpoint import catalog
 from megascale.checkpoint.comm import Comm
 from megascale.checkpoint.manifest import FORMAT, VERSION, checkpoint_bytes
 from megascale.checkpoint.restore import restore
+from megascale.checkpoint.shm import reap_stale, segment_name
 from megascale.checkpoint.snapshot import HostBuffer, layout
 from megascale.checkpoint.state import (
     RNG,
@@ -55,11 +56,15 @@ class CheckpointManager:
         self.root = self.cfg.dir or str((Path(run_dir) / "checkpoints").resolve())
         self.comm = Comm(mesh.checkpoint_group, self.rank, self.world)
         self.run_id = self.comm.broadcast(secrets.token_hex(4))
-        self.last_saved_step = -1
+        stale = reap_stale()
+        if stale:
+            log.info("removed %d checkpoint buffer(s) of dead jobs from /dev/shm: %s", len(stale), ", ".join(stale))
+        self.committed: tuple[int, str] | None = None  # (step, path) of the newest confirmed commit
         self.last_stall_s = 0.0  # newest save: time in save() + the optimizer's wait for stage 1
         self.last_result: tuple[str, int, Any] | None = None  # newest stage-2 outcome
         self.last_restore: dict[str, Any] | None = None
         self._buffer: HostBuffer | None = None
+        self._buffers_made = 0
         self._writes: tuple | None = None  # (piece keys, which of them this rank writes)
         self._inflight: int | None = None
         self._capture: threading.Thread | None = None  # stage 1 in progress
@@ -96,7 +101,9 @@ class CheckpointManager:
         if self._buffer is None or self._buffer.nbytes != nbytes:
             if self._buffer is not None:
                 self._buffer.close()
-            self._buffer = HostBuffer(nbytes, pin=any(p.tensor.is_cuda for p in written))
+            self._buffers_made += 1
+            self._buffer = HostBuffer(nbytes, pin=any(p.tensor.is_cuda for p in written),
+                                      name=segment_name(self.run_id, self.rank, self._buffers_made))
         params = {p.param for p in mine}
         index = {
             "records": [_record(p, off) for p, off in zip(written, offsets, strict=True)],
@@ -110,7 +117,6 @@ class CheckpointManager:
             keep=self.cfg.keep, bytes_per_s=self.cfg.write_mb_per_s * 1e6,
             commit_timeout_s=self.cfg.commit_timeout_s, durable=self.cfg.fsync,
         )
-        self.last_saved_step = step
         self._inflight = step
         tensors = [p.tensor for p in written]
         if self.cfg.async_save:
@@ -125,6 +131,20 @@ class CheckpointManager:
         self.last_stall_s = time.perf_counter() - start
         if blocking:
             self._wait()
+
+    def save_final(self, trainer) -> FinalSave:
+        """Make sure the step reached is committed, waiting for any save in flight first (a
+        collective: every rank calls it). What rank 0's writer confirmed is what every rank
+        reports, so the exit code and the message say what is really on storage."""
+        self._wait()
+        self.committed = self.comm.broadcast(self.committed)
+        error = None
+        if self.committed is None or self.committed[0] != trainer.step:
+            self.save(trainer, blocking=True)
+            error = self.last_result[2] if self.last_result and self.last_result[0] == "error" else None
+            self.committed, error = self.comm.broadcast((self.committed, error))
+        saved = self.committed is not None and self.committed[0] == trainer.step
+        return FinalSave(trainer.step, saved, self.committed, None if saved else error or "see the log")
 
     def _capture_and_send(self, tensors: list[torch.Tensor], offsets: list[int],
                           job: WriteJob) -> None:
@@ -198,7 +218,7 @@ class CheckpointManager:
 
     def _persist_inline(self, job: WriteJob) -> tuple[str, int, Any]:
         try:
-            return ("ok", job.step, persist(job, self._buffer.shm.buf))
+            return ("ok", job.step, persist(job, self._buffer.segment.buf))
         except Exception as exc:
             return ("error", job.step, f"{type(exc).__name__}: {exc}")
 
@@ -208,6 +228,7 @@ class CheckpointManager:
         self._writer = subprocess.Popen(
             [sys.executable, "-m", "megascale.checkpoint.writer"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            start_new_session=True,  # a launcher's SIGTERM to the rank's group must not kill a commit
         )
         self._collector = threading.Thread(
             target=self._collect, args=(self._writer,), daemon=True,
@@ -255,7 +276,8 @@ class CheckpointManager:
         if step == self._inflight:
             self._inflight = None
         if kind == "ok":
-            if "path" in info:
+            if "path" in info:  # rank 0: the commit is confirmed (renamed, synced, verified)
+                self.committed = (step, info["path"])
                 log.info("checkpoint step %d committed: %s (%.1f MB, stage 2 %.2f s)%s", step,
                          info["path"], info["total_bytes"] / 1e6, info["write_s"],
                          f"; removed {', '.join(info['removed'])}" if info["removed"] else "")
@@ -293,7 +315,7 @@ class CheckpointManager:
                             path, exc)
                 continue
             if posixpath.dirname(path) == open_root(self.root)[1]:
-                self.last_saved_step = trainer.step  # committed here already: never saved again
+                self.committed = (trainer.step, path)  # already here: the same state is not saved again
             return True
 
     def _load(self, trainer, fs, path: str, manifest: dict) -> None:
@@ -351,6 +373,22 @@ class CheckpointManager:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalSave:
+    step: int  # the step reached
+    saved: bool  # it is committed
+    newest: tuple[int, str] | None  # (step, path) of the newest commit this job confirmed
+    error: str | None  # why the step is not saved
+
+    def describe(self) -> str:
+        if self.saved:
+            return f"step {self.step} is saved in {self.newest[1]}"
+        older = (f"the newest checkpoint this run committed is step {self.newest[0]} ({self.newest[1]}): "
+                 f"steps {self.newest[0] + 1}-{self.step} would be trained again" if self.newest
+                 else "this run committed no checkpoint")
+        return f"step {self.step} was NOT saved ({self.error}); {older}"
 
 
 def _record(piece: Piece, offset: int) -> dict[str, Any]:

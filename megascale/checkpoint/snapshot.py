@@ -1,16 +1,16 @@
 """Stage 1: copy a rank's checkpoint tensors into one reusable host buffer.
 
-The buffer is POSIX shared memory so the stage-2 writer process reads it without a copy; on
-CUDA it is also page-locked (`cudaHostRegister`) so the device-to-host copies run at full
-speed. Once `capture` returns, the snapshot is independent of the live tensors: the next
-optimizer step cannot change it.
+The buffer is POSIX shared memory (a `shm.Segment`, named per job and rank) so the stage-2
+writer process reads it without a copy; on CUDA it is also page-locked (`cudaHostRegister`)
+so the device-to-host copies run at full speed. Once `capture` returns, the snapshot is
+independent of the live tensors: the next optimizer step cannot change it.
 """
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
-
 import torch
+
+from megascale.checkpoint.shm import Segment
 
 ALIGN = 64
 
@@ -28,10 +28,10 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 class HostBuffer:
     """Shared (and on CUDA pinned) host memory, reused by every save of the same layout."""
 
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int, pin: bool, name: str):
         self.nbytes = nbytes
-        self.shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
-        self.bytes = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=max(nbytes, 1))
+        self.segment = Segment(name, size=max(nbytes, 1), create=True)
+        self.bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=max(nbytes, 1))
         self.pinned = False
         if pin and nbytes:
             err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), nbytes, 0)
@@ -39,7 +39,7 @@ class HostBuffer:
 
     @property
     def name(self) -> str:
-        return self.shm.name
+        return self.segment.name
 
     def capture(self, tensors: list[torch.Tensor], offsets: list[int]) -> None:
         """Copy every tensor into its slot; returns when the copies are complete."""
@@ -56,5 +56,4 @@ class HostBuffer:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         del self.bytes
-        self.shm.close()
-        self.shm.unlink()
+        self.segment.close(unlink=True)

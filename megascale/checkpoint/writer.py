@@ -22,11 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 from megascale.checkpoint.catalog import next_commit, prune, survey
 from megascale.checkpoint.manifest import seal
+from megascale.checkpoint.shm import Segment, reap
 from megascale.checkpoint.storage import (
     LATEST,
     MANIFEST,
@@ -193,28 +193,31 @@ def serve() -> None:
         jobs.put(None)
 
     threading.Thread(target=read_stdin, daemon=True).start()
-    mapped: dict[str, shared_memory.SharedMemory] = {}
+    mapped: Segment | None = None
     while (job := jobs.get()) is not None:
         try:
-            if job.shm_name not in mapped:
-                for old in mapped.values():
-                    old.close()
-                mapped = {job.shm_name: _attach(job.shm_name)}
-            message = {"kind": "ok", "step": job.step,
-                       "info": persist(job, mapped[job.shm_name].buf, abort)}
+            if mapped is None or mapped.name != job.shm_name:
+                if mapped is not None:
+                    mapped.close()
+                mapped = Segment(job.shm_name)
+            message = {"kind": "ok", "step": job.step, "info": persist(job, mapped.buf, abort)}
         except Exception as exc:
             message = {"kind": "error", "step": job.step, "info": f"{type(exc).__name__}: {exc}"}
+        _report(message)
+    if mapped is not None:
+        mapped.close()
+        reap(mapped.name)  # unlinked here only if the trainer is gone (nobody holds it any more)
+
+
+def _report(message: dict[str, Any]) -> None:
+    """One result line to the trainer; if the trainer is gone, the rest goes nowhere, quietly."""
+    try:
         sys.stdout.write(json.dumps(message) + "\n")
         sys.stdout.flush()
-    for shm in mapped.values():
-        shm.close()
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Map the trainer's buffer; the trainer owns and unlinks it, so untrack it here."""
-    shm = shared_memory.SharedMemory(name=name)
-    resource_tracker.unregister(shm._name, "shared_memory")
-    return shm
+    except (BrokenPipeError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit cannot fail either
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence, selfcheck_plan
+from megascale.resilience.attribution import Verdict, attribute
 from megascale.resilience.ettr import ettr
 from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks, usable_nodes
 from megascale.resilience.rules import (
@@ -76,6 +77,8 @@ class Driver:
         self.evidence_threads: list[threading.Thread] = []
         self.resumed_pending: dict[str, Any] | None = None
         self.plan_env = launch_env(state.run_dir, cfg.diagnostics.flight_recorder)
+        self.held_faults: list[Finding] = []  # faults awaiting every node's evidence (attribution)
+        self.held_since = 0.0
         now = time.time()
         for node in state.nodes.values():
             if node.role != EVICTED:
@@ -232,7 +235,11 @@ class Driver:
             self._evict(self.state.nodes[f.node], f.detail)
         faults = [f for f in faults if f not in lost_spares]
         if faults:
-            return self._begin_recovery(faults[0], now, others=faults[1:])
+            verdict = self._attribute(faults, now)
+            if verdict is not None:
+                return self._begin_recovery(verdict.blamed, now, others=verdict.also,
+                                            collateral=verdict.collateral)
+            return None
         if self._complete():
             self._finish(COMPLETE, "training complete")
 
@@ -290,11 +297,24 @@ class Driver:
         thread.start()
         self.evidence_threads.append(thread)
 
+    def _attribute(self, faults: list[Finding], now: float) -> Verdict | None:
+        """Hold this attempt's faults until every node's evidence is in (error lines are handed
+        over once, so they are kept here); see `attribution`."""
+        if not self.held_faults:
+            self.held_since = now
+        self.held_faults = list(dict.fromkeys(self.held_faults + faults))
+        reports = {n.node_id: self.reports.get(n.node_id, {}) for n in self.state.role(ACTIVE)}
+        verdict = attribute(self.held_faults, reports, now - self.held_since >= self.rcfg.heartbeat_timeout_s)
+        if verdict is not None:
+            self.held_faults = []
+        return verdict
+
     # ------------------------------------------------------------------ recovery
-    def _begin_recovery(self, finding: Finding, now: float, others: list[Finding] = ()) -> None:
+    def _begin_recovery(self, finding: Finding, now: float, others: list[Finding] = (),
+                        collateral: list[Finding] = ()) -> None:
         record = {**finding.to_dict(), "attempt": self.state.attempt, "detected": now,
                   "last_progress": self.hang.last_progress, "step": self.hang.last_step,
-                  "also": [f.to_dict() for f in others]}
+                  "also": [f.to_dict() for f in others], "collateral": [f.to_dict() for f in collateral]}
         if finding.kind == "hang":
             run_dir, layout = self.state.run_dir, dict(self.state.layout)
             self._in_background(lambda: self.store.event("hang_analysis", {
@@ -511,7 +531,8 @@ class Driver:
                      phases.get(("attempt", a + 1)), r["resumed"] if r else None]
             spans = {f"{name}_s": (end - start) if start and end else None for name, start, end in
                      zip(("stop", "selfcheck", "evict", "start"), marks[:-1], marks[1:], strict=True)}
-            matrix.append({"kind": f["kind"], "node": f.get("node"), "detail": f["detail"],
+            matrix.append({"kind": f["kind"], "node": f.get("node"), "rank": f.get("rank"), "detail": f["detail"],
+                           "collateral": f.get("collateral", []),
                            "detected": f["detected"], "last_progress": f.get("last_progress"),
                            "resumed": r["resumed"] if r else None,
                            "recovery_s": (r["resumed"] - f["detected"]) if r else None, **spans,

@@ -44,6 +44,7 @@ class RankProcess:
     log_path: Path
     offset: int = 0  # how far the log has been scanned for keywords
     partial: bytes = b""
+    exited_at: float | None = None  # set by `_note_exit`
 
 
 @dataclass
@@ -136,8 +137,10 @@ class Executor:
         ranks, errors = [], []
         for rp in attempt.ranks:
             status = read_status(attempt.status_dir, rp.rank) or {}
+            ended = rp.exited_at is not None  # an exit is reported with its time or not yet
             ranks.append({"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid,
-                          "alive": rp.proc.poll() is None, "exitcode": rp.proc.returncode,
+                          "alive": not ended, "exitcode": rp.proc.returncode if ended else None,
+                          "exited_at": rp.exited_at,
                           "step": status.get("step"), "step_time": status.get("step_time"),
                           "recent": status.get("recent", []), "status_time": status.get("time")})
             errors += [{"rank": rp.rank, "text": line} for line in self._new_error_lines(rp)]
@@ -213,6 +216,7 @@ class Executor:
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent, cwd=command.get("cwd") or None)
             attempt.ranks.append(RankProcess(rank, local, proc, log_path))
+            threading.Thread(target=_note_exit, args=(attempt.ranks[-1],), daemon=True).start()
         with self._lock:
             self.attempt = attempt
         return {"ok": True, "pids": [rp.proc.pid for rp in attempt.ranks]}
@@ -254,6 +258,13 @@ class Executor:
             _signal_group(rp.proc.pid, signal.SIGKILL)  # also the group's leftovers (writers)
             rp.proc.wait()
         return len(live)
+
+
+def _note_exit(rp: RankProcess) -> None:
+    """The moment a rank ended (heartbeats see it up to a second later): the driver blames the
+    first rank to die, and peers die within milliseconds of it."""
+    rp.proc.wait()
+    rp.exited_at = time.time()
 
 
 def _die_with_parent() -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 from contextlib import ExitStack
+from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig, load_config
 from megascale.config.schema import redacted_url
@@ -59,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         trainer.close()
+    if not trainer.final_save.saved:  # a run whose last step is not on storage did not succeed
+        print(f"megascale train: {trainer.final_save.describe()}", file=sys.stderr)
+        return 1
     return 128 + trainer.stop_signal if trainer.stop_signal else 0  # as if killed by it, once saved
 
 
@@ -83,10 +88,10 @@ def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobC
                 print(f"megascale train: {exc}", file=sys.stderr)
                 return 2
             print(f"megascale train: redis-server for this job at {redacted_url(redis_server.url)}", file=sys.stderr)
-        return _wait_forwarding_sigterm(subprocess.Popen(cmd + list(overrides), env=env))
+        return _wait_forwarding_sigterm(subprocess.Popen(cmd + list(overrides), env=env), cfg)
 
 
-def _wait_forwarding_sigterm(proc: subprocess.Popen) -> int:
+def _wait_forwarding_sigterm(proc: subprocess.Popen, cfg: JobConfig) -> int:
     """Wait for the ranks' launcher. A SIGTERM sent to this process alone (Kubernetes signals only
     a container's first process) is passed on once, so the ranks stop and save; Ctrl-C already
     reaches every process of the terminal's group, so here it is only kept from ending the wait."""
@@ -106,6 +111,26 @@ def _wait_forwarding_sigterm(proc: subprocess.Popen) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if forwarded and code:  # torchrun reports the ranks' exit 143 as a failure above this line
-        print("megascale train: stopped by SIGTERM; the ranks saved the step they reached (see their "
-              "logs) and the same command resumes from it", file=sys.stderr)
+        print(f"megascale train: stopped by SIGTERM; {what_was_saved(cfg)}", file=sys.stderr)
     return code
+
+
+def what_was_saved(cfg: JobConfig) -> str:
+    """The step the ranks reached and the newest valid checkpoint, both read from the run's files
+    (metrics.jsonl, the checkpoint root), so that the message cannot claim a save that failed."""
+    from megascale.checkpoint.catalog import candidates
+    from megascale.checkpoint.storage import open_root
+
+    reached = None
+    metrics = Path(cfg.train.run_dir) / "metrics.jsonl"
+    with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
+        reached = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    fs, root = open_root(cfg.checkpoint.dir or str(Path(cfg.train.run_dir) / "checkpoints"))
+    found = candidates(fs, root)
+    if not found:
+        return "nothing is saved; the same command starts from scratch"
+    path, manifest = found[0]
+    if manifest["step"] == reached:
+        return f"step {reached} is saved in {path}; the same command resumes from it"
+    lost = f"step {reached} was NOT saved (see the ranks' logs); " if reached is not None else ""
+    return f"{lost}the newest valid checkpoint is step {manifest['step']} ({path}); the same command resumes from it"

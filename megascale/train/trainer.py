@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megascale.checkpoint import CheckpointManager
+from megascale.checkpoint.manager import CheckpointManager, FinalSave
 from megascale.config import ConfigError, JobConfig, dump_config
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import mfu, peak_flops
@@ -92,6 +92,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard)
         self.step = 0
         self.stop_signal = 0  # set by fit() when a signal stopped it
+        self.final_save: FinalSave | None = None  # set by fit(): is the step reached committed?
         self.flops_per_token = flops_per_token(cfg.model).training
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
@@ -167,7 +168,8 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
     def fit(self) -> list[float]:
         """Train to `train.steps`, or until SIGTERM/Ctrl-C (then `stop_signal` is set); save
-        the last step; return the losses of the steps this call ran."""
+        the last step and wait for its commit (`final_save`); return the losses of the steps
+        this call ran."""
         cfg = self.cfg.train
         self.checkpoints.resume(self)
         losses: list[float] = []
@@ -179,11 +181,14 @@ class Trainer:
                     losses.append(self.run_step()["loss"])
                     self.stop_signal = stop.agreed(self.mesh.device)
                     if self.stop_signal:
-                        log.warning("stopping at step %d on %s: saving it; the same command resumes from there",
-                                    self.step, signal.Signals(self.stop_signal).name)
+                        log.warning("stopping at step %d on %s: saving it", self.step,
+                                    signal.Signals(self.stop_signal).name)
                         break
-                if self.step > self.checkpoints.last_saved_step:
-                    self.checkpoints.save(self, blocking=True)
+                self.final_save = self.checkpoints.save_final(self)
+            if self.final_save.saved:
+                log.info("%s; the same command resumes from it", self.final_save.describe())
+            else:
+                log.error("%s", self.final_save.describe())
         finally:
             gc.enable()
         return losses

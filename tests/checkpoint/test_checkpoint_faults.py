@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 import subprocess
+import threading
 import time
 import uuid
 
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from megascale.checkpoint.storage import CheckpointError
+from megascale.cli import main as megascale_main
 from megascale.train.trainer import Trainer
-from tests.checkpoint.conftest import assert_same_params, tiny_config, train
+from tests.checkpoint.conftest import TINY, assert_same_params, tiny_config, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,28 +33,37 @@ def committed_steps(root) -> list[int]:
                   and "." not in p.name)
 
 
-def test_killed_writer_keeps_previous(tmp_path, straight_run):
+def test_killed_writer_keeps_previous_and_the_final_save_is_retried(tmp_path, straight_run):
+    """The writer is SIGKILLed while it writes step 10, the run's last step. Step 5 stays the
+    newest commit; the trainer, which waits for the final save's commit, sees the writer die,
+    starts another and saves step 10 again, and says so."""
     train(tmp_path, 5, "--checkpoint.every=5")
     root = tmp_path / "checkpoints"
-    assert committed_steps(root) == [5]
-    # stage 2 at 0.2 MB/s takes seconds: kill the writer while it writes step 10
     trainer = Trainer(tiny_config(tmp_path, "--train.steps=10", "--checkpoint.every=5",
-                                  "--checkpoint.write_mb_per_s=0.2"))
+                                  "--checkpoint.write_mb_per_s=0.5"))
+    seen_at_kill: list[list[int]] = []
+
+    def kill_while_writing_step_10() -> None:  # stage 2 at 0.5 MB/s takes seconds
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(p.stat().st_size for p in root.glob("step_000000010.tmp-*/rank-00000.bin")):
+                seen_at_kill.append(committed_steps(root))
+                os.kill(trainer.checkpoints.writer_pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_while_writing_step_10)
+    killer.start()
     trainer.fit()
-    deadline = time.monotonic() + 60
-    partial = []
-    while not partial and time.monotonic() < deadline:
-        partial = [p for p in root.glob("step_000000010.tmp-*/rank-00000.bin") if p.stat().st_size]
-        time.sleep(0.01)
-    assert partial, "stage 2 never started writing"
-    os.kill(trainer.checkpoints.writer_pid, signal.SIGKILL)
+    killer.join()
     trainer.close()
-    assert "FAILED" in log_text(tmp_path) and "writer process died" in log_text(tmp_path)
-    assert committed_steps(root) == [5]
-    # the next run resumes from step 5 and trains exactly as if nothing had happened
+    assert seen_at_kill == [[5]], "stage 2 never started writing"
+    log = log_text(tmp_path)
+    assert "FAILED" in log and "writer process died" in log
+    assert trainer.final_save.saved and committed_steps(root) == [5, 10]
     losses, params, resumed = train(tmp_path, 20, "--checkpoint.every=0")
-    assert resumed.checkpoints.last_restore["step"] == 5
-    assert losses == straight_run[0][5:]
+    assert resumed.checkpoints.last_restore["step"] == 10
+    assert losses == straight_run[0][10:]
     assert_same_params(params, straight_run[1])
 
 
@@ -78,14 +89,17 @@ def test_partial_checkpoint_is_skipped_and_explicit_bad_path_raises(tmp_path):
     assert "partial" in log_text(tmp_path) and trainer.checkpoints.last_restore["step"] == 5
 
 
-def test_unwritable_directory_training_continues(tmp_path):
+def test_unwritable_directory_training_continues_and_the_run_fails(tmp_path, capsys):
+    """Every save fails: training still runs to the end, then the run exits 1 saying that its
+    last step is not saved (through `megascale train`'s own entry point, in this process)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    losses, _, trainer = train(tmp_path, 10, "--checkpoint.every=5",
-                               f"--checkpoint.dir={blocker}/checkpoints")
-    assert len(losses) == 10 and trainer.step == 10
-    assert "FAILED" in log_text(tmp_path) and "training continues" in log_text(tmp_path)
-    assert trainer.checkpoints.last_result[0] == "error"
+    code = megascale_main(["train", *TINY, f"--train.run_dir={tmp_path}", "--train.steps=10",
+                           "--checkpoint.every=5", f"--checkpoint.dir={blocker}/checkpoints"])
+    assert code == 1
+    assert "step 10 was NOT saved" in capsys.readouterr().err
+    log = log_text(tmp_path)
+    assert "FAILED" in log and "training continues" in log and "step 10/10" in log
 
 
 @pytest.fixture

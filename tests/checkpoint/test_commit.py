@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from multiprocessing import shared_memory
+import uuid
 from pathlib import Path
 
 import pytest
 
 from megascale.checkpoint import catalog
+from megascale.checkpoint.shm import SHM_DIR, Segment, reap_stale, segment_name
 from megascale.checkpoint.storage import open_root, step_name
 from megascale.checkpoint.writer import WriteJob
 from tests.checkpoint.conftest import assert_same_params, train
@@ -66,12 +67,12 @@ def run_writer(job: WriteJob, data: bytes, pause: str | None, marker: Path) -> s
 
 @pytest.fixture
 def shm(trained):
+    """Step 10's bytes in a segment held as the trainer holds its buffer."""
     data = (trained / "checkpoints" / step_name(10) / "rank-00000.bin").read_bytes()
-    segment = shared_memory.SharedMemory(create=True, size=len(data))
+    segment = Segment(segment_name(uuid.uuid4().hex[:8], 0, 1), size=len(data), create=True)
     segment.buf[: len(data)] = data
     yield segment, data
-    segment.close()
-    segment.unlink()
+    segment.close(unlink=True)
 
 
 @pytest.mark.parametrize("point", ["written", "renamed", "latest"])
@@ -116,6 +117,51 @@ def test_next_commit_cleans_up_after_a_killed_one(run, shm, tmp_path):
     assert sorted(result["info"]["removed"]) == sorted([step_name(5), step_name(10), f"{step_name(10)}.tmp-0badc0de"])
     assert sorted(p.name for p in root.iterdir()) == ["latest", step_name(10, 1)]
     assert (root / "latest").read_text() == step_name(10, 1)
+
+
+def test_writer_whose_trainer_is_gone_commits_quietly_and_frees_the_segment(run, shm, tmp_path):
+    """The trainer dies after handing over a job: the writer commits it, finds nobody to tell
+    (no BrokenPipeError traceback), exits 0 and unlinks the segment nobody holds any more."""
+    root = run / "checkpoints"
+    segment, data = shm
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        writer = subprocess.Popen([sys.executable, "-m", "megascale.checkpoint.writer"], cwd=REPO, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                  env=dict(os.environ, PYTHONPATH=str(REPO)))
+    writer.stdin.write(json.dumps({"job": dataclasses.asdict(resave_job(root / step_name(10), "0dead0",
+                                                                        segment.name, 3))}) + "\n")
+    writer.stdin.close()  # what the kernel does to a killed trainer's pipes
+    writer.stdout.close()
+    segment.close()  # ... and to its lock
+    assert writer.wait(60) == 0
+    assert err.read_text() == ""
+    assert (root / step_name(10, 1) / "manifest.json").exists()
+    assert not (SHM_DIR / segment.name).exists()
+
+
+def test_segments_of_dead_jobs_are_removed_at_start(tmp_path):
+    """A whole process tree SIGKILLed leaves its segment (Python's tracker dies with it); the
+    next start removes it, and leaves a live job's segment alone."""
+    dead, live = segment_name("dead0b", 0, 1), segment_name("live0b", 0, 1)
+    code = (f"from megascale.checkpoint.shm import Segment; s = Segment({dead!r}, 4096, True); "
+            "print(1, flush=True); input()")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.stdout.readline().strip() == b"1"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    held = Segment(live, 4096, create=True)
+    try:
+        old = time.time() - 3600  # past MIN_AGE_S, which covers a segment's creation-to-lock moment
+        for name in (dead, live):
+            os.utime(SHM_DIR / name, (old, old))
+        assert (SHM_DIR / dead).exists()
+        removed = reap_stale()
+        assert dead in removed and live not in removed
+        assert not (SHM_DIR / dead).exists() and (SHM_DIR / live).exists()
+    finally:
+        held.close(unlink=True)
 
 
 def test_keep_1_beside_stale_and_corrupt_newer_checkpoints(run, straight_run):

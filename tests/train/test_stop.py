@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megascale.checkpoint.shm import PREFIX, SHM_DIR
 from megascale.train import stop as stop_module
 from megascale.train.stop import StopOnSignal
 
@@ -102,9 +104,13 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(tmp_path):
     _resume_one_more_step(run_dir, 3)
 
 
-def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path):
+def test_sigterm_to_the_launcher_while_a_save_is_queued(tmp_path):
+    """Throttled saves every 2 steps (when_busy=wait), so a save is being written when SIGTERM
+    reaches the launcher and the ranks' final save queues behind it. torchrun signals each rank's
+    process group; the writers, in their own sessions, finish both commits; the launcher reports
+    what storage holds, and no shared memory is left behind."""
     run_dir = tmp_path / "launcher"
-    proc = _launch(run_dir)
+    proc = _launch(run_dir, "--checkpoint.every=2", "--checkpoint.write_mb_per_s=0.1")
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
@@ -112,9 +118,13 @@ def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path):
     proc.send_signal(signal.SIGTERM)  # to the outer process only
     code = _finish(proc, run_dir)
     assert code != 0, _output(run_dir)
-    saved = _saved_steps(run_dir)
-    assert len(saved) == 1 and saved[0] >= 3, _output(run_dir)
-    for rank in (0, 1):
-        assert f"stopping at step {saved[0]} on SIGTERM" in (run_dir / f"rank{rank:05d}.log").read_text()
-    assert "megascale train: stopped by SIGTERM" in _output(run_dir)
-    _resume_one_more_step(run_dir, saved[0])
+    logs = [(run_dir / f"rank{rank:05d}.log").read_text() for rank in (0, 1)]
+    stopped = int(re.search(r"stopping at step (\d+) on SIGTERM", logs[0]).group(1))
+    assert all(f"stopping at step {stopped} on SIGTERM" in log for log in logs)
+    assert not any("writer process died" in log or "FAILED" in log for log in logs), logs[0][-3000:]
+    assert "waits for the save of step" in logs[0]  # the queued case did happen
+    assert max(_saved_steps(run_dir)) == stopped, _output(run_dir)
+    assert f"megascale train: stopped by SIGTERM; step {stopped} is saved in" in _output(run_dir)
+    run_id = json.loads(next((run_dir / "checkpoints").glob("step_*/manifest.json")).read_text())["run_id"]
+    assert list(SHM_DIR.glob(f"{PREFIX}{run_id}-*")) == []
+    _resume_one_more_step(run_dir, stopped)
