@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import ParallelConfig
-from megascale.parallel.grid import DIMS, Dim, RankGrid
+from megascale.layout.grid import DIMS, Dim, RankGrid
 from megascale.parallel.launch import run_local
 from megascale.parallel.mesh import create_groups, init_mesh, join_world
 from megascale.parallel.redis_server import RedisServer

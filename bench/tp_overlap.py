@@ -80,7 +80,7 @@ def _rank(args: dict, out_dir: str) -> dict:
                 start = time.perf_counter()
                 loss = model(tokens, labels)
                 (loss / labels.numel()).backward()
-                sync_sequence_parallel_grads(model.parameters(), mesh)
+                sync_sequence_parallel_grads(model.parameters(), mesh.tp_group)
                 wall = time.perf_counter() - start
                 model.zero_grad(set_to_none=True)
                 step_id += 1

@@ -38,7 +38,7 @@ from megascale.model.attention import flex_attention, sdpa_attention
 from megascale.model.efficiency import (
     apply_compile,
     apply_recompute,
-    fuse_parallel_input_gemm,
+    fuse_parallel_gemms,
     set_attention_kernel,
 )
 from megascale.model.flops import flops_per_token, parameter_count
@@ -94,7 +94,7 @@ def check_parity(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), device=device)
     ref_loss, ref_grads = _loss_and_grads(base, tokens)
     for name, transform, kernel in (
-        ("fused_input_gemm", fuse_parallel_input_gemm, "sdpa"),
+        ("fused_input_gemm", fuse_parallel_gemms, "sdpa"),
         ("compile", apply_compile, "sdpa"),
         ("compile_flex", apply_compile, "flex"),  # how a compiled block runs SWA on a GPU
         ("recompute_full", lambda b: apply_recompute(b, "full"), "sdpa"),

@@ -20,8 +20,8 @@ from megascale.checkpoint.restore import restore
 from megascale.checkpoint.state import VALUE, Target, torch_dtype
 from megascale.checkpoint.storage import CheckpointError, open_root
 from megascale.config import ModelConfig
+from megascale.layout.shard import ShardSpec
 from megascale.model import GPT
-from megascale.parallel.sharding import ShardSpec
 
 log = logging.getLogger("megascale.checkpoint")
 

@@ -31,7 +31,7 @@ from megascale.checkpoint.state import (
     valid_numel,
 )
 from megascale.checkpoint.storage import CheckpointError
-from megascale.parallel.sharding import ShardSpec, local_piece, tp_slice
+from megascale.layout.shard import ShardSpec, local_piece, tp_slice
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from megascale.checkpoint.manifest import DTYPE_SIZES, RNG
-from megascale.parallel.sharding import ShardSpec, shard_spec
+from megascale.layout.shard import ShardSpec, shard_spec
 
 VALUE = "value"
 OPTIM = "optim."

@@ -347,17 +347,7 @@ class JobConfig:
                 f"train.global_batch={t.global_batch} must be a multiple of "
                 f"train.micro_batch * parallel.dp = {t.micro_batch} * {p.dp} = {per_step}"
             )
-        if m.heads % p.tp:
-            raise ConfigError(
-                f"parallel.tp={p.tp} must divide model.heads={m.heads} "
-                f"(allowed tp: {_divisors(m.heads)})"
-            )
-        if m.ffn % p.tp:
-            raise ConfigError(f"parallel.tp={p.tp} must divide the MLP width {m.ffn}")
-        if p.sequence_parallel and p.tp > 1 and m.seq_len % p.tp:
-            raise ConfigError(
-                f"parallel.tp={p.tp} must divide model.seq_len={m.seq_len} with sequence parallelism"
-            )
+        check_tensor_parallel(m, p.tp, p.sequence_parallel)
         chunks = p.pp * p.vpp
         if m.layers % chunks:
             raise ConfigError(
@@ -374,6 +364,18 @@ class JobConfig:
                 "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live "
                 "on different pipeline stages); set model.tie_embeddings=false"
             )
+
+
+def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """The model splits into `tp` slices: whole heads, whole MLP columns and, under sequence
+    parallelism, equal sequence slices. Checked by `validate()` and again by tensor parallelism
+    against the mesh it is given, before any collective."""
+    if m.heads % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.heads={m.heads} (allowed tp: {_divisors(m.heads)})")
+    if m.ffn % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the MLP width {m.ffn}")
+    if sequence_parallel and tp > 1 and m.seq_len % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.seq_len={m.seq_len} with sequence parallelism")
 
 
 def _positive(section: object, name: str, keys: list[str]) -> None:

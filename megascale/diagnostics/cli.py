@@ -17,7 +17,7 @@ from megascale.config import load_config
 from megascale.config.schema import ConfigError
 from megascale.diagnostics.report import build_report
 from megascale.diagnostics.store import Collector
-from megascale.parallel.grid import RankGrid
+from megascale.layout.grid import RankGrid
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

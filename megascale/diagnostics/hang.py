@@ -21,9 +21,9 @@ from typing import Any
 
 from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.watchdog import hang_dir, roll_call_dir
-from megascale.parallel.grid import DIMS, RankGrid
+from megascale.layout.grid import DIMS, RankGrid
 
-SAME_STAGE = ("tp", "dp", "dp_tp")  # groups whose members run the same program
+SAME_STAGE = ("tp", "dp")  # groups whose members run the same program
 
 
 @dataclass

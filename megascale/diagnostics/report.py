@@ -20,7 +20,7 @@ from megascale.diagnostics import hang, straggler, timeline
 from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.store import Collector, query
 from megascale.diagnostics.timers import KINDS
-from megascale.parallel.grid import RankGrid
+from megascale.layout.grid import RankGrid
 
 
 @dataclass

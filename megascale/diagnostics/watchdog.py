@@ -19,10 +19,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from megascale.diagnostics.timers import Timers
+from megascale.layout.grid import RankGrid
 
 WAIT_KINDS = ("comm", "p2p")
 
@@ -70,12 +72,12 @@ class Watchdog:
     """Daemon thread that dumps this rank's state when it has been stuck for `timeout_s`."""
 
     def __init__(self, timers: Timers, run_dir: str | Path, timeout_s: float,
-                 grid: dict[str, int] | None = None, poll_s: float | None = None,
+                 grid: RankGrid | None = None, poll_s: float | None = None,
                  on_hang: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.timers = timers
         self.run_dir = Path(run_dir)
         self.timeout_s = timeout_s
-        self.grid = grid or {}
+        self.grid = asdict(grid) if grid is not None else {}  # the layout the analyser places ranks on
         self.poll_s = poll_s if poll_s is not None else min(5.0, max(0.05, timeout_s / 4))
         self.on_hang = on_hang
         self.path = hang_dir(run_dir) / f"rank{timers.rank}.json"

@@ -1,4 +1,4 @@
-"""Speed-only transformations of built blocks: recomputation, compilation, fused input GEMM.
+"""Speed-only transformations of built blocks: recomputation, compilation, fused GEMMs.
 
 None of them changes what the model computes (tests check parity against the plain blocks);
 they trade memory for compute (recomputation) or fuse kernels (torch.compile fuses LayerNorm,
@@ -47,23 +47,12 @@ def apply_compile(blocks: nn.ModuleDict | nn.ModuleList) -> None:
         block.compile(dynamic=False)
 
 
-def fuse_parallel_input_gemm(blocks: nn.ModuleDict | nn.ModuleList) -> None:
-    """In the parallel block, QKV and the MLP up-projection read the same LayerNorm output:
-    run them as one GEMM over the concatenated weights (one pass over the activations)."""
+def fuse_parallel_gemms(blocks: nn.ModuleDict | nn.ModuleList) -> None:
+    """Parallel blocks run QKV and the MLP up-projection as one GEMM, and both output
+    projections as one (`Block.fuse_gemms`); serial blocks have nothing to fuse."""
     for _, block in _items(blocks):
         if isinstance(block, Block) and block.ln2 is None:
-            block.forward = _fused_parallel_forward.__get__(block, Block)
-
-
-def _fused_parallel_forward(self: Block, x: torch.Tensor) -> torch.Tensor:
-    h = self.ln1(x)
-    attn, mlp = self.attn, self.mlp
-    weight = torch.cat([attn.qkv.weight, mlp.fc.weight])
-    bias = None if attn.qkv.bias is None else torch.cat([attn.qkv.bias, mlp.fc.bias])
-    qkv, up = torch.nn.functional.linear(h, weight, bias).split(
-        [attn.qkv.out_features, mlp.fc.out_features], dim=-1
-    )
-    return x + mlp.proj(mlp.activation(up)) + attn.proj(attn.attend(qkv))
+            block.fuse_gemms = True
 
 
 def set_attention_kernel(module: nn.Module, kernel: str) -> None:

@@ -4,9 +4,10 @@ Serial:   y = x + MLP(LN2(x + Attn(LN1(x))))
 Parallel: y = x + MLP(LN(x)) + Attn(LN(x))      (one LayerNorm feeds both branches)
 
 No parallelism lives here. The model is three stages -- `embed`, `blocks`, `head` -- so that the
-pipeline splitter can cut it into chunks, and the tensor-parallel code replaces layers from
-outside. Attention and MLP expose the pieces (`project_qkv`, `attend`, ...) that a
-tensor-parallel block recombines around its communication.
+pipeline splitter can cut it into chunks. The block's forward is written once: tensor
+parallelism swaps its `Linear` layers for column/row-parallel ones that put the communication
+around the same GEMMs (megascale.parallel.tensor), and the parallel block's fused GEMMs go
+through those same layers, so a fused, tensor-parallel block runs this very code.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ class Embedding(nn.Module):
         return h
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose GEMM can run on other weights: the parallel block's fused GEMMs call
+    `project` with concatenated weights, and tensor parallelism overrides `project` to put its
+    collectives around the GEMM (a row-parallel layer adds its bias after the reduction)."""
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -44,8 +57,8 @@ class Attention(nn.Module):
         self.rotary = cfg.positions == "rotary"
         self.rope_base = cfg.rope_base
         self.kernel = "auto"
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.qkv = Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias)
+        self.proj = Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """[b, s, heads*3*d] -> [b, s, heads*d].
@@ -69,8 +82,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
+        self.fc = Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
+        self.proj = Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
 
     @staticmethod
     def activation(x: torch.Tensor) -> torch.Tensor:
@@ -88,13 +101,31 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps) if cfg.block == "serial" else None
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
+        # Parallel block only: QKV and the MLP up-projection as one GEMM over the concatenated
+        # weights (one pass over the LayerNorm output; under tensor parallelism one gather), and
+        # both output projections as one (one reduce-scatter). Speed only: same function.
+        self.fuse_gemms = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ln2 is None:
-            h = self.ln1(x)
-            return x + self.mlp(h) + self.attn(h)
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        if self.ln2 is not None:  # serial
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        h = self.ln1(x)
+        if self.fuse_gemms:
+            return x + self._fused_branches(h)
+        return x + self.mlp(h) + self.attn(h)
+
+    def _fused_branches(self, h: torch.Tensor) -> torch.Tensor:
+        """Attn(h) + MLP(h) with one GEMM in and one GEMM out."""
+        attn, mlp = self.attn, self.mlp
+        weight_in = torch.cat([attn.qkv.weight, mlp.fc.weight])
+        bias_in = None if attn.qkv.bias is None else torch.cat([attn.qkv.bias, mlp.fc.bias])
+        qkv, up = attn.qkv.project(h, weight_in, bias_in).split(
+            [attn.qkv.weight.shape[0], mlp.fc.weight.shape[0]], dim=-1)
+        inner = torch.cat([attn.attend(qkv), mlp.activation(up)], dim=-1)
+        weight_out = torch.cat([attn.proj.weight, mlp.proj.weight], dim=1)
+        bias_out = None if attn.proj.bias is None else attn.proj.bias + mlp.proj.bias
+        return attn.proj.project(inner, weight_out, bias_out)
 
 
 class Head(nn.Module):

@@ -7,16 +7,16 @@ from collections.abc import Iterable
 import torch
 
 from megascale.config.schema import OptimConfig
+from megascale.layout.shard import shard_spec
 from megascale.optim.lamb import Lamb
-from megascale.optim.norms import clip_grad_norm_, global_grad_norm, mark_sharded, whole_sq_norms
+from megascale.optim.norms import clip_grad_norm_, global_grad_norm, whole_sq_norms
 from megascale.optim.schedule import lr_at
 
 
 def decays(name: str, tensor: torch.Tensor) -> bool:
-    """Weight decay applies to matrices (GEMM weights, embeddings), not to biases and norms.
-
-    A ZeRO shard is flat; it records its parameter's dimensionality in `_full_dim`."""
-    return getattr(tensor, "_full_dim", tensor.dim()) >= 2 and not name.endswith("bias")
+    """Weight decay applies to matrices (GEMM weights, embeddings), not to biases and norms;
+    a flat ZeRO shard of a matrix is a matrix (its spec keeps the whole parameter's shape)."""
+    return shard_spec(tensor).matrix and not name.endswith("bias")
 
 
 def build_optimizer(
@@ -39,5 +39,5 @@ def build_optimizer(
 
 __all__ = [
     "Lamb", "build_optimizer", "clip_grad_norm_", "decays", "global_grad_norm", "lr_at",
-    "mark_sharded", "whole_sq_norms",
+    "whole_sq_norms",
 ]

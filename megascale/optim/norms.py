@@ -1,7 +1,7 @@
 """Whole-tensor norms of tensors that may be sharded across process groups.
 
-A tensor that the parallel code splits (a tensor-parallel weight, a ZeRO shard) carries the
-process groups over which its pieces must be summed in `tensor._norm_groups`. Norms are built
+A tensor that the parallel code splits (a tensor-parallel weight, a ZeRO shard) says in its
+`ShardSpec` over which process groups its pieces must be summed. Norms are built
 from per-tensor sums of squares reduced over those groups, so a shard never stands in for the
 whole parameter: LAMB's trust ratio and gradient clipping see the same numbers as one process.
 """
@@ -14,17 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-NORM_GROUPS_ATTR = "_norm_groups"
-
-
-def mark_sharded(tensor: torch.Tensor, *groups: dist.ProcessGroup | None) -> None:
-    """Record that `tensor` is one piece of a whole split over `groups` (None entries ignored)."""
-    existing = getattr(tensor, NORM_GROUPS_ATTR, ())
-    setattr(tensor, NORM_GROUPS_ATTR, existing + tuple(g for g in groups if g is not None))
-
-
-def norm_groups(tensor: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
-    return getattr(tensor, NORM_GROUPS_ATTR, ())
+from megascale.layout.shard import shard_spec
 
 
 def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -39,7 +29,7 @@ def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tenso
     local = torch.stack(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=dtype)).pow(2)
     by_groups: dict[tuple, list[int]] = defaultdict(list)
     for i, owner in enumerate(owners):
-        by_groups[norm_groups(owner)].append(i)
+        by_groups[shard_spec(owner).groups].append(i)
     for groups, index in by_groups.items():
         if not groups:
             continue

@@ -1,6 +1,6 @@
-"""3D-parallel layout: the rank grid, the process-group mesh and its fast start-up."""
+"""3D parallelism applied from outside the model: the process-group mesh and its fast start-up,
+tensor/sequence parallel with collective GEMMs, the pipeline runtime, ZeRO-2, the engine."""
 
-from megascale.parallel.grid import RankGrid
 from megascale.parallel.mesh import ParallelMesh, init_mesh
 
-__all__ = ["ParallelMesh", "RankGrid", "init_mesh"]
+__all__ = ["ParallelMesh", "init_mesh"]

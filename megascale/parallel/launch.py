@@ -55,15 +55,22 @@ def run_local(
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    exited: dict[int, float] = {}  # rank -> when it was first seen gone without a result
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) + len(errors) < world_size and time.monotonic() < deadline:
             try:
                 rank, ok, value = results.get(timeout=0.2)
             except queue.Empty:
+                now = time.monotonic()
                 for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in out and r not in errors:
+                    if p.exitcode is None or r in out or r in errors:
+                        continue
+                    if p.exitcode != 0:
                         errors[r] = f"died without a result (exit code {p.exitcode})"
+                    elif now - exited.setdefault(r, now) > 2.0:  # a result in flight has landed by now
+                        errors[r] = ("exited without a result: it could not be sent (unpicklable? the "
+                                     "rank's stderr has the queue's error)")
                 continue
             if ok:
                 out[rank] = value

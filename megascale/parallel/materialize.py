@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from megascale.config.schema import ModelConfig
+from megascale.layout.shard import set_shard_spec, shard_spec, tp_slice
 from megascale.model.init import initial_value
-from megascale.parallel.sharding import shard_spec, tp_slice
 
 
 def materialize(chunks: list[nn.Module], cfg: ModelConfig, seed: int, device: torch.device) -> int:
     """Replace every meta parameter under `chunks` by a real one on `device` (same dtype, same
-    attributes, tied parameters stay tied); returns how many were made. Others are left alone."""
+    `ShardSpec`, tied parameters stay tied); returns how many were made. Others are left alone."""
     names: dict[int, str] = {}  # the single-process name (the first one, for a tied parameter)
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -42,5 +42,5 @@ def _real(meta: nn.Parameter, name: str, cfg: ModelConfig, seed: int, device: to
     value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
     value.copy_(tp_slice(initial_value(name, spec.global_shape, cfg, seed), spec))
     real = nn.Parameter(value, requires_grad=meta.requires_grad)
-    real.__dict__.update(meta.__dict__)  # shard spec, norm groups, sequence-parallel flag
+    set_shard_spec(real, spec)
     return real

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config.schema import ConfigError, ParallelConfig
-from megascale.parallel.grid import DIMS, Coords, Dim, RankGrid
+from megascale.layout.grid import DIMS, Coords, Dim, RankGrid
 from megascale.parallel.store import CountingStore, StartupStats, StoreAddress, create_store
 
 log = logging.getLogger(__name__)
@@ -92,20 +92,6 @@ class ParallelMesh:
     def is_last_stage(self) -> bool:
         return self.coords.pp == self.grid.pp - 1
 
-    @property
-    def next_pp_rank(self) -> int:
-        """Global rank of the next pipeline stage (wrapping), same dp and tp."""
-        c = self.coords
-        return self.grid.rank_of((c.pp + 1) % self.grid.pp, c.dp, c.tp)
-
-    @property
-    def prev_pp_rank(self) -> int:
-        c = self.coords
-        return self.grid.rank_of((c.pp - 1) % self.grid.pp, c.dp, c.tp)
-
-    def group_ranks(self, dim: Dim) -> list[int]:
-        return self.grid.group_of(self.rank, dim)
-
     # groups ------------------------------------------------------------------------------------
     @property
     def tp_group(self) -> ProcessGroup | None:
@@ -118,14 +104,6 @@ class ParallelMesh:
     @property
     def pp_group(self) -> ProcessGroup | None:
         return self._groups["pp"]
-
-    @property
-    def mp_group(self) -> ProcessGroup | None:
-        return self._groups["mp"]
-
-    @property
-    def dp_tp_group(self) -> ProcessGroup | None:
-        return self._groups["dp_tp"]
 
     @property
     def checkpoint_group(self) -> ProcessGroup | None:
@@ -221,25 +199,22 @@ def create_groups(
 ) -> tuple[dict[str, ProcessGroup | None], int]:
     """This rank's group of every dimension; returns the groups and how many were created.
 
-    Size-1 groups are None, a group spanning the world is the default group, and a dimension
-    whose ranks equal an earlier one's (e.g. mp = tp when pp = 1) reuses that group.
-    """
+    Size-1 groups are None and a group spanning the world is the default group. Only tp, dp
+    and pp groups exist: nothing reads any other, so none is created."""
     groups: dict[str, ProcessGroup | None] = {}
-    made: dict[tuple[int, ...], ProcessGroup] = {}
+    created = 0
     for dim in dims:
-        members = tuple(grid.group_of(rank, dim))
+        members = grid.group_of(rank, dim)
         if len(members) == 1:
             groups[dim] = None
         elif len(members) == grid.world_size:
             groups[dim] = dist.group.WORLD
-        elif members in made:
-            groups[dim] = made[members]
         else:
-            made[members] = dist.new_group(
-                list(members), timeout=timeout, use_local_synchronization=True, group_desc=dim
+            groups[dim] = dist.new_group(
+                members, timeout=timeout, use_local_synchronization=True, group_desc=dim
             )
-            groups[dim] = made[members]
-    return groups, len(made)
+            created += 1
+    return groups, created
 
 
 def _choose_device(device: str, local_rank: int) -> torch.device:

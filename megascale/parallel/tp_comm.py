@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from megascale.diagnostics.timers import get_timers
-
-IGNORE_INDEX = -100
+from megascale.model.gpt import IGNORE_INDEX
 
 # Recent PyTorch names the tensor collectives *_single; older releases (pyproject accepts 2.6+)
 # only have *_tensor. ZeRO uses these too.

@@ -35,12 +35,10 @@ from torch import nn
 
 from megascale.config.schema import JobConfig
 from megascale.diagnostics.timers import get_timers
-from megascale.optim.norms import mark_sharded, norm_groups
-from megascale.parallel.sharding import set_shard_spec, shard_spec
+from megascale.layout.shard import set_shard_spec, shard_spec
 from megascale.parallel.tp_comm import all_gather_single, reduce_scatter_single
 
 DEFAULT_BUCKET_NUMEL = 1 << 22  # elements of one rank's region (16 MiB of fp32)
-SP_PARTIAL_ATTR = "_sp_partial_grad"  # set by tensor parallelism on sequence-parallel params
 
 
 @dataclass
@@ -72,7 +70,7 @@ class _Bucket:
 class _Chunk:
     buckets: list[_Bucket]
     fresh: bool = True  # parameters hold the latest shards
-    gather: list[dist.Work | None] | None = None  # in-flight all-gather
+    gather: list[dist.Work] | None = None  # in-flight all-gather
     hooks: list = field(default_factory=list)
 
 
@@ -86,16 +84,15 @@ class ZeroGradSync:
         mesh,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     ):
+        if mesh.dp_size < 2:
+            raise ValueError("ZeRO shards over data parallelism: it needs parallel.dp >= 2")
         self.group = mesh.dp_group
         self.dp = mesh.dp_size
         self.dp_rank = mesh.dp_rank
-        self.tp_group = mesh.tp_group
         self.overlap = cfg.parallel.dp_overlap
         self.expected_backwards = cfg.micro_batches
         self._chunks = [self._build_chunk(c, bucket_numel) for c in chunks]
         self._named = [(s.name, s.shard) for ch in self._chunks for s in self._slots_in_order(ch)]
-        self._sp_partial = [s for ch in self._chunks for b in ch.buckets for s in b.slots
-                            if getattr(s.param, SP_PARTIAL_ATTR, False)]
 
     # ------------------------------------------------------------------ layout
     def _build_chunk(self, module: nn.Module, bucket_numel: int) -> _Chunk:
@@ -135,12 +132,8 @@ class ZeroGradSync:
             with torch.no_grad():
                 shard.copy_(self._pieces(p.detach().reshape(-1), slot.piece)[self.dp_rank])
             start = self.dp_rank * slot.piece
-            set_shard_spec(shard, shard_spec(p).with_flat_range(start, start + slot.piece))
-            groups = norm_groups(p)
-            if not groups and shard_spec(p).tp_dim is not None:
-                groups = (self.tp_group,)
-            mark_sharded(shard, *groups, self.group)
-            shard._full_dim = p.dim()
+            spec = shard_spec(p).with_flat_range(start, start + slot.piece).split_over(self.group)
+            set_shard_spec(shard, spec)
             slot.shard = shard
         return bucket
 
@@ -181,13 +174,12 @@ class ZeroGradSync:
                     with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
                                      group="dp"):
                         bucket.work.wait()
-                if bucket.low is not None and self.group is not None:
+                if bucket.low is not None:
                     bucket.grad.copy_(bucket.low)  # the fp32 shard gradient the optimizer reads
                 bucket.work, bucket.launched, bucket.ready = None, False, 0
                 for slot in bucket.slots:
                     slot.shard.grad = bucket.grad[slot.offset: slot.offset + slot.piece]
                     slot.hook_calls = 0
-        self._reduce_sp_partial(timers)
 
     def after_step(self) -> None:
         """The shards were updated: refresh the parameters (chunk 0 now, the rest on demand)."""
@@ -239,24 +231,8 @@ class ZeroGradSync:
             dest.copy_(self._pieces(grad.reshape(-1), slot.piece))
             slot.param.grad = None  # ZeRO-2: only the shard's gradient outlives the step
         bucket.launched = True
-        if self.group is None:
-            bucket.grad.copy_(bucket.flat)
-        else:
-            out = bucket.grad if bucket.low is None else bucket.low
-            bucket.work = reduce_scatter_single(out, bucket.flat, group=self.group, async_op=self.overlap)
-
-    def _reduce_sp_partial(self, timers) -> None:
-        """Sequence-parallel parameters (LayerNorm under SP) hold partial grads per tp rank."""
-        if not self._sp_partial or self.tp_group is None:
-            return
-        grads = [s.shard.grad for s in self._sp_partial]
-        flat = torch.cat(grads)
-        with timers.span("tp.all_reduce_sp_grads", kind="comm", op="all_reduce", group="tp"):
-            dist.all_reduce(flat, group=self.tp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()])
-            offset += g.numel()
+        out = bucket.grad if bucket.low is None else bucket.low
+        bucket.work = reduce_scatter_single(out, bucket.flat, group=self.group, async_op=self.overlap)
 
     # ------------------------------------------------------------------ all-gather
     def _start_gather(self, index: int) -> None:
@@ -265,10 +241,6 @@ class ZeroGradSync:
             return
         works = []
         for bucket in chunk.buckets:
-            if self.group is None:
-                bucket.flat.copy_(bucket.shard)
-                works.append(None)
-                continue
             source = bucket.shard
             if bucket.low is not None:
                 source = bucket.low
@@ -284,8 +256,7 @@ class ZeroGradSync:
         self._start_gather(index)
         with get_timers().span("dp.all_gather", kind="comm", op="all_gather", group="dp"):
             for work in chunk.gather:
-                if work is not None:
-                    work.wait()
+                work.wait()
         for bucket in chunk.buckets:
             rows = bucket.flat.view(self.dp, bucket.region)
             for slot in bucket.slots:

@@ -39,7 +39,7 @@ def _child(args: list[str]) -> Any:
 
 def _hang(run_dir: str, layout: dict[str, int]) -> dict[str, Any] | None:
     from megascale.diagnostics.hang import analyse
-    from megascale.parallel.grid import RankGrid
+    from megascale.layout.grid import RankGrid
 
     analysis = analyse(run_dir, RankGrid(layout["pp"], layout["dp"], layout["tp"]))
     return None if analysis is None else {"stuck": analysis.stuck, "summary": analysis.summary()}

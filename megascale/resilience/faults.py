@@ -1,4 +1,8 @@
-"""The per-step hook the trainer calls, and deterministic fault injection keyed by (rank, step).
+"""The per-step hook a rank runs under an executor or a fault test: progress, then injected faults.
+
+Deterministic fault injection is keyed by (rank, step). The trainer knows nothing of it: the
+rank's entry point installs `rank_step_hook()` only when an executor asked for progress files
+or a test asked for a fault.
 
 `MEGASCALE_FAULT="kill:rank=1:step=6"` makes rank 1 SIGKILL itself after step 6 of restart
 attempt 0 (torchft's `fail_at(rank, step)` idea). Several faults are separated by `;`. Kinds:
@@ -21,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from megascale.resilience.rankstatus import StatusWriter
+from megascale.resilience.rankstatus import STATUS_DIR_ENV, StatusWriter
 
 FAULT_ENV = "MEGASCALE_FAULT"
 ATTEMPT_ENV = "MEGASCALE_RESTART_ATTEMPT"
@@ -70,7 +74,7 @@ class StepHook:
         attempt = int(env.get(ATTEMPT_ENV) or 0)
         self.faults = {f.step: f for f in parse_faults(env.get(FAULT_ENV, ""))
                        if f.rank == rank and f.attempt == attempt}
-        self.status = StatusWriter(rank)
+        self.status = StatusWriter(rank, env.get(STATUS_DIR_ENV))
 
     def __call__(self, step: int, step_time: float) -> None:
         fault = self.faults.pop(step, None)
@@ -114,15 +118,10 @@ def throttle(pid: int, stop_s: float, period_s: float) -> None:
         return
 
 
-_hook: StepHook | None = None
-
-
-def after_step(rank: int, step: int, step_time: float) -> None:
-    """The trainer's one call per step (cheap when no executor or fault asked for anything)."""
-    global _hook
-    if _hook is None or _hook.rank != rank:
-        _hook = StepHook(rank)
-    _hook(step, step_time)
+def rank_step_hook(rank: int, env: dict[str, str] | None = None) -> StepHook | None:
+    """The hook for this rank, or None when no executor and no fault test asked for one."""
+    env = os.environ if env is None else env
+    return StepHook(rank, env) if env.get(STATUS_DIR_ENV) or env.get(FAULT_ENV) else None
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "throttle":

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return launch_local(nproc, path, args.overrides, cfg)
     from megascale.data.shards import DataError
+    from megascale.resilience.faults import rank_step_hook
     from megascale.train.trainer import Trainer
 
     try:  # a bad value or dataset found while building: its message, not a traceback
@@ -55,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, DataError) as exc:
         print(f"megascale train: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    hook = rank_step_hook(trainer.rank)  # only under an executor, or when a test injects faults
+    if hook is not None:
+        trainer.step_hooks.append(hook)
     try:
         trainer.fit()
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, nothing saved

@@ -16,6 +16,7 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,6 @@ from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
 from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh
-from megascale.resilience.faults import after_step
 from megascale.train.metrics import MetricsWriter, progress_line, setup_logging
 from megascale.train.stop import StopOnSignal
 
@@ -84,8 +84,7 @@ class Trainer:
             enabled=cfg.diagnostics.timers, device=self.device,
         )
         set_timers(self.timers)
-        grid = {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp}
-        self.watchdog = Watchdog(self.timers, self.run_dir, cfg.diagnostics.hang_timeout_s, grid=grid)
+        self.watchdog = Watchdog(self.timers, self.run_dir, cfg.diagnostics.hang_timeout_s, grid=self.mesh.grid)
         if cfg.diagnostics.timers:  # it reads the open timer spans to say where a hang is
             self.watchdog.start()
         self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir)
@@ -93,6 +92,8 @@ class Trainer:
         self.step = 0
         self.stop_signal = 0  # set by fit() when a signal stopped it
         self.final_save: FinalSave | None = None  # set by fit(): is the step reached committed?
+        # called as hook(step, step_time) after each step (an executor's progress file, test faults)
+        self.step_hooks: list[Callable[[int, float], None]] = []
         self.flops_per_token = flops_per_token(cfg.model).training
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
@@ -219,7 +220,8 @@ class Trainer:
         )
         record.update({f"time_{k}": v for k, v in self.timers.end_step(self.step).items()})
         self.metrics.write(self.step, record)
-        after_step(self.rank, self.step, step_time)  # progress for the executor; test faults
+        for hook in self.step_hooks:
+            hook(self.step, step_time)
         if self.step % cfg.log_every == 0 or self.step == cfg.steps:
             log.info(progress_line(self.step, cfg.steps, record))
         return record

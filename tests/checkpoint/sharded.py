@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
 from megascale.config.schema import CheckpointConfig, JobConfig, ParallelConfig
-from megascale.parallel.sharding import ShardSpec, local_piece, set_shard_spec, shard_spec
+from megascale.layout.shard import ShardSpec, local_piece, set_shard_spec, shard_spec
 
 # name -> (shape, tp dimension or None); "bias" has 9 elements so ZeRO pads it
 PARAMS = {

@@ -9,7 +9,7 @@ from megascale.diagnostics.hang import analyse_dumps
 from megascale.diagnostics.store import Collector, query
 from megascale.diagnostics.straggler import find_stragglers
 from megascale.diagnostics.timeline import build_trace
-from megascale.parallel.grid import RankGrid
+from megascale.layout.grid import RankGrid
 
 GRID = RankGrid(pp=2, dp=2, tp=2)
 

@@ -9,6 +9,7 @@ import pytest
 
 from megascale.diagnostics.timers import Timers
 from megascale.diagnostics.watchdog import Watchdog
+from megascale.layout.grid import RankGrid
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +26,7 @@ def wait_for(path, timeout: float = 10.0) -> dict:
 def test_dump_names_the_collective_and_coordinates(tmp_path) -> None:
     t = Timers(5, {"pp": 1, "dp": 0, "tp": 1}, "hostB", tmp_path)
     seen = []
-    dog = Watchdog(t, tmp_path, timeout_s=0.3, grid={"pp": 2, "dp": 2, "tp": 2}, poll_s=0.05,
+    dog = Watchdog(t, tmp_path, timeout_s=0.3, grid=RankGrid(pp=2, dp=2, tp=2), poll_s=0.05,
                    on_hang=seen.append).start()
     roll = json.loads((tmp_path / "diagnostics" / "ranks" / "rank5.json").read_text())
     assert roll["host"] == "hostB" and roll["grid"] == {"pp": 2, "dp": 2, "tp": 2}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.diagnostics.watchdog import Watchdog
-from megascale.parallel.grid import RankGrid
+from megascale.layout.grid import RankGrid
 
 
 def main() -> None:
@@ -60,8 +60,7 @@ def main() -> None:
     host = f"node{a.rank // a.ranks_per_host}"
     timers = Timers(a.rank, coords, host, a.run_dir)
     set_timers(timers)
-    layout = {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp}
-    watchdog = Watchdog(timers, a.run_dir, a.hang_timeout, grid=layout, poll_s=0.2).start()
+    watchdog = Watchdog(timers, a.run_dir, a.hang_timeout, grid=grid, poll_s=0.2).start()
     stage, prev_rank, next_rank = coords["pp"], None, None
     if stage > 0:
         prev_rank = grid.rank_of(stage - 1, coords["dp"], coords["tp"])

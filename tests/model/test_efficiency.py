@@ -7,7 +7,7 @@ import torch
 
 from megascale.config import ModelConfig
 from megascale.model import GPT
-from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_input_gemm
+from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_gemms
 
 
 def _loss_and_grads(model, tokens):
@@ -38,11 +38,17 @@ def test_recompute_keeps_gradients_and_names(mode, block):
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7)
 
 
-def test_fused_input_gemm_matches_two_gemms():
+def test_fused_gemms_match_four_gemms():
     base, other, tokens = _pair("parallel")
-    fuse_parallel_input_gemm(other.blocks)
+    fuse_parallel_gemms(other.blocks)
+    widths = []  # output widths of the GEMMs each block's input and output layers run
+    for block in other.blocks:
+        for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj):
+            layer.project = (lambda f: lambda x, w, b: widths.append(tuple(w.shape)) or f(x, w, b))(layer.project)
     loss_a, grads_a = _loss_and_grads(base, tokens)
     loss_b, grads_b = _loss_and_grads(other, tokens)
+    h, ffn = 32, 128
+    assert widths == [(3 * h + ffn, h), (h, h + ffn)] * 2  # one GEMM in, one out, per block
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-5)
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)

@@ -18,11 +18,11 @@ import torch
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers
+from megascale.layout.shard import shard_spec
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer
 from megascale.parallel.engine import build_runner
 from megascale.parallel.mesh import ParallelMesh, init_mesh
-from megascale.parallel.sharding import shard_spec
 from megascale.train.trainer import Trainer
 
 STEPS = 10

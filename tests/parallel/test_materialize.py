@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from megascale.config import ModelConfig
+from megascale.layout.shard import shard_spec, tp_slice
 from megascale.model import GPT
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import split_model
-from megascale.parallel.sharding import shard_spec, tp_slice
-from megascale.parallel.tensor import SP_PARTIAL_ATTR, parallelize
+from megascale.parallel.tensor import parallelize
 from megascale.parallel.tp_comm import TPContext
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, layers=4, hidden=32, heads=4)
@@ -64,7 +64,7 @@ def test_tensor_and_pipeline_slices_are_cut_from_the_whole(tp_rank, pp_rank):
     sliced = [n for n, p in local.items() if shard_spec(p).tp_dim is not None]
     assert sliced and all(shard_spec(local[n]).tp_rank == tp_rank for n in sliced)
     layer = CFG.layers // 2 * pp_rank
-    assert getattr(local[f"blocks.{layer}.ln1.weight"], SP_PARTIAL_ATTR, False)  # attributes kept
+    assert shard_spec(local[f"blocks.{layer}.ln1.weight"]).sp_partial  # the whole spec is kept
 
 
 def test_real_parameters_are_left_alone():

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import ConfigError, ParallelConfig
+from megascale.layout.grid import DIMS
 from megascale.parallel import init_mesh
-from megascale.parallel.grid import DIMS
 from megascale.parallel.launch import run_local
 
 pytestmark = pytest.mark.timeout(600)  # generous: the deadlines below catch hangs
@@ -21,12 +21,11 @@ def _probe(pp: int, dp: int, tp: int) -> dict:
             "coords": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank),
             "sizes": (mesh.pp_size, mesh.dp_size, mesh.tp_size),
             "first_last": (mesh.is_first_stage, mesh.is_last_stage),
-            "next_prev": (mesh.next_pp_rank, mesh.prev_pp_rank),
             "backend": mesh.backend,
             "barriers": mesh.startup.barriers,
             "group_ops": mesh.startup.group_ops,
             "none": [d for d in DIMS if getattr(mesh, f"{d}_group") is None],
-            "ranks": {d: mesh.group_ranks(d) for d in DIMS},
+            "ranks": {d: mesh.grid.group_of(mesh.rank, d) for d in DIMS},
             "reduced": {},
         }
         for dim in DIMS:
@@ -54,8 +53,6 @@ def _check(results: list[dict], pp: int, dp: int, tp: int) -> None:
         assert r["rank"] == (p * dp + d) * tp + t
         assert r["sizes"] == (pp, dp, tp)
         assert r["first_last"] == (p == 0, p == pp - 1)
-        nxt, prev = (p + 1) % pp, (p - 1) % pp
-        assert r["next_prev"] == ((nxt * dp + d) * tp + t, (prev * dp + d) * tp + t)
         assert r["backend"] == "gloo"
         assert r["barriers"] == 0  # no global barrier behind any group
         assert r["ckpt"] == (world, "gloo")
@@ -102,7 +99,6 @@ def test_single_process_needs_no_rendezvous(monkeypatch):
     assert all(getattr(mesh, f"{d}_group") is None for d in DIMS)
     assert mesh.checkpoint_group is None
     assert mesh.is_first_stage and mesh.is_last_stage
-    assert mesh.next_pp_rank == mesh.prev_pp_rank == 0
     assert mesh.device == torch.device("cpu") and mesh.backend == "gloo"
     mesh.destroy()
 

@@ -18,7 +18,7 @@ from megascale.parallel import init_mesh
 from megascale.parallel.engine import build_runner
 from megascale.parallel.launch import run_local
 from megascale.parallel.pipeline import PipelineRunner, split_model
-from megascale.parallel.tensor import apply_tensor_parallel, sync_sequence_parallel_grads
+from megascale.parallel.tensor import apply_tensor_parallel
 from tests.parallel.test_pipeline_parity import batches, job, reference, token_count
 
 pytestmark = pytest.mark.timeout(240)
@@ -86,7 +86,7 @@ def _tp_rank_main() -> list[float]:
         for batch in batches(cfg, STEPS):
             tokens = token_count(batch)
             loss_sum = runner.forward_backward(batch, tokens)
-            sync_sequence_parallel_grads(params, mesh)
+            runner.finish_grads()  # sums the sequence-parallel gradients over tp
             clip_grad_norm_(params, cfg.optim.grad_clip, across=[mesh.pp_group])
             opt.step()
             runner.zero_grad()

@@ -13,9 +13,8 @@ from layout_parity import LOSS_RTOL, Case, compare, run_cases, train
 from torch import nn
 
 from megascale.config.schema import JobConfig, ParallelConfig, TrainConfig
-from megascale.optim.norms import norm_groups
+from megascale.layout.shard import local_piece, shard_spec
 from megascale.parallel.launch import free_port, run_local
-from megascale.parallel.sharding import local_piece, shard_spec
 from megascale.parallel.zero import ZeroGradSync
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,8 +51,8 @@ def _layout_check() -> dict:
         out["pieces_ok"] = all(
             torch.equal(s, local_piece(whole[n], shard_spec(s))) for n, s in named
         )
-        out["groups_ok"] = all(norm_groups(s) == (mesh.dp_group,) for _, s in named)
-        out["full_dim"] = {n: s._full_dim for n, s in named}
+        out["groups_ok"] = all(shard_spec(s).groups == (mesh.dp_group,) for _, s in named)
+        out["matrix"] = {n: shard_spec(s).matrix for n, s in named}
         # gradients: rank r contributes (r + 1) * g, so the shard must hold the dp-sum
         g = {
             n: torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
@@ -146,7 +145,7 @@ def _check_layout(layouts: list[dict]) -> None:
         assert out["buckets"] > 1
         assert out["names"]  # shards come in the order of the model's parameters
         assert out["pieces_ok"] and out["groups_ok"] and out["grad_ok"] and out["refresh_ok"]
-        assert out["full_dim"] == {"a.weight": 2, "a.bias": 1, "b.weight": 2, "b.bias": 1, "c": 1}
+        assert out["matrix"] == {"a.weight": True, "a.bias": False, "b.weight": True, "b.bias": False, "c": False}
         assert out["param_grads_freed"]
         # with dp_overlap every bucket was launched by the gradient hooks, before after_backward
         assert all(out["launched_by_hooks"])

@@ -8,8 +8,9 @@ import pytest
 
 from megascale.config import load_config
 from megascale.resilience.api import ApiClient, ApiError, ApiServer, load_or_create_token
-from megascale.resilience.faults import StepHook, parse_faults
+from megascale.resilience.faults import StepHook, parse_faults, rank_step_hook
 from megascale.resilience.placement import PlacementError, layout_for, usable_nodes
+from megascale.resilience.rankstatus import read_status
 from megascale.resilience.selfcheck_plan import build, judge, ring_rounds
 from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
 
@@ -84,6 +85,15 @@ def test_fault_specs_parse_and_fire_only_in_their_attempt(tmp_path):
     assert StepHook(0, env).faults == {}
     env["MEGASCALE_RESTART_ATTEMPT"] = "0"
     assert list(StepHook(0, env).faults) == [2]
+
+
+def test_a_rank_gets_a_step_hook_only_when_asked(tmp_path):
+    """Training outside an executor and fault tests runs no per-step hook at all."""
+    assert rank_step_hook(0, {}) is None
+    hook = rank_step_hook(3, {"MEGASCALE_STATUS_DIR": str(tmp_path)})
+    hook(7, 0.25)
+    assert read_status(tmp_path, 3)["step"] == 7 and not hook.faults
+    assert rank_step_hook(0, {"MEGASCALE_FAULT": "exit:rank=0:step=9"}).faults[9].kind == "exit"
 
 
 def test_state_survives_a_new_store(tmp_path):

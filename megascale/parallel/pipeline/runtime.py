@@ -28,7 +28,6 @@ from torch import nn
 from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
-from megascale.parallel.engine import ModelRunner
 from megascale.parallel.pipeline.schedule import (
     DEFAULT_LOOKAHEAD,
     Action,
@@ -36,6 +35,7 @@ from megascale.parallel.pipeline.schedule import (
     Schedule,
     build_schedule,
 )
+from megascale.parallel.runner import ModelRunner
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _META_LEN = 8  # [dtype code, ndim, up to 6 dims]

@@ -12,17 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-Dim = Literal["tp", "dp", "pp", "mp", "dp_tp"]
-DIMS: tuple[Dim, ...] = ("tp", "dp", "pp", "mp", "dp_tp")
-
-# Which grid axes vary inside a group of each dimension; the others are fixed.
-_VARYING: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",),
-    "dp": ("dp",),
-    "pp": ("pp",),
-    "mp": ("pp", "tp"),  # model-parallel: one full model replica (same dp index)
-    "dp_tp": ("dp", "tp"),  # one pipeline stage (same pp index)
-}
+Dim = Literal["tp", "dp", "pp"]
+DIMS: tuple[Dim, ...] = ("tp", "dp", "pp")
 
 
 class Coords(NamedTuple):
@@ -62,42 +53,23 @@ class RankGrid:
 
     def groups(self, dim: Dim) -> list[list[int]]:
         """Every group of `dim`, each sorted, ordered by the smallest rank it holds."""
-        varying = self._varying(dim)
-        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
-        by_key: dict[tuple[int, ...], list[int]] = {}
-        for rank in range(self.world_size):
-            c = self.coords(rank)._asdict()
-            key = tuple(c[a] for a in ("pp", "dp", "tp") if a not in varying)
-            by_key.setdefault(key, []).append(rank)
-        groups = sorted(by_key.values(), key=lambda g: g[0])
-        expected = 1
-        for axis in varying:
-            expected *= sizes[axis]
-        assert all(len(g) == expected for g in groups)
-        return groups
+        firsts = [r for r in range(self.world_size) if getattr(self.coords(r), self._axis(dim)) == 0]
+        return [self.group_of(r, dim) for r in firsts]
 
     def group_of(self, rank: int, dim: Dim) -> list[int]:
-        """The ranks of `rank`'s group in `dim`, computed without enumerating the world."""
-        varying = self._varying(dim)
-        c = self.coords(rank)
-        ranges = {
-            axis: range(getattr(self, axis)) if axis in varying else (getattr(c, axis),)
-            for axis in ("pp", "dp", "tp")
-        }
-        return sorted(
-            self.rank_of(p, d, t) for p in ranges["pp"] for d in ranges["dp"] for t in ranges["tp"]
-        )
+        """The ranks of `rank`'s group in `dim`: those differing from it only in that coordinate."""
+        c = self.coords(rank)._asdict()
+        axis = self._axis(dim)
+        return [self.rank_of(**{**c, axis: i}) for i in range(getattr(self, axis))]
 
     def group_size(self, dim: Dim) -> int:
-        size = 1
-        for axis in self._varying(dim):
-            size *= getattr(self, axis)
-        return size
+        return getattr(self, self._axis(dim))
 
-    def _varying(self, dim: str) -> tuple[str, ...]:
-        if dim not in _VARYING:
+    @staticmethod
+    def _axis(dim: str) -> str:
+        if dim not in DIMS:
             raise ValueError(f"unknown mesh dimension {dim!r}; choose one of {list(DIMS)}")
-        return _VARYING[dim]
+        return dim
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from megascale.parallel.grid import DIMS, Coords, RankGrid
+from megascale.layout.grid import DIMS, Coords, RankGrid
 
 LAYOUTS = [(1, 1, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1), (2, 2, 2), (3, 2, 4), (4, 1, 1)]
 
@@ -39,10 +39,8 @@ def test_group_semantics_on_2x2x2():
     assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grid.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    # model-parallel: one replica = same dp index, all pp and tp
-    assert grid.groups("mp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    # one pipeline stage = same pp index
-    assert grid.groups("dp_tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="unknown mesh dimension 'mp'"):
+        grid.groups("mp")
 
 
 @pytest.mark.parametrize("pp,dp,tp", LAYOUTS)
@@ -52,8 +50,6 @@ def test_fixed_axes_inside_groups(pp, dp, tp):
         "tp": ("pp", "dp"),
         "dp": ("pp", "tp"),
         "pp": ("dp", "tp"),
-        "mp": ("dp",),
-        "dp_tp": ("pp",),
     }
     for dim, axes in fixed.items():
         for g in grid.groups(dim):

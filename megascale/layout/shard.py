@@ -1,0 +1,97 @@
+"""What part of a whole parameter a local tensor holds, and how its pieces add up.
+
+Every layout is described the same way: tensor parallelism cuts a parameter into `tp` equal
+contiguous slices along one dimension; ZeRO then gives each dp rank a contiguous range of the
+flattened tp slice. A local tensor carries one `ShardSpec` (its only piece of layout metadata),
+so that checkpoints reshard between layouts, norms are made whole again over the right groups,
+weight decay knows a flat ZeRO shard was a matrix, and sequence-parallel gradients are summed
+over tp -- without knowing which parallel code produced the piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+_ATTR = "_shard"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    global_shape: tuple[int, ...]
+    tp_dim: int | None = None  # dimension split over tp; None = replicated over tp
+    tp_rank: int = 0
+    tp_size: int = 1
+    flat_range: tuple[int, int] | None = None  # ZeRO: [start, end) of the flattened tp slice
+    # Replicated over tp but used on a sequence slice (sequence parallelism): each tp rank's
+    # gradient is partial and must be summed over tp.
+    sp_partial: bool = False
+    # Process groups over which the pieces' sums of squares add up to the whole tensor's (tp for
+    # a sliced weight, dp for a ZeRO shard). Runtime only: never saved, never compared.
+    groups: tuple[dist.ProcessGroup, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def tp_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's tensor-parallel slice (before ZeRO flattening)."""
+        if self.tp_dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.tp_dim] //= self.tp_size
+        return tuple(shape)
+
+    @property
+    def matrix(self) -> bool:
+        """The whole parameter has two or more dimensions (a flat ZeRO shard of a matrix too)."""
+        return len(self.global_shape) >= 2
+
+    def split_over(self, *groups: dist.ProcessGroup | None) -> ShardSpec:
+        """The same piece, now also one of several summed over `groups` (None entries ignored)."""
+        return replace(self, groups=self.groups + tuple(g for g in groups if g is not None))
+
+    def with_flat_range(self, start: int, end: int) -> ShardSpec:
+        return replace(self, flat_range=(start, end))
+
+    def with_sp_partial(self) -> ShardSpec:
+        return replace(self, sp_partial=True)
+
+    def __deepcopy__(self, memo: dict) -> ShardSpec:
+        return self  # immutable, and its process groups must stay the same objects
+
+    def __reduce__(self):
+        """Pickled (sent to another process) without its process groups, which belong to this one."""
+        return ShardSpec, (self.global_shape, self.tp_dim, self.tp_rank, self.tp_size, self.flat_range,
+                           self.sp_partial)
+
+
+def shard_spec(tensor: torch.Tensor) -> ShardSpec:
+    """The tensor's spec; an unannotated tensor is the whole parameter."""
+    return getattr(tensor, _ATTR, None) or ShardSpec(tuple(tensor.shape))
+
+
+def set_shard_spec(tensor: torch.Tensor, spec: ShardSpec) -> None:
+    setattr(tensor, _ATTR, spec)
+
+
+def tp_slice(whole: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's tensor-parallel slice of the whole parameter (a view)."""
+    if spec.tp_dim is None:
+        return whole
+    size = whole.shape[spec.tp_dim] // spec.tp_size
+    return whole.narrow(spec.tp_dim, spec.tp_rank * size, size)
+
+
+def local_piece(whole: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The exact values a rank with `spec` holds, cut from the whole parameter."""
+    piece = tp_slice(whole, spec)
+    if spec.flat_range is None:
+        return piece
+    start, end = spec.flat_range
+    flat = piece.reshape(-1)
+    valid_end = min(end, flat.numel())
+    out = torch.zeros(end - start, dtype=whole.dtype, device=whole.device)  # padding stays zero
+    if valid_end > start:
+        out[: valid_end - start] = flat[start:valid_end]
+    return out
+

@@ -1,0 +1,122 @@
+"""What one rank runs each step: the micro-batches of its model chunks, and the hooks around
+the optimizer step.
+
+`ModelRunner` is one pipeline stage holding one chunk (the pipeline runtime subclasses it). The
+trainer sees only this interface: forward+backward of one optimizer step's micro-batches, the
+tensors the optimizer steps on (parameters, or their ZeRO shards), and the gradient and
+parameter synchronisation around the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megascale.config.schema import JobConfig
+from megascale.data import TokenBatch
+from megascale.diagnostics.timers import get_timers
+from megascale.layout.shard import shard_spec
+from megascale.parallel.tensor import sync_sequence_parallel_grads
+
+
+class ModelRunner:
+    """One pipeline stage holding one chunk: runs micro-batches one after another.
+
+    Subclasses (the pipeline runner) override `forward_backward` and `eval_loss_sum`."""
+
+    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh=None):
+        self.chunks = chunks
+        self.cfg = cfg
+        self.mesh = mesh
+        self.grad_sync = None  # set by ZeRO: reduce-scatter after backward, all-gather after step
+        self._sp_partial: list[torch.Tensor] | None = None  # optimizer tensors with partial grads
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast around forwards when train.dtype = bf16 (backward follows it)."""
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(self._device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def module(self) -> nn.Module:
+        return self.chunks[0]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters of this rank's chunks, named as in the single-process model."""
+        for chunk in self.chunks:
+            yield from chunk.named_parameters()
+
+    def optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs the optimizer updates: parameters, or their ZeRO shards."""
+        if self.grad_sync is not None:
+            return self.grad_sync.optimizer_tensors()
+        return list(self.named_parameters())
+
+    def forward_backward(self, batch: TokenBatch, token_count: int) -> torch.Tensor:
+        """Accumulate gradients of (sum of token losses / token_count) over the micro-batches;
+        returns this rank's summed token loss (detached, float64, on the model's device: reading
+        it on the host once per step, not once per micro-batch, keeps the GPU queue full)."""
+        timers = get_timers()
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        model = self.module
+        if self.grad_sync is not None:
+            self.grad_sync.before_forward(0)
+        for inputs, labels in zip(batch.inputs, batch.labels, strict=True):
+            with timers.span("forward"), self.autocast():
+                loss = model(inputs.to(self._device), labels.to(self._device))
+            with timers.span("backward"):
+                (loss / token_count).backward()
+            total += loss.detach().double()
+        if self.grad_sync is not None:
+            self.grad_sync.after_backward(0)
+        return total
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
+        if self.grad_sync is not None:
+            self.grad_sync.before_forward(0)
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        for inputs, labels in zip(batch.inputs, batch.labels, strict=True):
+            with self.autocast():
+                loss = self.module(inputs.to(self._device), labels.to(self._device))
+            total += loss.double()
+        return total
+
+    def finish_grads(self) -> None:
+        """Gradients are complete when this returns: summed over dp (ZeRO) and, for parameters
+        used on a sequence slice, over tp."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        tp_group = None if self.mesh is None else self.mesh.tp_group
+        if tp_group is not None:
+            if self._sp_partial is None:
+                self._sp_partial = [t for _, t in self.optimizer_tensors() if shard_spec(t).sp_partial]
+            sync_sequence_parallel_grads(self._sp_partial, tp_group)
+
+    def after_optimizer_step(self) -> None:
+        """Start refreshing the parameters from the updated shards (ZeRO)."""
+        if self.grad_sync is not None:
+            self.grad_sync.after_step()
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
+        if self.grad_sync is not None:
+            self.grad_sync.zero_grad()
+
+    def close(self) -> None:
+        """Wait for communication still in flight (the next step's parameter prefetch), so that
+        destroying the process groups cannot abort a pending collective."""
+        if self.grad_sync is not None:
+            self.grad_sync.wait_params()
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.train(mode)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.module.parameters()).device
