@@ -34,9 +34,10 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT
 from megascale.optim import build_optimizer
-from megascale.parallel.engine import ModelRunner, build_runner
+from megascale.parallel.engine import build_runner
 from megascale.parallel.launch import run_local
 from megascale.parallel.mesh import ParallelMesh, init_mesh
+from megascale.parallel.runner import ModelRunner
 from megascale.parallel.zero import ZeroGradSync
 from megascale.train.trainer import Trainer
 

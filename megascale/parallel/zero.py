@@ -12,9 +12,9 @@ parameter (its tensor-parallel slice, flattened and zero-padded to a multiple of
 dp equal pieces, and the bucket's flat buffer is `[rank 0's pieces | rank 1's pieces | ...]`,
 so one `reduce_scatter` leaves each rank a contiguous region holding its piece of every
 parameter, and one `all_gather` of those regions rebuilds the buffer. A rank's shard of a
-parameter is a view of that region: it records the flat range of the tp slice it covers
-(`ShardSpec.flat_range`, for resharding checkpoints) and the process groups whose pieces make
-up the whole parameter (`mark_sharded`, for LAMB's trust ratio and clipping).
+parameter is a view of that region; its `ShardSpec` records the flat range of the tp slice it
+covers (for resharding checkpoints) and the process groups whose pieces make up the whole
+parameter (for LAMB's trust ratio and clipping).
 
 Overlap (`parallel.dp_overlap`): each bucket's reduce-scatter is launched as soon as the last
 micro-batch's backward has produced every gradient in it (counted by post-accumulate-grad
