@@ -44,28 +44,28 @@ def stall(args, work: Path) -> dict:
                                                    "--checkpoint.async_save=false"])
     from megascale.checkpoint import CheckpointManager
 
-    sync = CheckpointManager(sync_cfg, trainer.mesh, work / "stall")
+    sync = CheckpointManager(sync_cfg, trainer.mesh, work / "stall", trainer.checkpoints.state)
     unsynced_cfg = load_config(None, model + COMMON + [f"--train.run_dir={work / 'stall'}",
                                                        f"--checkpoint.dir={work / 'unsynced'}",
                                                        "--checkpoint.async_save=false", "--checkpoint.fsync=false"])
-    unsynced = CheckpointManager(unsynced_cfg, trainer.mesh, work / "stall")
+    unsynced = CheckpointManager(unsynced_cfg, trainer.mesh, work / "stall", trainer.checkpoints.state)
     two_stage = trainer.checkpoints
     for _ in range(2):  # warm up: optimizer state exists, buffers allocated, writer started
         trainer.run_step()
-    two_stage.save(trainer, blocking=True)
-    sync.save(trainer)
-    unsynced.save(trainer)
+    two_stage.save(blocking=True)
+    sync.save()
+    unsynced.save()
     rows = []
     for _ in range(args.rounds):
         quiet = [_timed(trainer.run_step) for _ in range(args.steps)]
-        two_stage.save(trainer)
+        two_stage.save()
         during = [_timed(trainer.run_step) for _ in range(args.steps)]
         async_s = two_stage.last_stall_s  # save() + the optimizer's wait for stage 1
         start = time.perf_counter()
         two_stage._wait()
         tail = time.perf_counter() - start
-        sync_s = _timed(lambda: sync.save(trainer))
-        unsynced_s = _timed(lambda: unsynced.save(trainer))
+        sync_s = _timed(sync.save)
+        unsynced_s = _timed(unsynced.save)
         rows.append({"async_stall_s": async_s, "sync_save_s": sync_s, "sync_save_no_fsync_s": unsynced_s,
                      "stage2_tail_s": tail,
                      "step_quiet_s": statistics.median(quiet),

@@ -1,5 +1,8 @@
 """`CheckpointManager`: the trainer's one entry point for saving and resuming.
 
+It is given the state once, as explicit objects (`stateful.CheckpointState`: model, optimizer,
+loader, train state, RNG), and reads and writes those only.
+
 save = agree (one small collective on the checkpoint group: same step? a save in flight? a
 writer died?) -> stage 1 (copy into the host buffer; the training stall) -> hand the job to the
 stage-2 writer process and return. resume = find the newest checkpoint whose manifest checks,
@@ -41,6 +44,7 @@ from megascale.checkpoint.state import (
     shared_pieces,
     spec_to_json,
 )
+from megascale.checkpoint.stateful import CheckpointState
 from megascale.checkpoint.storage import CheckpointError, open_root, step_name
 from megascale.checkpoint.writer import WriteJob, persist
 from megascale.config import JobConfig, to_dict
@@ -50,8 +54,8 @@ log = logging.getLogger("megascale.checkpoint")
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig, mesh, run_dir: Path):
-        self.job_cfg, self.cfg, self.mesh = cfg, cfg.checkpoint, mesh
+    def __init__(self, cfg: JobConfig, mesh, run_dir: Path, state: CheckpointState):
+        self.job_cfg, self.cfg, self.mesh, self.state = cfg, cfg.checkpoint, mesh, state
         self.rank, self.world = mesh.rank, mesh.world_size
         self.root = self.cfg.dir or str((Path(run_dir) / "checkpoints").resolve())
         self.comm = Comm(mesh.checkpoint_group, self.rank, self.world)
@@ -80,21 +84,21 @@ class CheckpointManager:
         """The stage-2 writer process (fault tests kill it)."""
         return self._writer.pid if self._writer is not None else None
 
-    def maybe_save(self, trainer) -> None:
-        if self.cfg.every > 0 and trainer.step % self.cfg.every == 0:
-            self.save(trainer)
+    def maybe_save(self) -> None:
+        if self.cfg.every > 0 and self.state.step % self.cfg.every == 0:
+            self.save()
         else:
             self._poll()  # report a finished write when it finishes, not at the next save
 
-    def save(self, trainer, blocking: bool = False) -> None:
+    def save(self, blocking: bool = False) -> None:
         self._poll()
         start = time.perf_counter()
-        step = trainer.step
-        pieces, plain = shared_pieces(trainer)
+        step = self.state.step
+        pieces, plain = shared_pieces(self.state)
         keys = [p.key for p in pieces]
         if not self._agree(step, keys, blocking):
             return
-        rng, rng_meta = rng_pieces(self.rank, trainer.rng_state())
+        rng, rng_meta = rng_pieces(self.rank, self.state.rng.state_dict())
         mine = [piece for piece, write in zip(pieces, self._writes[1], strict=True) if write]
         written = mine + rng
         offsets, nbytes = layout([p.tensor for p in written])
@@ -108,7 +112,7 @@ class CheckpointManager:
         index = {
             "records": [_record(p, off) for p, off in zip(written, offsets, strict=True)],
             "plain": {name: value for name, value in plain.items() if name in params},
-            "meta": {"rng": rng_meta, "loader": trainer.train_loader.state_dict()},
+            "meta": {"rng": rng_meta, "loader": self.state.loader.state_dict()},
         }
         job = WriteJob(
             step=step, root=self.root, tmp_name=f"{step_name(step)}.tmp-{self.run_id}",
@@ -120,7 +124,7 @@ class CheckpointManager:
         self._inflight = step
         tensors = [p.tensor for p in written]
         if self.cfg.async_save:
-            self._hook(trainer.optimizer)
+            self._hook(self.state.optimizer)
             self._capture = threading.Thread(target=self._capture_and_send,
                                              args=(tensors, offsets, job), daemon=True,
                                              name=f"megascale-checkpoint-stage1-{self.rank}")
@@ -132,19 +136,20 @@ class CheckpointManager:
         if blocking:
             self._wait()
 
-    def save_final(self, trainer) -> FinalSave:
+    def save_final(self) -> FinalSave:
         """Make sure the step reached is committed, waiting for any save in flight first (a
         collective: every rank calls it). What rank 0's writer confirmed is what every rank
         reports, so the exit code and the message say what is really on storage."""
         self._wait()
         self.committed = self.comm.broadcast(self.committed)
         error = None
-        if self.committed is None or self.committed[0] != trainer.step:
-            self.save(trainer, blocking=True)
+        step = self.state.step
+        if self.committed is None or self.committed[0] != step:
+            self.save(blocking=True)
             error = self.last_result[2] if self.last_result and self.last_result[0] == "error" else None
             self.committed, error = self.comm.broadcast((self.committed, error))
-        saved = self.committed is not None and self.committed[0] == trainer.step
-        return FinalSave(trainer.step, saved, self.committed, None if saved else error or "see the log")
+        saved = self.committed is not None and self.committed[0] == step
+        return FinalSave(step, saved, self.committed, None if saved else error or "see the log")
 
     def _capture_and_send(self, tensors: list[torch.Tensor], offsets: list[int],
                           job: WriteJob) -> None:
@@ -290,7 +295,7 @@ class CheckpointManager:
                       "older checkpoints are intact", step, self.rank, info)
 
     # ------------------------------------------------------------------------------ resuming
-    def resume(self, trainer) -> bool:
+    def resume(self) -> bool:
         """Load per `checkpoint.resume`: "auto" = the newest valid checkpoint under the
         checkpoint dir (none = start fresh), "none", or a path (a checkpoint or a root)."""
         mode = self.cfg.resume
@@ -309,24 +314,24 @@ class CheckpointManager:
                 return False
             path, manifest = choice
             try:
-                self._load(trainer, fs, path, manifest)
+                self._load(fs, path, manifest)
             except CheckpointError as exc:
                 log.warning("checkpoint %s cannot be used: %s -- trying the previous one",
                             path, exc)
                 continue
             if posixpath.dirname(path) == open_root(self.root)[1]:
-                self.committed = (trainer.step, path)  # already here: the same state is not saved again
+                self.committed = (self.state.step, path)  # already here: the same state is not saved again
             return True
 
-    def _load(self, trainer, fs, path: str, manifest: dict) -> None:
+    def _load(self, fs, path: str, manifest: dict) -> None:
         start = time.perf_counter()
         fields: dict[str, set[str]] = defaultdict(set)
         for rec in manifest["tensors"]:
             if not rec["param"].startswith(RNG):
                 fields[rec["param"]].add(rec["field"])
-        targets = load_targets(trainer, fields)
+        targets = load_targets(self.state, fields)
         restored = restore(fs, path, manifest, targets, self.comm)
-        problems = [p for p in self.comm.gather(self._install(trainer, targets, manifest, restored)) if p]
+        problems = [p for p in self.comm.gather(self._install(targets, manifest, restored)) if p]
         if problems:  # every rank falls back together
             raise CheckpointError(f"{path}: " + "; ".join(problems))
         if not (restored.rng and str(self.rank) in manifest["ranks"]):
@@ -335,25 +340,25 @@ class CheckpointManager:
         read = sum(self.comm.gather(restored.bytes_read))
         read += manifest["manifest_bytes"]
         size = checkpoint_bytes(manifest)
-        self.last_restore = {"path": path, "step": trainer.step, "bytes_read": read,
+        self.last_restore = {"path": path, "step": self.state.step, "bytes_read": read,
                              "checkpoint_bytes": size, "seconds": time.perf_counter() - start}
         saved = manifest["layout"]
         log.info("resumed from %s at step %d (saved as pp=%d dp=%d tp=%d, %d ranks; read %d of "
-                 "%d stored bytes, %.2f s)", path, trainer.step, saved["pp"], saved["dp"],
+                 "%d stored bytes, %.2f s)", path, self.state.step, saved["pp"], saved["dp"],
                  saved["tp"], manifest["world_size"], read, size, self.last_restore["seconds"])
         if manifest["config"].get("model") != to_dict(self.job_cfg)["model"]:
             log.warning("the checkpoint's model config differs from this job's (shapes match)")
 
-    def _install(self, trainer, targets, manifest: dict, restored) -> str | None:
-        """Put the loaded state in place; a value the trainer rejects is reported, not raised,
+    def _install(self, targets, manifest: dict, restored) -> str | None:
+        """Put the loaded state in place; a value a state object rejects is reported, not raised,
         so that all ranks agree on the outcome (a data-config mismatch still stops the job)."""
         ranks = manifest["ranks"]
         try:
-            install_optimizer_state(trainer, targets, manifest["plain"])
-            trainer.step = manifest["step"]
-            trainer.train_loader.load_state_dict(ranks.get(str(self.rank), ranks["0"])["loader"])
+            install_optimizer_state(self.state, targets, manifest["plain"])
+            self.state.train.load_state_dict({"step": manifest["step"]})
+            self.state.loader.load_state_dict(ranks.get(str(self.rank), ranks["0"])["loader"])
             if restored.rng and str(self.rank) in ranks:
-                trainer.set_rng_state(rng_from_arrays(restored.rng, ranks[str(self.rank)]["rng"]))
+                self.state.rng.load_state_dict(rng_from_arrays(restored.rng, ranks[str(self.rank)]["rng"]))
         except DataError:
             raise
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:

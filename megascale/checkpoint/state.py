@@ -1,4 +1,4 @@
-"""What a rank saves and where a loaded value goes: the bridge between a trainer and records.
+"""What a rank saves and where a loaded value goes: the bridge between a `CheckpointState` and records.
 
 Shared state is a list of `Piece`s: one field ("value" or "optim.<key>") of one parameter, as
 the local tensor holding it with its `ShardSpec`, so any layout can load it. Optimizer state
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from megascale.checkpoint.manifest import DTYPE_SIZES, RNG
+from megascale.checkpoint.stateful import CheckpointState
 from megascale.layout.shard import ShardSpec, shard_spec
 
 VALUE = "value"
@@ -78,12 +79,12 @@ def valid_numel(spec: ShardSpec) -> int:
 
 
 # ------------------------------------------------------------------------------ save side
-def shared_pieces(trainer) -> tuple[list[Piece], dict[str, dict[str, Any]]]:
+def shared_pieces(state: CheckpointState) -> tuple[list[Piece], dict[str, dict[str, Any]]]:
     """The tensors the optimizer steps on and their optimizer state, plus JSON scalars."""
-    optimizer = trainer.optimizer
+    optimizer = state.optimizer
     pieces: list[Piece] = []
     plain: dict[str, dict[str, Any]] = {}
-    for name, tensor in trainer.runner.optimizer_tensors():
+    for name, tensor in state.model.optimizer_tensors():
         spec = shard_spec(tensor)
         pieces.append(Piece(name, VALUE, spec, tensor.detach()))
         for key, value in sorted(optimizer.state.get(tensor, {}).items()):
@@ -136,7 +137,7 @@ def rng_pieces(rank: int, state: dict[str, Any]) -> tuple[list[Piece], dict[str,
 
 
 def rng_from_arrays(arrays: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of `rng_pieces`: the dict `trainer.set_rng_state` takes."""
+    """Inverse of `rng_pieces`: the dict `RNGState.load_state_dict` takes."""
     state: dict[str, Any] = {}
     for name, info in meta.items():
         array = arrays[name]
@@ -165,36 +166,35 @@ class Target:
         return (self.param, self.field, spec_key(self.spec))
 
 
-def load_targets(trainer, saved_fields: dict[str, set[str]]) -> list[Target]:
+def load_targets(state: CheckpointState, saved_fields: dict[str, set[str]]) -> list[Target]:
     """Every tensor of this rank the checkpoint sets: the optimizer's tensors, their state
     (into fresh tensors, installed by `install_optimizer_state` once the load succeeded) and
     parameters that are not optimizer tensors themselves (whole parameters under ZeRO)."""
     targets: list[Target] = []
     stepped = set()
-    for name, tensor in trainer.runner.optimizer_tensors():
+    for name, tensor in state.model.optimizer_tensors():
         spec = shard_spec(tensor)
         stepped.add(id(tensor))
         targets.append(Target(name, VALUE, spec, tensor.data))
         for field in sorted(saved_fields.get(name, set()) - {VALUE}):
             fresh = torch.zeros_like(tensor, memory_format=torch.preserve_format)
             targets.append(Target(name, field, spec, fresh))
-    for name, param in trainer.runner.named_parameters():
+    for name, param in state.model.named_parameters():
         if id(param) not in stepped:
             targets.append(Target(name, VALUE, shard_spec(param), param.data))
     return targets
 
 
-def install_optimizer_state(trainer, targets: list[Target],
+def install_optimizer_state(state: CheckpointState, targets: list[Target],
                             plain: dict[str, dict[str, Any]]) -> None:
     """Replace the optimizer's state by the loaded tensors and scalars."""
-    by_name = dict(trainer.runner.optimizer_tensors())
-    trainer.optimizer.state.clear()
+    by_name = dict(state.model.optimizer_tensors())
+    optimizer_state = state.optimizer.state
+    optimizer_state.clear()
     for target in targets:
         if target.field.startswith(OPTIM) and target.param in by_name:
-            state = trainer.optimizer.state[by_name[target.param]]
-            state[target.field.removeprefix(OPTIM)] = target.tensor
+            optimizer_state[by_name[target.param]][target.field.removeprefix(OPTIM)] = target.tensor
     for name, scalars in plain.items():
         if name in by_name:
-            state = trainer.optimizer.state[by_name[name]]
             for key, data in scalars.items():
-                state[key] = scalar_from_json(data)
+                optimizer_state[by_name[name]][key] = scalar_from_json(data)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megascale.checkpoint.manager import CheckpointManager, FinalSave
+from megascale.checkpoint.stateful import CheckpointState, RNGState, TrainState
 from megascale.config import ConfigError, JobConfig, dump_config
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import mfu, peak_flops
@@ -87,9 +88,11 @@ class Trainer:
         self.watchdog = Watchdog(self.timers, self.run_dir, cfg.diagnostics.hang_timeout_s, grid=self.mesh.grid)
         if cfg.diagnostics.timers:  # it reads the open timer spans to say where a hang is
             self.watchdog.start()
-        self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir)
+        self.train_state = TrainState()
+        self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir, CheckpointState(
+            model=self.runner, optimizer=self.optimizer, loader=self.train_loader, train=self.train_state,
+            rng=RNGState(self.device)))
         self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard)
-        self.step = 0
         self.stop_signal = 0  # set by fit() when a signal stopped it
         self.final_save: FinalSave | None = None  # set by fit(): is the step reached committed?
         # called as hook(step, step_time) after each step (an executor's progress file, test faults)
@@ -103,23 +106,14 @@ class Trainer:
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
 
-    # ---------------------------------------------------------------- state for checkpoints
-    def rng_state(self) -> dict:
-        state = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
+    @property
+    def step(self) -> int:
+        """Steps done; kept in `train_state`, which checkpoints save and restore."""
+        return self.train_state.step
 
-    def set_rng_state(self, state: dict) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self.device)
+    @step.setter
+    def step(self, value: int) -> None:
+        self.train_state.step = value
 
     # ---------------------------------------------------------------- one step
     def global_token_count(self, batch: TokenBatch | None) -> int:
@@ -172,7 +166,7 @@ class Trainer:
         the last step and wait for its commit (`final_save`); return the losses of the steps
         this call ran."""
         cfg = self.cfg.train
-        self.checkpoints.resume(self)
+        self.checkpoints.resume()
         losses: list[float] = []
         gc.collect()
         gc.disable()
@@ -185,7 +179,7 @@ class Trainer:
                         log.warning("stopping at step %d on %s: saving it", self.step,
                                     signal.Signals(self.stop_signal).name)
                         break
-                self.final_save = self.checkpoints.save_final(self)
+                self.final_save = self.checkpoints.save_final()
             if self.final_save.saved:
                 log.info("%s; the same command resumes from it", self.final_save.describe())
             else:
@@ -208,7 +202,7 @@ class Trainer:
         if cfg.gc_every and self.step % cfg.gc_every == 0:
             gc.collect()
             self.peak.refresh()
-        self.checkpoints.maybe_save(self)
+        self.checkpoints.maybe_save()
         step_time = time.perf_counter() - start
         tokens_per_s = cfg.global_batch * self.cfg.model.seq_len / step_time
         world = self.mesh.world_size

@@ -3,22 +3,20 @@
 Each rank holds exactly what the parallel code gives it: tensor-parallel slices (with their
 `ShardSpec`), ZeRO flat ranges of them (padded), a pipeline stage's subset of parameters, and
 AdamW state shaped like each piece. Whole tensors are known, so every loaded piece can be
-checked against `local_piece(whole, spec)`. The checkpoint code sees the trainer interface only.
+checked against `local_piece(whole, spec)`. The checkpoint code sees a `CheckpointState` only.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import fsspec
-import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
+from megascale.checkpoint.stateful import CheckpointState, RNGState, TrainState
 from megascale.config.schema import CheckpointConfig, JobConfig, ParallelConfig
 from megascale.layout.shard import ShardSpec, local_piece, set_shard_spec, shard_spec
 
@@ -68,17 +66,6 @@ class Loader:
         self.state = dict(state)
 
 
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
 def spec_for(mesh, name: str, zero: bool) -> tuple[ShardSpec, ShardSpec]:
     """(spec of the tp slice = the parameter, spec of the optimizer tensor)."""
     shape, tp_dim = PARAMS[name]
@@ -89,8 +76,9 @@ def spec_for(mesh, name: str, zero: bool) -> tuple[ShardSpec, ShardSpec]:
     return spec, spec.with_flat_range(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
 
 
-def build_state(mesh, zero: bool, seed: int | None, root: str, step: int = 0):
-    """The trainer-like object; `seed=None` leaves parameters zero and the optimizer empty."""
+def build_state(mesh, zero: bool, seed: int | None, root: str, step: int = 0) -> tuple[JobConfig, CheckpointState]:
+    """The job config and the state to save or load into; `seed=None` leaves parameters zero
+    and the optimizer empty."""
     values = wholes(seed) if seed is not None else None
     params, shards = {}, {}
     for name in stage_params(mesh.pp_rank, mesh.pp_size):
@@ -113,29 +101,29 @@ def build_state(mesh, zero: bool, seed: int | None, root: str, step: int = 0):
             }
     cfg = JobConfig(parallel=ParallelConfig(pp=mesh.pp_size, dp=mesh.dp_size, tp=mesh.tp_size),
                     checkpoint=CheckpointConfig(dir=root, every=0))
-    return SimpleNamespace(step=step, cfg=cfg, mesh=mesh, runner=runner, optimizer=optimizer,
-                           train_loader=Loader(), rng_state=rng_state, set_rng_state=set_rng_state)
+    return cfg, CheckpointState(model=runner, optimizer=optimizer, loader=Loader(), train=TrainState(step),
+                                rng=RNGState(torch.device("cpu")))
 
 
-def check_state(trainer, seed: int, step: int) -> list[str]:
+def check_state(state: CheckpointState, seed: int, step: int) -> list[str]:
     """Every local tensor and optimizer state equals its cut of the whole; returns mismatches."""
     values = wholes(seed)
     bad = []
-    for name, param in trainer.runner.named_parameters():
+    for name, param in state.model.named_parameters():
         if not torch.equal(param.data, local_piece(values["value"][name], shard_spec(param))):
             bad.append(f"param {name}")
-    for name, tensor in trainer.runner.optimizer_tensors():
+    for name, tensor in state.model.optimizer_tensors():
         spec = shard_spec(tensor)
         if not torch.equal(tensor.data, local_piece(values["value"][name], spec)):
             bad.append(f"optimizer tensor {name}")
-        state = trainer.optimizer.state[tensor]
+        moments = state.optimizer.state[tensor]
         for field in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(state[field], local_piece(values[field][name], spec)):
+            if not torch.equal(moments[field], local_piece(values[field][name], spec)):
                 bad.append(f"{field} {name}")
-        if float(state["step"]) != step:
-            bad.append(f"step {name}: {state['step']}")
-    if trainer.step != step:
-        bad.append(f"trainer.step {trainer.step}")
+        if float(moments["step"]) != step:
+            bad.append(f"step {name}: {moments['step']}")
+    if state.step != step:
+        bad.append(f"train state step {state.step}")
     return bad
 
 

@@ -34,9 +34,9 @@ def _save(root: str, layout: tuple[int, int, int]) -> dict:
     try:
         random.seed(100 + mesh.rank)
         torch.manual_seed(100 + mesh.rank)
-        state = sharded.build_state(mesh, zero=True, seed=SEED, root=root, step=STEP)
-        manager = CheckpointManager(state.cfg, mesh, root)
-        manager.save(state)
+        cfg, state = sharded.build_state(mesh, zero=True, seed=SEED, root=root, step=STEP)
+        manager = CheckpointManager(cfg, mesh, root, state)
+        manager.save()
         next_draws = (random.random(), torch.rand(1).item())
         manager.close()
         return {"draws": next_draws, "result": manager.last_result}
@@ -50,10 +50,10 @@ def _load(root: str, layout: tuple[int, int, int], zero: bool) -> dict:
     sharded.register_counting()
     mesh = _mesh(*layout)
     try:
-        state = sharded.build_state(mesh, zero=zero, seed=None, root=root)
-        manager = CheckpointManager(state.cfg, mesh, root)
+        cfg, state = sharded.build_state(mesh, zero=zero, seed=None, root=root)
+        manager = CheckpointManager(cfg, mesh, root, state)
         before = sharded.CountingFileSystem.bytes_read
-        loaded = manager.resume(state)
+        loaded = manager.resume()
         read = sharded.CountingFileSystem.bytes_read - before
         draws = (random.random(), torch.rand(1).item())
         manager.close()

@@ -23,7 +23,7 @@ def test_snapshot_is_not_changed_by_later_steps(tmp_path):
     for _ in range(5):
         trainer.run_step()
     at_save = {n: p.detach().clone() for n, p in trainer.runner.named_parameters()}
-    trainer.checkpoints.save(trainer)
+    trainer.checkpoints.save()
     assert trainer.checkpoints.last_stall_s < 1.0
     for _ in range(5):
         trainer.run_step()
