@@ -37,20 +37,18 @@ from megascale.optim import build_optimizer
 from megascale.parallel.engine import build_runner
 from megascale.parallel.launch import run_local
 from megascale.parallel.mesh import ParallelMesh, init_mesh
-from megascale.parallel.runner import ModelRunner
-from megascale.parallel.zero import ZeroGradSync
 from megascale.train.trainer import Trainer
 
 RESULTS = Path(__file__).parent / "results" / "zero_overlap.json"
 
 
 def job(args: argparse.Namespace, dp: int = 1, tp: int = 1, pp: int = 1, overlap: bool = True,
-        hidden: int | None = None, seq_len: int | None = None) -> JobConfig:
+        hidden: int | None = None, seq_len: int | None = None, bucket_mb: float = 16.0) -> JobConfig:
     cfg = JobConfig(
         model=ModelConfig(vocab_size=256, seq_len=seq_len or args.seq_len, layers=args.layers,
                           hidden=hidden or args.hidden, heads=4),
         optim=OptimConfig(name="lamb", warmup_steps=0),
-        parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, dp_overlap=overlap, backend="gloo"),
+        parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, dp_overlap=overlap, dp_bucket_mb=bucket_mb, backend="gloo"),
         train=TrainConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
                           device="cpu", steps=10**6),
     )
@@ -61,16 +59,10 @@ def job(args: argparse.Namespace, dp: int = 1, tp: int = 1, pp: int = 1, overlap
 class BenchTrainer(Trainer):
     """`Trainer.train_step` on a model built here (no loaders, checkpoints or metrics)."""
 
-    def __init__(self, cfg: JobConfig, mesh: ParallelMesh, timers: Timers,
-                 bucket_numel: int | None = None) -> None:
+    def __init__(self, cfg: JobConfig, mesh: ParallelMesh, timers: Timers) -> None:
         self.cfg, self.mesh, self.step, self.timers = cfg, mesh, 0, timers
         torch.manual_seed(cfg.train.seed)
-        model = GPT(cfg.model)
-        if bucket_numel is None:
-            self.runner = build_runner(model, cfg, mesh)
-        else:  # what build_runner does for pp = tp = 1, with a bucket size small enough here
-            self.runner = ModelRunner([model], cfg, mesh)
-            self.runner.grad_sync = ZeroGradSync(self.runner.chunks, cfg, mesh, bucket_numel)
+        self.runner = build_runner(GPT(cfg.model), cfg, mesh)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
 
 
@@ -97,8 +89,8 @@ def overlap_rank(args: argparse.Namespace) -> dict:
     mesh = init_mesh(ParallelConfig(dp=2, backend="gloo"), device="cpu")
     try:
         timers = _timers(mesh)
-        trainers = {mode: BenchTrainer(job(args, dp=2, overlap=mode == "on"), mesh, timers,
-                                       args.bucket_numel) for mode in ("on", "off")}
+        trainers = {mode: BenchTrainer(job(args, dp=2, overlap=mode == "on", bucket_mb=args.bucket_mb), mesh,
+                                       timers) for mode in ("on", "off")}
         data = batches(trainers["on"].cfg, mesh.dp_rank, args.steps)
         stats: dict[str, dict[str, list[float]]] = {m: {"step": [], "comm": []} for m in trainers}
         for _ in range(args.rounds):
@@ -147,8 +139,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--bucket-numel", type=int, default=1 << 19,
-                        help="elements of one rank's bucket region in part 1")
+    parser.add_argument("--bucket-mb", type=float, default=2.0,
+                        help="parallel.dp_bucket_mb in part 1 (2 MiB = 512Ki fp32 elements per rank)")
     parser.add_argument("--small-hidden", type=int, default=128, help="part 2 model width")
     parser.add_argument("--small-seq-len", type=int, default=64, help="part 2 sequence length")
     parser.add_argument("--warmup", type=int, default=2)

@@ -108,11 +108,15 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline chunks per pp rank (interleaved 1F1B when > 1)
+    # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
+    # last the head and loss), "even" splits by count, or a list of pp*vpp counts in chunk order
+    pp_split: Literal["auto", "even"] | list[int] = "auto"
     schedule: Literal["1f1b", "gpipe"] = "1f1b"  # 1f1b is interleaved when vpp > 1
     sequence_parallel: bool = True
     tp_overlap: bool = True  # chunked all-gather/reduce-scatter fused into the GEMMs
     tp_overlap_chunks: int = 2
     dp_overlap: bool = True  # ZeRO-2 all-gather prefetch and reduce-scatter overlap
+    dp_bucket_mb: float = 16.0  # ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     store: Literal["tcp", "redis"] = "tcp"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -131,6 +135,8 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _positive(self, "parallel", ["dp", "tp", "pp", "vpp", "tp_overlap_chunks"])
+        if self.dp_bucket_mb <= 0:
+            raise ConfigError(f"parallel.dp_bucket_mb must be > 0, got {self.dp_bucket_mb}")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
         if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
@@ -348,12 +354,7 @@ class JobConfig:
                 f"train.micro_batch * parallel.dp = {t.micro_batch} * {p.dp} = {per_step}"
             )
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
-        chunks = p.pp * p.vpp
-        if m.layers % chunks:
-            raise ConfigError(
-                f"model.layers={m.layers} must be divisible by parallel.pp * parallel.vpp = "
-                f"{p.pp} * {p.vpp} = {chunks}"
-            )
+        check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and self.micro_batches % p.pp:
             raise ConfigError(
                 f"interleaved 1F1B needs micro-batches per step ({self.micro_batches} = "
@@ -376,6 +377,23 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
         raise ConfigError(f"parallel.tp={tp} must divide the MLP width {m.ffn}")
     if sequence_parallel and tp > 1 and m.seq_len % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.seq_len={m.seq_len} with sequence parallelism")
+
+
+def check_pipeline_split(layers: int, pp: int, vpp: int, split: str | list[int]) -> None:
+    """`layers` can be cut into pp*vpp consecutive chunks as `split` asks, each with a layer."""
+    chunks = pp * vpp
+    if split == "even" and layers % chunks:
+        raise ConfigError(
+            f"model.layers={layers} must be divisible by parallel.pp * parallel.vpp = {pp} * {vpp} = "
+            f"{chunks} with parallel.pp_split='even'; use 'auto' or a list of layers per chunk"
+        )
+    if split == "auto" and layers < chunks:
+        raise ConfigError(f"model.layers={layers} is fewer than the {chunks} pipeline chunks (pp * vpp)")
+    if isinstance(split, list) and (len(split) != chunks or sum(split) != layers or min(split) < 1):
+        raise ConfigError(
+            f"parallel.pp_split={split} must list {chunks} (pp * vpp) chunks of >= 1 layer each, "
+            f"in chunk order, adding up to model.layers={layers}"
+        )
 
 
 def _positive(section: object, name: str, keys: list[str]) -> None:

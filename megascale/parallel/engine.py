@@ -46,7 +46,7 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh) -> ModelRunner:
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg, mesh)
     if distributed and mesh.pp_size > 1:
-        chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank)
+        chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
     else:
         runner = ModelRunner([model], cfg, mesh)

@@ -38,8 +38,6 @@ from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import set_shard_spec, shard_spec
 from megascale.parallel.tp_comm import all_gather_single, reduce_scatter_single
 
-DEFAULT_BUCKET_NUMEL = 1 << 22  # elements of one rank's region (16 MiB of fp32)
-
 
 @dataclass
 class _Slot:
@@ -82,7 +80,6 @@ class ZeroGradSync:
         chunks: list[nn.Module],
         cfg: JobConfig,
         mesh,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     ):
         if mesh.dp_size < 2:
             raise ValueError("ZeRO shards over data parallelism: it needs parallel.dp >= 2")
@@ -91,6 +88,7 @@ class ZeroGradSync:
         self.dp_rank = mesh.dp_rank
         self.overlap = cfg.parallel.dp_overlap
         self.expected_backwards = cfg.micro_batches
+        bucket_numel = max(1, int(cfg.parallel.dp_bucket_mb * 2**20) // 4)  # fp32 elements per rank
         self._chunks = [self._build_chunk(c, bucket_numel) for c in chunks]
         self._named = [(s.name, s.shard) for ch in self._chunks for s in self._slots_in_order(ch)]
 

@@ -48,6 +48,7 @@ class Case:
     vpp: int = 1
     optim: str = "adamw"
     overlap: bool = True
+    split: tuple[int, ...] | None = None  # layers per pipeline chunk; None: `auto`
 
     @property
     def world(self) -> int:
@@ -56,7 +57,7 @@ class Case:
     def __str__(self) -> str:
         return (
             f"dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}-{self.optim}"
-            f"{'' if self.overlap else '-sync'}"
+            f"{'' if self.overlap else '-sync'}{'' if self.split is None else f'-split{list(self.split)}'}"
         )
 
 
@@ -72,6 +73,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             tp=case.tp,
             pp=case.pp,
             vpp=case.vpp,
+            pp_split="auto" if case.split is None else list(case.split),
             dp_overlap=case.overlap,
             backend="gloo",
         ),

@@ -21,7 +21,7 @@ from megascale.parallel.launch import free_port, run_local
 pytestmark = pytest.mark.timeout(900)
 
 OPTIMIZERS = ("adamw", "lamb")
-LAYOUTS_4 = [Case(dp=2, tp=2), Case(tp=2, pp=2), Case(dp=2, pp=2, vpp=2), Case(pp=4)]
+LAYOUTS_4 = [Case(dp=2, tp=2), Case(tp=2, pp=2), Case(dp=2, pp=2, vpp=2), Case(pp=4, split=(1, 3, 2, 2))]
 LAYOUTS_8 = [Case(dp=2, tp=2, pp=2), Case(dp=8), Case(tp=2, pp=4), Case(dp=2, pp=4, vpp=2)]
 
 
@@ -31,7 +31,7 @@ def reference() -> dict[str, dict]:
 
 
 def _matrix(world: int, layouts: list[Case], reference: dict) -> None:
-    cases = [Case(c.dp, c.tp, c.pp, c.vpp, optim) for c in layouts for optim in OPTIMIZERS]
+    cases = [Case(c.dp, c.tp, c.pp, c.vpp, optim, split=c.split) for c in layouts for optim in OPTIMIZERS]
     assert all(c.world == world for c in cases)
     ports = [free_port() for _ in cases]
     results = run_local(run_cases, world, args=(cases, ports), timeout_s=840)

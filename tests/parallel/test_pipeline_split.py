@@ -9,7 +9,9 @@ from torch import nn
 
 from megascale.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from megascale.model import GPT
+from megascale.model.flops import flops_per_token
 from megascale.parallel.pipeline import split_model
+from megascale.parallel.pipeline.split import chunk_sizes
 
 
 def tiny(layers: int = 8, **kw) -> GPT:
@@ -69,9 +71,42 @@ def test_existing_submodules_are_moved_not_rebuilt():
     assert "blocks.5.inner.attn.qkv.weight" in dict(chunks[2].named_parameters())
 
 
-def test_layers_must_divide():
-    with pytest.raises(ConfigError, match=r"model.layers=6 .* = 2 \* 2"):
+def test_uneven_chunks_compute_the_model():
+    reference = tiny()
+    tokens, labels = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    expected = reference(tokens, labels)
+    model = tiny()
+    by_global = {c.index: c for r in range(2) for c in split_model(model, 2, 2, r, [1, 3, 2, 2])}
+    assert [len(by_global[g].layer_ids) for g in range(4)] == [1, 3, 2, 2]
+    h = tokens
+    for g in range(3):
+        h = by_global[g](h)
+    assert torch.equal(by_global[3](h, labels), expected)
+
+
+def test_auto_split_balances_flops_with_the_head_on_the_last_stage():
+    small_vocab = ModelConfig(vocab_size=61, seq_len=16, layers=8, hidden=32, heads=4)
+    assert chunk_sizes(small_vocab, 2, 1, "auto") == chunk_sizes(small_vocab, 2, 1, "even") == [4, 4]
+    # a 32k vocabulary costs ~10 layers of this width: the last stage keeps one layer
+    big_vocab = ModelConfig(vocab_size=32000, seq_len=16, layers=24, hidden=256, heads=4)
+    sizes = chunk_sizes(big_vocab, 4, 1, "auto")
+    assert sum(sizes) == 24 and sizes[-1] == 1 and max(sizes[:3]) - min(sizes[:3]) <= 1, sizes
+    # a head worth two layers: the last stage gives one up to the middle one (max cost 5 layers)
+    two = ModelConfig(vocab_size=3072, seq_len=16, layers=12, hidden=128, heads=4)
+    flops = flops_per_token(two)
+    assert 1.9 < flops.head / ((flops.dense + flops.attention) / 12) < 2.1
+    assert chunk_sizes(two, 3, 1, "auto") == [4, 5, 3]
+
+
+def test_split_errors_name_the_fix():
+    with pytest.raises(ConfigError, match=r"model.layers=6 .* = 2 \* 2 = 4 with parallel.pp_split='even'"):
         split_model(tiny(layers=6), 2, 2, 0)
+    with pytest.raises(ConfigError, match=r"must list 4 \(pp \* vpp\) chunks"):
+        split_model(tiny(), 2, 2, 0, [4, 4])
+    with pytest.raises(ConfigError, match="adding up to model.layers=8"):
+        split_model(tiny(), 2, 1, 0, [4, 5])
+    with pytest.raises(ConfigError, match=">= 1 layer"):
+        split_model(tiny(), 2, 1, 0, [8, 0])
     with pytest.raises(ValueError, match="pp_rank=2"):
         split_model(tiny(), 2, 1, 2)
 
@@ -92,6 +127,8 @@ def test_config_rejects_layouts_the_schedule_cannot_fill():
                     train=TrainConfig(global_batch=24, micro_batch=4))  # 6 micro-batches
     with pytest.raises(ConfigError, match="multiple of parallel.pp=4"):
         cfg.validate()
-    cfg.parallel.vpp, cfg.model.layers = 1, 6
+    cfg.parallel.vpp, cfg.model.layers, cfg.parallel.pp_split = 1, 6, "even"
     with pytest.raises(ConfigError, match="model.layers=6"):
         cfg.validate()
+    cfg.parallel.pp_split = "auto"  # uneven chunks are fine when the split is not forced even
+    cfg.validate()

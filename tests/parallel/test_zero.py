@@ -40,10 +40,11 @@ def _layout_check() -> dict:
         torch.manual_seed(0)
         module = Odd()
         whole = {n: p.detach().clone() for n, p in module.named_parameters()}
-        cfg = JobConfig(
-            parallel=ParallelConfig(dp=dp), train=TrainConfig(global_batch=dp, micro_batch=1)
+        cfg = JobConfig(  # buckets of 8 fp32 elements per rank
+            parallel=ParallelConfig(dp=dp, dp_bucket_mb=8 * 4 / 2**20),
+            train=TrainConfig(global_batch=dp, micro_batch=1),
         )
-        sync = ZeroGradSync([module], cfg, mesh, bucket_numel=8)
+        sync = ZeroGradSync([module], cfg, mesh)
         out: dict = {"buckets": len(sync._chunks[0].buckets)}
         named = sync.optimizer_tensors()
         out["names"] = [n for n, _ in named] == [n for n, _ in module.named_parameters()]
@@ -98,7 +99,7 @@ def _layout_check() -> dict:
         # (half the bytes), while the optimizer still steps on fp32 shards and fp32 shard gradients
         half = Odd().to(torch.bfloat16)
         before = {n: p.detach().clone() for n, p in half.named_parameters()}
-        low = ZeroGradSync([half], cfg, mesh, bucket_numel=8)
+        low = ZeroGradSync([half], cfg, mesh)
         for n, p in half.named_parameters():
             p.grad = ((mesh.dp_rank + 1) * g[n]).to(torch.bfloat16)
         low.after_backward(0)

@@ -12,8 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megascale.config.schema import ConfigError
+from megascale.config.schema import ConfigError, ModelConfig, check_pipeline_split
+from megascale.model.flops import flops_per_token
 from megascale.model.gpt import GPT
+
+# The embedding's cost in layers for `auto`: a lookup and its gradient scatter, no GEMM. Small
+# but not zero, so that between two equal splits the first stage gets the lighter one.
+EMBED_COST_IN_LAYERS = 0.1
 
 
 class PipelineChunk(nn.Module):
@@ -61,20 +66,45 @@ class PipelineChunk(nn.Module):
         return f"chunk {self.index}/{self.count}, {span}"
 
 
-def chunk_layers(layers: int, pp: int, vpp: int) -> list[range]:
-    """Global chunk g -> the layer indices it holds (balanced, consecutive)."""
+def chunk_sizes(model: ModelConfig, pp: int, vpp: int, split: str | list[int] = "even") -> list[int]:
+    """Layers of each global chunk, in chunk order (`parallel.pp_split`).
+
+    `auto` balances forward FLOPs per token (`model.flops`): every layer costs the same, the
+    first chunk also runs the embedding (no FLOPs, but not free) and the last the vocabulary
+    projection and loss, which for a large vocabulary outweighs several layers. It minimises the
+    most expensive chunk, since the slowest stage sets the pace of the whole pipeline."""
+    check_pipeline_split(model.layers, pp, vpp, split)
     chunks = pp * vpp
-    if layers % chunks:
-        raise ConfigError(
-            f"model.layers={layers} must be divisible by parallel.pp * parallel.vpp = "
-            f"{pp} * {vpp} = {chunks} (each pipeline chunk holds the same number of layers)"
-        )
-    per = layers // chunks
-    return [range(g * per, (g + 1) * per) for g in range(chunks)]
+    if isinstance(split, list):
+        return list(split)
+    if split == "even":
+        return [model.layers // chunks] * chunks
+    flops = flops_per_token(model)
+    layer = (flops.dense + flops.attention) / model.layers
+    extra = [0.0] * chunks
+    extra[0] += EMBED_COST_IN_LAYERS * layer
+    extra[-1] += flops.head
+    # the smallest cap on a chunk's cost that holds every layer, one layer at least per chunk
+    caps = sorted({n * layer + e for e in extra for n in range(1, model.layers + 1)})
+    for cap in caps:
+        sizes = [max(1, int((cap - e) / layer + 1e-9)) for e in extra]
+        if sum(sizes) >= model.layers:
+            break
+    while sum(sizes) > model.layers:  # take the surplus from the costliest chunks
+        g = max((i for i in range(chunks) if sizes[i] > 1), key=lambda i: (sizes[i] * layer + extra[i], i))
+        sizes[g] -= 1
+    return sizes
 
 
-def split_model(model: GPT, pp: int, vpp: int, pp_rank: int) -> list[nn.Module]:
-    """The `vpp` chunks of pipeline rank `pp_rank`: local chunk c is global chunk c*pp + rank.
+def chunk_layers(sizes: list[int]) -> list[range]:
+    """Global chunk g -> the consecutive layer indices it holds."""
+    starts = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
+    return [range(starts[g], starts[g + 1]) for g in range(len(sizes))]
+
+
+def split_model(model: GPT, pp: int, vpp: int, pp_rank: int, split: str | list[int] = "even") -> list[nn.Module]:
+    """The `vpp` chunks of pipeline rank `pp_rank`: local chunk c is global chunk c*pp + rank,
+    holding the layers `split` gives it (`chunk_sizes`).
 
     Moves `model.embed`, `model.blocks[i]` and `model.head` into the chunks; the model object
     should not be used afterwards."""
@@ -87,7 +117,7 @@ def split_model(model: GPT, pp: int, vpp: int, pp_rank: int) -> list[nn.Module]:
             "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live on "
             "different pipeline stages); set model.tie_embeddings=false"
         )
-    ranges = chunk_layers(len(model.blocks), pp, vpp)
+    ranges = chunk_layers(chunk_sizes(model.cfg, pp, vpp, split))
     count = pp * vpp
     chunks: list[nn.Module] = []
     for c in range(vpp):
