@@ -72,10 +72,6 @@ class NetworkSpec:
     rails: int = 1  # NIC k of every node goes to ToR switch k of its rail group (multi-rail)
     flows_per_connection: int = 2  # independently hashed flows per ring hop (NCCL channels x QPs)
 
-    @property
-    def nodes_per_pod(self) -> int:
-        return self.nodes_per_tor * self.tors_per_pod
-
 
 @dataclass(frozen=True)
 class ClusterSpec:

@@ -137,9 +137,3 @@ def pp_traffic(cluster: ClusterSpec, dp: int, tp: int, pp: int) -> Traffic:
     flows = crossing_nodes * per_node * net.flows_per_connection
     busy_groups = total_groups if stage_nodes >= net.nodes_per_tor else total_groups - 1
     return Traffic(flows, max(1, busy_groups) * net.rails, uplinks, capacity)
-
-
-def tp_traffic(cluster: ClusterSpec) -> Traffic:
-    """Tensor parallelism stays inside a node (tp divides the node): it never meets a ToR."""
-    uplinks, capacity = _uplinks(cluster)
-    return Traffic(0, 0, uplinks, capacity)
