@@ -255,7 +255,8 @@ class Executor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 rp.proc.wait(max(0.0, deadline - time.monotonic()))
         for rp in attempt.ranks:
-            _signal_group(rp.proc.pid, signal.SIGKILL)  # also the group's leftovers (writers)
+            _signal_group(rp.proc.pid, signal.SIGKILL)  # also the group's leftovers (checkpoint
+            # writers are in sessions of their own: they finish a commit, then end with their input)
             rp.proc.wait()
         return len(live)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -76,7 +77,7 @@ def shm(trained):
 
 
 @pytest.mark.parametrize("point", ["written", "renamed", "latest"])
-def test_resave_killed_at_each_commit_point(run, shm, point, straight_run, tmp_path):
+def test_resave_killed_at_each_commit_point(run, shm, point, straight_run, tmp_path, caplog):
     root = run / "checkpoints"
     segment, data = shm
     job = resave_job(root / step_name(10), "feedbeef", segment.name, keep=3)
@@ -94,7 +95,10 @@ def test_resave_killed_at_each_commit_point(run, shm, point, straight_run, tmp_p
     else:  # committed as a new generation; the one it supersedes is still whole beside it
         assert newest.entry.name == step_name(10, 1) and newest.manifest["run_id"] == "feedbeef"
         assert {v.entry.name for v in found.valid} == {step_name(5), step_name(10), step_name(10, 1)}
-    assert catalog.candidates(fs, path)[0][0] == newest.entry.path  # what resume loads first
+    with caplog.at_level(logging.WARNING, logger="megascale.checkpoint"):
+        assert catalog.candidates(fs, path)[0][0] == newest.entry.path  # what resume loads first
+    if point == "written":  # the half-written save is reported, not silently ignored
+        assert "step_000000010.tmp-feedbeef is a save of step 10 that never committed" in caplog.text
     if point == "renamed":  # and it trains on exactly as if nothing had happened
         losses, params, trainer = train(run, 20, "--checkpoint.every=0")
         assert trainer.checkpoints.last_restore["path"] == newest.entry.path
