@@ -51,10 +51,8 @@ class Soak:
 
     def status(self) -> dict:
         while True:
-            info = self.run_dir / "resilience" / "driver.json"
-            if self.client is None and info.is_file():
-                data = json.loads(info.read_text())
-                self.client = ApiClient(data["url"], Path(data["token_file"]).read_text().strip())
+            if self.client is None and (self.run_dir / "resilience" / "driver.json").is_file():
+                self.client = ApiClient.for_run(self.run_dir)
             try:
                 if self.client is not None:
                     return self.client.status()

@@ -14,6 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli_w
 
+from megascale.config.private_files import write_private
 from megascale.config.schema import ConfigError, JobConfig, redacted_url
 
 if sys.version_info >= (3, 11):
@@ -35,7 +36,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     for item in overrides or []:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     cfg = from_dict(JobConfig, raw, prefix="")
     cfg.validate()
     return cfg
@@ -139,7 +140,7 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
@@ -161,7 +162,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def dump_config(cfg: JobConfig, path: str | Path) -> None:
-    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
+    """Write RUN_DIR/config.toml: atomically (ranks and tools may read it meanwhile) and 0600."""
+    write_private(path, tomli_w.dumps(to_dict(cfg)))
 
 
 __all__ = ["load_config", "dump_config", "to_dict", "parse_override"]

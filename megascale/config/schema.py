@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 # The Redis store's password: from this variable rather than the URL, it stays out of command
-# lines, RUN_DIR/config.toml and checkpoint manifests.
+# lines, RUN_DIR/config.toml and checkpoint manifests. Ranks get the path of a 0600 file instead
+# (config/handoff.py), so that the value is in no rank's environment either.
 REDIS_PASSWORD_ENV = "MEGASCALE_REDIS_PASSWORD"
+REDIS_PASSWORD_FILE_ENV = "MEGASCALE_REDIS_PASSWORD_FILE"
 
 
-def redacted_url(url: str) -> str:
-    """`url` with its password replaced, for messages, logs and written configs."""
+def redacted_url(url: str, mask: str | None = "***") -> str:
+    """`url` with its password replaced by `mask` (messages, logs, written configs), or removed
+    with `mask=None` (a rank's config: the password travels apart, in a 0600 file)."""
     parts = urlsplit(url)
     if not parts.password:
         return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+    user = parts.username or ""
+    keep = f"{user}:{mask}@" if mask is not None else (f"{user}@" if user else "")
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f"{user}:{parts.password}@", keep, 1)))
 
 
 class ConfigError(ValueError):
@@ -130,8 +136,16 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp
 
     def redis_password(self) -> str | None:
-        """The URL's password, else $MEGASCALE_REDIS_PASSWORD, else none."""
-        return urlsplit(self.redis_url).password or os.environ.get(REDIS_PASSWORD_ENV) or None
+        """The URL's password, else the file $MEGASCALE_REDIS_PASSWORD_FILE names, else
+        $MEGASCALE_REDIS_PASSWORD, else none."""
+        if password := urlsplit(self.redis_url).password:
+            return password
+        if path := os.environ.get(REDIS_PASSWORD_FILE_ENV):
+            try:
+                return Path(path).read_text().strip() or None
+            except OSError as exc:
+                raise ConfigError(f"${REDIS_PASSWORD_FILE_ENV}={path}: {exc.strerror or exc}") from None
+        return os.environ.get(REDIS_PASSWORD_ENV) or None
 
     def validate(self) -> None:
         _positive(self, "parallel", ["dp", "tp", "pp", "vpp", "tp_overlap_chunks"])
@@ -164,7 +178,7 @@ class ParallelConfig:
         if url.hostname not in ("127.0.0.1", "localhost", "::1") and not self.redis_password():
             raise ConfigError(
                 f"parallel.redis_start would expose redis-server on {url.hostname}:{url.port} without a "
-                f"password; set ${REDIS_PASSWORD_ENV} (or redis://:PASSWORD@HOST:PORT/0) or bind 127.0.0.1"
+                f"password; set ${REDIS_PASSWORD_ENV} (not in the URL: `ps` would show it) or bind 127.0.0.1"
             )
 
 
@@ -293,13 +307,13 @@ class ResilienceConfig:
     selfcheck_expected: str = ""  # JSON file of expected figures; "" = built-in floors
     api_host: str = "127.0.0.1"
     api_port: int = 0  # 0 = any free port (written to the state dir)
-    token: str = ""  # "" = generate one into token_file
-    token_file: str = ""  # "" = <run_dir>/resilience/token (mode 0600)
+    api_request_timeout_s: float = 10.0  # a client's TLS handshake, and each request, must finish within this
+    secret_dir: str = ""  # token + TLS certificate and key; "" = <run_dir>/resilience/secret, made if missing
     rendezvous_port: int = 0  # 0 = a free port per attempt; else base + attempt
 
     def validate(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",
-                    "traffic_window_s", "stop_timeout_s", "selfcheck_timeout_s"):
+                    "traffic_window_s", "stop_timeout_s", "selfcheck_timeout_s", "api_request_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"resilience.{key} must be > 0, got {getattr(self, key)}")
         if self.heartbeat_timeout_s <= self.heartbeat_s:

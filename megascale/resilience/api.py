@@ -1,8 +1,11 @@
-"""The driver's small HTTP API, and the client executors and operators use.
+"""The driver's HTTPS API, and the client executors and operators use.
 
-Every request carries `Authorization: Bearer <token>` (compared in constant time); the server
-binds to loopback unless configured otherwise. Executors only make outbound calls (register,
-heartbeat; commands come back in the reply), so a node behind NAT or in a pod needs no port.
+Every request carries `Authorization: Bearer <token>` (compared in constant time) inside TLS;
+the client accepts only the job's own certificate (pinned from the secret directory, see
+`credentials.py`), so the token never reaches a server that does not hold the driver's key.
+The server (`api_server.py`) binds to loopback unless configured otherwise. Executors only make
+outbound calls (register, heartbeat; commands come back in the reply), so a node behind NAT or
+in a pod needs no open port. Bodies are checked against `protocol.py` on receipt.
 
     POST /v1/register   executor -> driver   {node_id, address, host, pid}
     POST /v1/heartbeat  executor -> driver   the node's report; reply {commands: [...]}
@@ -13,20 +16,17 @@ heartbeat; commands come back in the reply), so a node behind NAT or in a pod ne
 
 from __future__ import annotations
 
-import contextlib
-import hmac
+import http.client
 import json
-import os
-import secrets
+import ssl
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-Handler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
+from megascale.resilience.credentials import load_secret, pinned_context
+
+MAX_REPLY = 64 << 20
 
 
 class ApiError(RuntimeError):
@@ -35,94 +35,80 @@ class ApiError(RuntimeError):
         self.status = status
 
 
-def load_or_create_token(token: str, path: Path) -> str:
-    """The configured token, else the one in `path`, else a new one written there (0600)."""
-    if token:
-        return token
-    if path.is_file():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
-
-
-class ApiServer:
-    """Routes (method, path) to handlers that take the JSON body and return (status, JSON)."""
-
-    def __init__(self, host: str, port: int, token: str, routes: dict[tuple[str, str], Handler]):
-        self.token, self.routes = token, routes
-        server = self
-
-        class Request(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:  # keep the driver's log readable
-                pass
-
-            def _serve(self, method: str) -> None:
-                given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-                if not hmac.compare_digest(given.encode(), server.token.encode()):
-                    return self._reply(401, {"error": "missing or wrong token"})
-                route = server.routes.get((method, self.path.split("?")[0]))
-                if route is None:
-                    return self._reply(404, {"error": f"no route {method} {self.path}"})
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    body = json.loads(self.rfile.read(length) or b"{}") if length else {}
-                    status, reply = route(body)
-                except (ValueError, KeyError) as exc:
-                    status, reply = 400, {"error": f"bad request: {exc}"}
-                self._reply(status, reply)
-
-            def _reply(self, status: int, data: dict[str, Any]) -> None:
-                raw = json.dumps(data, default=str).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    self.wfile.write(raw)  # else the caller gave up waiting; it will ask again
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                self._serve("GET")
-
-            def do_POST(self) -> None:  # noqa: N802
-                self._serve("POST")
-
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.httpd = ThreadingHTTPServer((host, port), Request)
-        self.httpd.daemon_threads = True
-        self.host, self.port = self.httpd.server_address[:2]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="driver-api",
-                                        daemon=True)
-
-    def start(self) -> ApiServer:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+class UntrustedDriver(ConnectionError):
+    """The server at the driver's address does not hold the job's certificate: nothing was sent."""
 
 
 class ApiClient:
-    def __init__(self, url: str, token: str, timeout_s: float = 5.0) -> None:
+    """Calls the driver over one kept-alive TLS connection that trusts only `cert_pem`."""
+
+    def __init__(self, url: str, token: str, cert_pem: bytes, timeout_s: float = 5.0) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ValueError(f"driver URL {url!r} must be https://HOST:PORT (the API is served over TLS only)")
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
+        self._host, self._port = parts.hostname, parts.port or 443
+        self._ctx = pinned_context(cert_pem)
+        self._pin = ssl.PEM_cert_to_DER_cert(cert_pem.decode())
+        self._conn: http.client.HTTPSConnection | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_run(cls, run_dir: str | Path, timeout_s: float = 5.0) -> ApiClient:
+        """The client of the driver serving RUN_DIR (from its driver.json and secret directory)."""
+        info = json.loads((Path(run_dir) / "resilience" / "driver.json").read_text())
+        secret = load_secret(info["secret_dir"], need_key=False)
+        return cls(info["url"], secret.token, secret.cert_pem, timeout_s)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        with self._lock:
+            for last_try in (False, True):
+                reused = self._conn is not None
+                conn = self._connection()
+                try:
+                    conn.request(method, path, body=data, headers=headers)
+                    resp = conn.getresponse()
+                    raw = resp.read(MAX_REPLY)
+                    break
+                except (OSError, http.client.HTTPException) as exc:
+                    self.close()
+                    if last_try or not reused:  # a kept-alive connection the driver closed: retry once
+                        raise ConnectionError(f"{self.url}{path}: {exc!r}") from exc
+            if resp.will_close:
+                self.close()
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as exc:
+            reply = json.loads(raw or b"{}")
+        except ValueError:
+            raise ConnectionError(f"{self.url}{path}: HTTP {resp.status} reply is not JSON") from None
+        if resp.status >= 400:
+            message = reply.get("error", resp.reason) if isinstance(reply, dict) else resp.reason
+            raise ApiError(resp.status, str(message))
+        if not isinstance(reply, dict):
+            raise ConnectionError(f"{self.url}{path}: reply is not a JSON object")
+        return reply
+
+    def _connection(self) -> http.client.HTTPSConnection:
+        if self._conn is None:
+            conn = http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout_s, context=self._ctx)
             try:
-                message = json.loads(exc.read()).get("error", exc.reason)
-            except ValueError:
-                message = str(exc.reason)
-            raise ApiError(exc.code, message) from None
+                conn.connect()
+            except ssl.SSLError as exc:  # a wrong certificate, or not TLS at all
+                conn.close()
+                raise UntrustedDriver(f"{self.url} is not the job's driver (TLS with the pinned certificate "
+                                      f"failed: {getattr(exc, 'verify_message', None) or exc.reason}); "
+                                      f"nothing was sent to it") from None
+            if conn.sock.getpeercert(binary_form=True) != self._pin:
+                conn.close()
+                raise UntrustedDriver(f"{self.url} presented another certificate than the job's; nothing was sent")
+            self._conn = conn
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def status(self) -> dict[str, Any]:
         return self.call("GET", "/v1/status")

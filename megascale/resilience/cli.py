@@ -5,6 +5,10 @@ on this machine (`--netns`: each in its own network namespace). Cluster mode (`-
 starts only the driver; the scheduler starts `megascale executor --driver URL` on each node.
 Running the same command again with the same run directory continues an unfinished job: the
 new driver reads the state its predecessor left and the executors carry on.
+
+The driver makes its run directory private (0700; files 0600 through its umask, which local
+executors and ranks inherit), its secret directory if it is missing (`credentials.py`) and
+serves its API over TLS with it; `driver.json` says where (URL, secret directory).
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megascale.config import ConfigError, JobConfig, load_config
+from megascale.config.handoff import config_text
+from megascale.config.private_files import UnsafePathError, private_dir, write_private
 from megascale.config.schema import redacted_url
-from megascale.resilience.api import ApiServer, load_or_create_token
+from megascale.resilience import protocol
+from megascale.resilience.api_server import ApiServer, Limits, Route
+from megascale.resilience.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
 from megascale.resilience.driver import Driver
 from megascale.resilience.local import Netns, netns_available, netns_down, netns_up, spawn_executor
 from megascale.resilience.placement import PlacementError, layout_for
@@ -67,6 +75,7 @@ def check_before_start(cfg: JobConfig, nodes: int, ranks_per_node: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [driver] %(message)s")
+    os.umask(0o077)
     try:
         cfg = load_config(args.config, args.overrides)
         check_before_start(cfg, args.nodes, args.ranks_per_node)
@@ -86,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rcfg = cfg.resilience
     run_dir = Path(cfg.train.run_dir).resolve()
-    state_dir = run_dir / "resilience"
+    try:
+        private_dir(run_dir)
+        state_dir = private_dir(run_dir / "resilience")
+    except UnsafePathError as exc:
+        print(f"megascale launch: train.run_dir: {exc}", file=sys.stderr)
+        return 2
     store = JobStore(state_dir / "driver.sqlite")
     state = store.load()
     if state is not None and state.phase in FINISHED:
@@ -96,18 +110,19 @@ def run(args: argparse.Namespace) -> int:
     continuing = state is not None
     spares = rcfg.spares if args.spares is None else args.spares
     if state is None:
-        train_args = [o for o in args.overrides if not o.startswith("--resilience.")]
         state = JobState(job_id=secrets.token_hex(4), nodes_wanted=args.nodes,
                          ranks_per_node=args.ranks_per_node,
-                         layout=layout_for(cfg, args.nodes, args.ranks_per_node), train_args=train_args,
-                         config_path=str(Path(args.config).resolve()) if args.config else None,
+                         layout=layout_for(cfg, args.nodes, args.ranks_per_node), train_config=config_text(cfg),
                          run_dir=str(run_dir), restart_budget=rcfg.restart_budget)
         state.api = {"netns": args.netns, "local": not args.external, "count": args.nodes + spares,
                      "topology": args.topology}
     netns = Netns(state.job_id[:4]) if state.api.get("netns") else None
-    token_file = Path(rcfg.token_file) if rcfg.token_file else state_dir / "token"
-    token = load_or_create_token(rcfg.token, token_file)
     host = netns.bridge_address if netns and rcfg.api_host == "127.0.0.1" else rcfg.api_host
+    try:
+        secret = _job_secret(Path(rcfg.secret_dir) if rcfg.secret_dir else state_dir / "secret", host)
+    except (SecretError, OSError) as exc:
+        print(f"megascale launch: {exc}", file=sys.stderr)
+        return 2
     if netns is not None and not continuing:
         netns_up(netns, state.api["count"])
     try:
@@ -116,20 +131,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
     driver = Driver(cfg, state, store)
-    server = ApiServer(host, state.api.get("port") or rcfg.api_port, token, {
-        ("POST", "/v1/register"): driver.on_register, ("POST", "/v1/heartbeat"): driver.on_heartbeat,
-        ("GET", "/v1/status"): driver.on_status, ("POST", "/v1/evict"): driver.on_evict,
-        ("POST", "/v1/stop"): driver.on_stop}).start()
-    url = f"http://{server.host}:{server.port}"
+    limits = Limits(request_timeout_s=rcfg.api_request_timeout_s, handshake_timeout_s=rcfg.api_request_timeout_s)
+    server = ApiServer(host, state.api.get("port") or rcfg.api_port, secret.token, _routes(driver),
+                       server_context(secret), limits).start()
+    url = server.url
     state.api.update(host=server.host, port=server.port, url=url, driver_pid=os.getpid())
     store.save(state)
-    (state_dir / "driver.json").write_text(json.dumps({"url": url, "pid": os.getpid(),
-                                                       "token_file": str(token_file)}))
-    log.info("%s job %s: driver at %s (token in %s)", "continuing" if continuing else "starting",
-             state.job_id, url, token_file)
+    write_private(state_dir / "driver.json", json.dumps({"url": url, "pid": os.getpid(),
+                                                         "secret_dir": str(secret.directory)}))
+    log.info("%s job %s: driver at %s (secret in %s; at most %d connections)",
+             "continuing" if continuing else "starting", state.job_id, url, secret.directory, server.cap)
     executors = []
     if state.api.get("local"):
-        executors = _start_local_executors(state, url, token_file, run_dir, netns)
+        executors = _start_local_executors(state, url, secret.directory, run_dir, netns)
         store.save(state)
     try:
         code = driver.run()
@@ -152,6 +166,21 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _routes(driver: Driver) -> dict[tuple[str, str], Route]:
+    """The API: each route's handler and the schema its body must pass first."""
+    return {("POST", "/v1/register"): Route(driver.on_register, protocol.Register),
+            ("POST", "/v1/heartbeat"): Route(driver.on_heartbeat, protocol.Heartbeat),
+            ("GET", "/v1/status"): Route(driver.on_status),
+            ("POST", "/v1/evict"): Route(driver.on_evict, protocol.Evict),
+            ("POST", "/v1/stop"): Route(driver.on_stop, protocol.Stop)}
+
+
+def _job_secret(directory: Path, host: str) -> JobSecret:
+    """The job's secret directory, made when missing (local and Slurm runs), checked in any case."""
+    ensure_secret(directory, [host] if host not in ("0.0.0.0", "::") else [])
+    return load_secret(directory, need_key=True)
+
+
 def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer | None:
     """The job's redis-server when `parallel.redis_start` asks for one; a restarted driver
     adopts the one its predecessor started instead of starting a second on the same port."""
@@ -171,7 +200,7 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer
     return server
 
 
-def _start_local_executors(state: JobState, url: str, token_file: Path, run_dir: Path,
+def _start_local_executors(state: JobState, url: str, secret_dir: Path, run_dir: Path,
                            netns: Netns | None) -> list:
     """One executor per simulated node, except those still alive from a previous driver."""
     procs = []
@@ -180,7 +209,7 @@ def _start_local_executors(state: JobState, url: str, token_file: Path, run_dir:
         pid = pids.get(str(i))
         if pid and _alive(pid):
             continue
-        proc = spawn_executor(i, url, token_file, run_dir / "executors", netns,
+        proc = spawn_executor(i, url, secret_dir, run_dir / "executors", netns,
                               run_dir / "executors" / f"node{i}.log")
         pids[str(i)] = proc.pid
         procs.append(proc)

@@ -8,10 +8,13 @@ with its neighbours) and back to RUNNING at attempt k+1: failed or lost nodes ev
 blocklisted, spares moved into their slots (or dp shrunk), ranks resuming from the newest
 valid checkpoint. The state is written to SQLite on each change, so a restarted driver resumes
 where its predecessor stopped; executors simply keep sending heartbeats until one answers.
+Handlers get bodies the API's schemas (`protocol.py`) accepted; ranks get their config as one
+TOML text per attempt (their executor writes it to a 0600 file), with no secret in it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -19,11 +22,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megascale.config.handoff import with_overrides
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence, selfcheck_plan
 from megascale.resilience.attribution import Verdict, attribute
-from megascale.resilience.ettr import ettr
+from megascale.resilience.ettr import job_summary
 from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks, usable_nodes
 from megascale.resilience.rules import (
     Finding,
@@ -79,6 +83,7 @@ class Driver:
         self.plan_env = launch_env(state.run_dir, cfg.diagnostics.flight_recorder)
         self.held_faults: list[Finding] = []  # faults awaiting every node's evidence (attribution)
         self.held_since = 0.0
+        self.tick_failure, self.tick_failure_logged = "", 0.0
         now = time.time()
         for node in state.nodes.values():
             if node.role != EVICTED:
@@ -90,17 +95,17 @@ class Driver:
 
     # ------------------------------------------------------------------ API handlers
     def on_register(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        node_id, address = str(body["node_id"]), str(body["address"])
+        node_id, address = body["node_id"], body["address"]
         with self.lock:
             known = self.state.nodes.get(node_id)
             if (known and known.role == EVICTED) or address in self.state.blocked:
                 return 403, {"error": f"node {node_id} ({address}) is evicted from this job"}
             if known is None:
-                known = Node(node_id, address, str(body.get("host", "")), registered=time.time())
+                known = Node(node_id, address, body["host"], registered=time.time())
                 self.state.nodes[node_id] = known
                 if self.state.phase == STARTING and len(self.state.role(ACTIVE)) < self.state.nodes_wanted:
                     known.role, known.slot = ACTIVE, len(self.state.role(ACTIVE))
-            known.address, known.host, known.pid = address, str(body.get("host", "")), body.get("pid")
+            known.address, known.host, known.pid = address, body["host"], body["pid"]
             self.last_seen[node_id] = time.time()
             self._save()
             self.store.event("register", {"node": node_id, "address": address, "role": known.role})
@@ -109,7 +114,7 @@ class Driver:
                          "heartbeat_s": self.rcfg.heartbeat_s}
 
     def on_heartbeat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        node_id = str(body["node_id"])
+        node_id = body["node_id"]
         with self.lock:
             node = self.state.nodes.get(node_id)
             if node is None:
@@ -119,8 +124,10 @@ class Driver:
             now = time.time()
             self.last_seen[node_id] = now
             self.reports[node_id] = body
-            for command_id, result in body.get("done", {}).items():
-                self.results[command_id] = result
+            sent = {c["id"] for c in self.outbox.get(node_id, [])}
+            for command_id, result in body["done"].items():
+                if command_id in sent:  # not a result for a command another node (or nobody) got
+                    self.results[command_id] = result
             self.outbox[node_id] = [c for c in self.outbox.get(node_id, []) if c["id"] not in self.results]
             if self.state.phase == RUNNING and body.get("attempt") == self.state.attempt:
                 self.errors += error_lines(node_id, body.get("errors", []), self.rcfg.error_keywords)
@@ -150,16 +157,16 @@ class Driver:
             }
 
     def on_evict(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        node_id = str(body["node_id"])
+        node_id = body["node_id"]
         with self.lock:
             if node_id not in self.state.nodes:
                 return 404, {"error": f"unknown node {node_id}"}
-            self.manual_evictions[node_id] = str(body.get("reason") or "evicted by an operator")
+            self.manual_evictions[node_id] = body.get("reason") or "evicted by an operator"
         return 200, {"ok": True}
 
     def on_stop(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
-            self._finish(CANCELLED, str(body.get("reason") or "stopped by an operator"))
+            self._finish(CANCELLED, body.get("reason") or "stopped by an operator")
         return 200, {"ok": True}
 
     # ------------------------------------------------------------------ observations
@@ -190,11 +197,19 @@ class Driver:
         stop = stop or threading.Event()
         while not stop.is_set():
             with self.lock:
-                self.tick(time.time())
+                self._guarded_tick(time.time())
                 if self.state.phase in FINISHED and not any(self.outbox.values()):
                     break
             stop.wait(TICK_S)
         return 0 if self.state.phase == COMPLETE else 1
+
+    def _guarded_tick(self, now: float) -> None:
+        try:  # a defect no schema caught costs a tick and a logged traceback, never the job
+            self.tick(now)
+        except Exception as exc:
+            if repr(exc) != self.tick_failure or now - self.tick_failure_logged > 60:
+                log.exception("control loop tick failed; carrying on")
+                self.tick_failure, self.tick_failure_logged = repr(exc), now
 
     def tick(self, now: float) -> None:
         phase = self.state.phase
@@ -438,11 +453,14 @@ class Driver:
         env = {"WORLD_SIZE": str(len(active) * s.ranks_per_node), "MASTER_ADDR": s.master["addr"],
                "MASTER_PORT": str(s.master["port"]), "MEGASCALE_JOB_ID": s.job_id,
                "MEGASCALE_RESTART_ATTEMPT": str(s.attempt)}
-        args = (["--config", s.config_path] if s.config_path else []) + list(s.train_args) + [
-            f"--parallel.dp={s.layout['dp']}", f"--train.run_dir={s.run_dir}", "--checkpoint.resume=auto"]
+        # ranks of a failed attempt must die on SIGTERM, not wait for peers to agree on a save:
+        # the driver stops them itself and restarts from the last committed checkpoint
+        config = with_overrides(s.train_config, {"parallel.dp": s.layout["dp"], "train.run_dir": s.run_dir,
+                                                 "checkpoint.resume": "auto", "checkpoint.save_on_signal": False})
+        password = self.cfg.parallel.redis_password() if self.cfg.parallel.store == "redis" else None
         for node in active:
             self._send(node.node_id, "start", attempt=s.attempt, ranks=slot_ranks(node.slot, s.ranks_per_node),
-                       env=env, plan_env=self.plan_env, args=args)
+                       env=env, plan_env=self.plan_env, config=config, redis_password=password)
         s.phase, s.attempt_started = RUNNING, now
         self.hang.reset(now)
         self.slow.reset()
@@ -506,7 +524,7 @@ class Driver:
         summary = self.summary()
         self.store.event("finish", summary)
         (Path(s.run_dir) / "resilience").mkdir(parents=True, exist_ok=True)
-        (Path(s.run_dir) / "resilience" / "summary.json").write_text(_json(summary))
+        (Path(s.run_dir) / "resilience" / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         log.log(logging.INFO if phase == COMPLETE else logging.ERROR, "job %s: %s (ETTR %.3f)",
                 phase, reason, summary["ettr"]["ettr"])
         self._save()
@@ -516,37 +534,8 @@ class Driver:
             self.outbox.clear()  # executors that never came back for their exit are gone anyway
 
     def summary(self) -> dict[str, Any]:
-        s = self.state
-        wall = (s.finished or time.time()) - s.created
-        faults = self.store.events("fault")
-        resumed = {e["fault_detected"]: e for e in self.store.events("resumed")}
-        hangs = {e["detected"]: e["analysis"] for e in self.store.events("hang_analysis")}
-        phases = {(e["event"], e["attempt"]): e["time"] for e in self.store.events()
-                  if e["event"] in ("stopped", "selfcheck", "attempt")}
-        matrix = []
-        for f in faults:
-            r = resumed.get(f["detected"])
-            a = f["attempt"]
-            marks = [f["detected"], phases.get(("stopped", a)), phases.get(("selfcheck", a)),
-                     phases.get(("attempt", a + 1)), r["resumed"] if r else None]
-            spans = {f"{name}_s": (end - start) if start and end else None for name, start, end in
-                     zip(("stop", "selfcheck", "evict", "start"), marks[:-1], marks[1:], strict=True)}
-            matrix.append({"kind": f["kind"], "node": f.get("node"), "rank": f.get("rank"), "detail": f["detail"],
-                           "collateral": f.get("collateral", []),
-                           "detected": f["detected"], "last_progress": f.get("last_progress"),
-                           "resumed": r["resumed"] if r else None,
-                           "recovery_s": (r["resumed"] - f["detected"]) if r else None, **spans,
-                           **({"hang_analysis": hangs[f["detected"]]} if f["detected"] in hangs else {})})
-        return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
-                "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
-                "faults": matrix, "alerts": self.store.events("alert"),
-                "ettr": ettr(Path(s.run_dir) / "metrics.jsonl", wall, self.cfg.train.steps)}
+        return job_summary(self.state, self.store, self.cfg.train.steps)
 
     def _save(self) -> None:
         self.store.save(self.state)
 
-
-def _json(data: Any) -> str:
-    import json
-
-    return json.dumps(data, indent=2, default=str)

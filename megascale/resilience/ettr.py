@@ -3,13 +3,17 @@
 A step counts once, with the duration of its last (kept) execution: a step run again after a
 rollback to the last checkpoint is time lost to the fault, as is detection, stopping, the
 self-check and the restart. Read from rank 0's metrics.jsonl, which every attempt appends to.
+`job_summary` puts it beside the job's fault matrix: per fault, how long each recovery phase took.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
+
+from megascale.resilience.state import JobState, JobStore
 
 
 def final_records(metrics_path: str | Path) -> dict[int, dict[str, Any]]:
@@ -38,3 +42,30 @@ def ettr(metrics_path: str | Path, wall_s: float, up_to_step: int | None = None)
     useful = sum(float(records[s].get("step_time", 0.0)) for s in steps)
     return {"steps": len(steps), "steps_executed": executed, "train_s": useful, "wall_s": wall_s,
             "ettr": useful / wall_s if wall_s > 0 else 0.0}
+
+
+def job_summary(s: JobState, store: JobStore, steps: int) -> dict[str, Any]:
+    wall = (s.finished or time.time()) - s.created
+    faults = store.events("fault")
+    resumed = {e["fault_detected"]: e for e in store.events("resumed")}
+    hangs = {e["detected"]: e["analysis"] for e in store.events("hang_analysis")}
+    phases = {(e["event"], e["attempt"]): e["time"] for e in store.events()
+              if e["event"] in ("stopped", "selfcheck", "attempt")}
+    matrix = []
+    for f in faults:
+        r = resumed.get(f["detected"])
+        a = f["attempt"]
+        marks = [f["detected"], phases.get(("stopped", a)), phases.get(("selfcheck", a)),
+                 phases.get(("attempt", a + 1)), r["resumed"] if r else None]
+        spans = {f"{name}_s": (end - start) if start and end else None for name, start, end in
+                 zip(("stop", "selfcheck", "evict", "start"), marks[:-1], marks[1:], strict=True)}
+        matrix.append({"kind": f["kind"], "node": f.get("node"), "rank": f.get("rank"), "detail": f["detail"],
+                       "collateral": f.get("collateral", []),
+                       "detected": f["detected"], "last_progress": f.get("last_progress"),
+                       "resumed": r["resumed"] if r else None,
+                       "recovery_s": (r["resumed"] - f["detected"]) if r else None, **spans,
+                       **({"hang_analysis": hangs[f["detected"]]} if f["detected"] in hangs else {})})
+    return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
+            "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
+            "faults": matrix, "alerts": store.events("alert"),
+            "ettr": ettr(Path(s.run_dir) / "metrics.jsonl", wall, steps)}

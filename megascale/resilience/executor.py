@@ -6,6 +6,12 @@ keywords, interface traffic counters) and receives commands in the reply: `start
 ranks, `stop` them, run the `selfcheck`, `exit`. Commands run in their own thread so that the
 heartbeat never stops while a self-check or a stop is in progress. If the driver is gone, the
 ranks keep training and the executor keeps knocking: a restarted driver picks it up.
+
+It trusts only a driver that holds the job's certificate (`api.py`), and even then runs only
+commands its schemas accept (`protocol.py`): `megascale train` with a config file, never a
+command line or an environment the driver makes up. Its work directory and every file in it
+are private (0700/0600, opened without following links); ranks get the executor's environment
+minus secrets, plus the path of a 0600 file for the one secret they need (the Redis password).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -28,12 +35,30 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from pydantic import ValidationError
 
-from megascale.resilience.api import ApiClient, ApiError
+from megascale.config.handoff import write_rank_files
+from megascale.config.private_files import open_private, private_dir
+from megascale.config.schema import REDIS_PASSWORD_ENV
+from megascale.resilience.api import ApiClient, ApiError, UntrustedDriver
+from megascale.resilience.protocol import (
+    COMMAND,
+    COMMAND_ID,
+    MAX_ERROR_LINES,
+    CommandResult,
+    HeartbeatReply,
+    RankReport,
+    RegisterReply,
+    SelfcheckCommand,
+    StartCommand,
+    first_error,
+)
 from megascale.resilience.rankstatus import STATUS_DIR_ENV, read_status
 
 log = logging.getLogger("megascale.executor")
 KILL_GRACE_S = 1.0
+SECRET_ENV = (REDIS_PASSWORD_ENV,)  # never passed on to ranks or self-checks
+UNTRUSTED_LOG_EVERY_S = 30.0
 
 
 @dataclass
@@ -58,7 +83,7 @@ class Executor:
     def __init__(self, client: ApiClient, node_id: str, address: str, workdir: Path,
                  heartbeat_s: float = 1.0, shared_network: bool = False) -> None:
         self.client, self.node_id, self.address = client, node_id, address
-        self.workdir = workdir
+        self.workdir = private_dir(workdir)
         self.heartbeat_s = heartbeat_s
         self.shared_network = shared_network
         self.host = os.environ.get("POD_NAME") or socket.gethostname()
@@ -72,6 +97,7 @@ class Executor:
         self._gpus = _gpu_inventory()
         self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self._seen: set[str] = set()
+        self._untrusted_logged = -UNTRUSTED_LOG_EVERY_S
         threading.Thread(target=self._command_loop, name="executor-commands", daemon=True).start()
 
     # ------------------------------------------------------------------ registration, heartbeats
@@ -82,16 +108,19 @@ class Executor:
                 reply = self.client.call("POST", "/v1/register", {
                     "node_id": self.node_id, "address": self.address, "host": self.host,
                     "pid": os.getpid()})
+                reply = RegisterReply.model_validate(reply)
                 break
             except ApiError:
                 raise
-            except OSError as exc:
+            except (OSError, ValidationError) as exc:
+                if isinstance(exc, UntrustedDriver):
+                    self._untrusted(exc)
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"driver {self.client.url} unreachable: {exc}") from exc
                 time.sleep(0.5)
-        self.keywords = reply.get("keywords", [])
-        self.heartbeat_s = reply.get("heartbeat_s", self.heartbeat_s)
-        log.info("%s registered with %s as %s", self.node_id, self.client.url, reply.get("role"))
+        self.keywords = reply.keywords
+        self.heartbeat_s = reply.heartbeat_s
+        log.info("%s registered with %s as %s", self.node_id, self.client.url, reply.role)
 
     def run(self) -> int:
         """Heartbeat until told to exit; returns the process exit code."""
@@ -99,10 +128,14 @@ class Executor:
         while not self.exit_requested.is_set():
             started = time.monotonic()
             try:
-                reply = self.client.call("POST", "/v1/heartbeat", self.report())
-                self._acknowledge(reply.get("ack", []))
-                for command in reply.get("commands", []):
+                reply = HeartbeatReply.model_validate(self.client.call("POST", "/v1/heartbeat", self.report()))
+                self._acknowledge(reply.ack)
+                for command in reply.commands:
                     self._dispatch(command)
+            except UntrustedDriver as exc:
+                self._untrusted(exc)
+            except ValidationError as exc:
+                log.error("driver reply refused: %s", first_error(exc))
             except ApiError as exc:
                 if exc.status == 403:  # evicted and blocked: this node must not come back
                     log.error("%s: driver refused us (%s); exiting", self.node_id, exc)
@@ -114,6 +147,12 @@ class Executor:
             self.exit_requested.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
         self.stop_ranks()
         return 0
+
+    def _untrusted(self, exc: UntrustedDriver) -> None:
+        """Refused and logged (every 30 s while it lasts); the real driver may come back."""
+        if time.monotonic() - self._untrusted_logged >= UNTRUSTED_LOG_EVERY_S:
+            log.error("%s; no command is taken from it", exc)
+            self._untrusted_logged = time.monotonic()
 
     def report(self) -> dict[str, Any]:
         self._seq += 1
@@ -128,23 +167,30 @@ class Executor:
             "hardware": {"cpus": psutil.cpu_count(), "cpu_percent": psutil.cpu_percent(None),
                          "mem_total": mem.total, "mem_used": mem.used, "gpus": self._gpus},
             "attempt": attempt.number if attempt else None, "ranks": ranks, "errors": errors,
-            "net": {n: [c.bytes_sent, c.bytes_recv]
-                    for n, c in psutil.net_io_counters(pernic=True).items()},
+            "net": {n[:64]: [c.bytes_sent, c.bytes_recv]
+                    for n, c in list(psutil.net_io_counters(pernic=True).items())[:512]},
             "net_shared": self.shared_network, "done": done, "busy": busy,
         }
 
     def _rank_reports(self, attempt: Attempt) -> tuple[list[dict], list[dict]]:
         ranks, errors = [], []
         for rp in attempt.ranks:
+            process = {"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid,
+                       "alive": rp.proc.poll() is None, "exitcode": rp.proc.returncode}
             status = read_status(attempt.status_dir, rp.rank) or {}
             ended = rp.exited_at is not None  # an exit is reported with its time or not yet
-            ranks.append({"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid,
-                          "alive": not ended, "exitcode": rp.proc.returncode if ended else None,
-                          "exited_at": rp.exited_at,
-                          "step": status.get("step"), "step_time": status.get("step_time"),
-                          "recent": status.get("recent", []), "status_time": status.get("time")})
-            errors += [{"rank": rp.rank, "text": line} for line in self._new_error_lines(rp)]
-        return ranks, errors
+            process = {"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid, "alive": not ended,
+                       "exitcode": rp.proc.returncode if ended else None, "exited_at": rp.exited_at}
+            status = read_status(attempt.status_dir, rp.rank) or {}
+            report = {**process, "step": status.get("step"), "step_time": status.get("step_time"),
+                      "recent": status.get("recent", []), "status_time": status.get("time")}
+            try:  # what the driver will accept; a garbled status file costs the progress, not the node
+                RankReport.model_validate_json(json.dumps(report))
+            except (ValidationError, TypeError, ValueError):
+                report = process
+            ranks.append(report)
+            errors += [{"rank": rp.rank, "text": line[:4000]} for line in self._new_error_lines(rp)]
+        return ranks, errors[:MAX_ERROR_LINES]
 
     def _new_error_lines(self, rp: RankProcess) -> list[str]:
         try:
@@ -167,11 +213,18 @@ class Executor:
 
     # ------------------------------------------------------------------ commands
     def _dispatch(self, command: dict[str, Any]) -> None:
+        command_id = str(command.get("id"))
         with self._lock:
-            if command["id"] in self._seen:
+            if command_id in self._seen:
                 return  # queued or done; the driver has not seen the result yet
-            self._seen.add(command["id"])
-        self._commands.put(command)
+            self._seen.add(command_id)
+        try:
+            self._commands.put(COMMAND.validate_python(command))
+        except ValidationError as exc:
+            log.error("refused a malformed %r command from the driver: %s", command.get("kind"), first_error(exc))
+            if re.fullmatch(COMMAND_ID, command_id):
+                with self._lock:
+                    self.done[command_id] = {"ok": False, "error": f"refused by the executor: {first_error(exc)}"}
 
     def _command_loop(self) -> None:
         """One long-lived thread runs the commands in order: the ranks it starts are tied to it
@@ -180,61 +233,68 @@ class Executor:
                     "exit": self._exit}
         while True:
             command = self._commands.get()
-            self._run_command(handlers[command["kind"]], command)
+            self._run_command(handlers[command.kind], command)
 
-    def _run_command(self, handler, command: dict[str, Any]) -> None:
+    def _run_command(self, handler, command) -> None:
         with self._lock:
-            self.busy = command["id"]
+            self.busy = command.id
         try:
             result = handler(command)
         except Exception as exc:  # report it: the driver decides what a failed command means
-            log.exception("command %s failed", command["kind"])
-            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            log.exception("command %s failed", command.kind)
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:4000]}
+        try:  # a result the driver would refuse (say, a NaN figure) would cost every later heartbeat
+            CommandResult.model_validate_json(json.dumps(result))
+        except (ValidationError, ValueError) as exc:
+            detail = first_error(exc) if isinstance(exc, ValidationError) else str(exc)
+            result = {"ok": False, "error": f"{command.kind} result not reportable: {detail}"}
         with self._lock:
-            self.done[command["id"]] = result
+            self.done[command.id] = result
             self.busy = None
 
-    def _start(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _start(self, command: StartCommand) -> dict[str, Any]:
         self.stop_ranks()
-        number = command["attempt"]
-        base = self.workdir / f"attempt{number}"
-        attempt = Attempt(number, base / "status")
-        attempt.status_dir.mkdir(parents=True, exist_ok=True)
-        for local, rank in enumerate(command["ranks"]):
-            # the planner's communication settings are defaults: this node's own environment wins
-            env = {**command.get("plan_env", {}), **os.environ, **command["env"], "RANK": str(rank),
-                   "LOCAL_RANK": str(local),
-                   "LOCAL_WORLD_SIZE": str(len(command["ranks"])), STATUS_DIR_ENV: str(attempt.status_dir)}
-            env.setdefault("OMP_NUM_THREADS", "1")
-            log_path = base / f"rank{rank:05d}.log"
-            with open(log_path, "ab") as out:
-                # the driver stops ranks itself and restarts from the last committed checkpoint:
-                # ranks of a failed attempt must die on SIGTERM, not wait for peers to agree on a save
-                argv = [sys.executable, "-m", "megascale.cli", "train", *command["args"],
-                        "--checkpoint.save_on_signal=false"]
-                proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+        base = private_dir(self.workdir / f"attempt{command.attempt}")
+        attempt = Attempt(command.attempt, private_dir(base / "status"))
+        config, secret_env = write_rank_files(base / "rank", command.config, command.redis_password)
+        logs = {rank: base / f"rank{rank:05d}.log" for rank in command.ranks}
+        outs = {}
+        try:  # every log opened (never through a planted link) before any rank starts
+            for rank, path in logs.items():
+                outs[rank] = open_private(path)
+            for local, rank in enumerate(command.ranks):
+                # the planner's communication settings are defaults: this node's own environment wins
+                env = {**command.plan_env, **_rank_environment(), **command.env, **secret_env, "RANK": str(rank),
+                       "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(command.ranks)),
+                       STATUS_DIR_ENV: str(attempt.status_dir)}
+                env.setdefault("OMP_NUM_THREADS", "1")
+                argv = [sys.executable, "-m", "megascale.cli", "train", "--config", str(config)]
+                proc = subprocess.Popen(argv, env=env, stdout=outs[rank], stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent, cwd=command.get("cwd") or None)
-            attempt.ranks.append(RankProcess(rank, local, proc, log_path))
-            threading.Thread(target=_note_exit, args=(attempt.ranks[-1],), daemon=True).start()
-        with self._lock:
-            self.attempt = attempt
+                                        preexec_fn=_die_with_parent)
+                attempt.ranks.append(RankProcess(rank, local, proc, logs[rank]))
+                threading.Thread(target=_note_exit, args=(attempt.ranks[-1],), daemon=True).start()
+        finally:
+            for fd in outs.values():
+                os.close(fd)
+            with self._lock:
+                self.attempt = attempt  # the ranks started so far are stopped with the attempt
         return {"ok": True, "pids": [rp.proc.pid for rp in attempt.ranks]}
 
-    def _stop(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _stop(self, command) -> dict[str, Any]:
         return {"ok": True, "stopped": self.stop_ranks()}
 
-    def _exit(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _exit(self, command) -> dict[str, Any]:
         self.stop_ranks()
         self.exit_requested.set()
         return {"ok": True}
 
-    def _selfcheck(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _selfcheck(self, command: SelfcheckCommand) -> dict[str, Any]:
         self.stop_ranks()
         argv = [sys.executable, "-m", "megascale.cli", "selfcheck", "--json", "--node-id", self.node_id,
-                "--address", self.address, "--plan", json.dumps(command["plan"])]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=command.get("timeout_s", 120),
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+                "--address", self.address, "--plan", command.plan.model_dump_json()]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=command.timeout_s,
+                             env={**_rank_environment(), "OMP_NUM_THREADS": "1"})
         try:
             return {"ok": True, "report": json.loads(out.stdout.strip().splitlines()[-1])}
         except (ValueError, IndexError):
@@ -266,6 +326,8 @@ def _note_exit(rp: RankProcess) -> None:
     first rank to die, and peers die within milliseconds of it."""
     rp.proc.wait()
     rp.exited_at = time.time()
+def _rank_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
 
 
 def _die_with_parent() -> None:

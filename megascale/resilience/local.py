@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megascale.config.schema import REDIS_PASSWORD_ENV
+
 
 @dataclass(frozen=True)
 class Netns:
@@ -83,12 +85,12 @@ def cut_link(spec: Netns, i: int, up: bool = False) -> None:
     _ip("link", "set", "eth0", "up" if up else "down", ns=spec.name(i))
 
 
-def spawn_executor(index: int, driver_url: str, token_file: Path, workdir: Path,
+def spawn_executor(index: int, driver_url: str, secret_dir: Path, workdir: Path,
                    netns: Netns | None, log_path: Path) -> subprocess.Popen:
     node_id = f"node{index}"
     cmd = [sys.executable, "-m", "megascale.cli", "executor", "--driver", driver_url,
-           "--token-file", str(token_file), "--node-id", node_id, "--workdir", str(workdir / node_id)]
-    env = dict(os.environ)
+           "--secret-dir", str(secret_dir), "--node-id", node_id, "--workdir", str(workdir / node_id)]
+    env = {k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV}  # it comes with `start`
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns.name(index), *cmd, "--address", netns.address(index)]
         env["GLOO_SOCKET_IFNAME"] = "eth0"

@@ -51,11 +51,11 @@ def judge(results: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
     failed: dict[str, str] = {}
     pair_ok: dict[str, list[bool]] = {}
     for node, result in results.items():
-        if not result or not result.get("ok"):
-            failed[node] = f"self-check did not complete: {(result or {}).get('error', 'no result')}"
+        if not result or not result.get("ok") or not result.get("report"):
+            failed[node] = f"self-check did not complete: {(result or {}).get('error') or 'no result'}"
             continue
         for test in result["report"]["tests"]:
-            if "peer" in test:
+            if test.get("peer") is not None:
                 pair_ok.setdefault(node, []).append(test["passed"])
             elif not test["passed"]:
                 failed[node] = f"{test['name']}: {test.get('error') or _figure(test)}"
@@ -64,7 +64,7 @@ def judge(results: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
     for node, oks in pair_ok.items():
         if node in failed or any(oks):
             continue
-        peers = [t["peer"] for t in results[node]["report"]["tests"] if "peer" in t]
+        peers = [t["peer"] for t in results[node]["report"]["tests"] if t.get("peer") is not None]
         if any(p in healthy_pairs for p in peers):
             failed[node] = f"every link test failed ({', '.join(peers)}) while its peers pass with others"
         else:

@@ -4,11 +4,14 @@ What must survive a driver crash is small and changes rarely: which nodes are ac
 evicted, the blocked addresses, the attempt and restart counts, the layout, and the record of
 faults and alerts (for ETTR). Heartbeats are volatile and are not stored. The whole `JobState`
 is one JSON row, rewritten on each change in a transaction; events are appended to a log.
+The database (and its -wal and -shm files, which SQLite makes with the database's mode) is 0600,
+and nothing secret goes into it: the job's config is kept without the Redis password.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -48,8 +51,7 @@ class JobState:
     nodes_wanted: int
     ranks_per_node: int
     layout: dict[str, int]  # dp, tp, pp of the current attempt
-    train_args: list[str] = field(default_factory=list)
-    config_path: str | None = None
+    train_config: str = ""  # the ranks' TOML (config/handoff.py), fixed at the job's first launch
     run_dir: str = ""
     phase: str = STARTING
     attempt: int = 0
@@ -88,6 +90,10 @@ class JobStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        for path in (self.path, *(self.path.with_name(self.path.name + s) for s in ("-wal", "-shm"))):
+            if path.exists():
+                path.chmod(0o600)  # made by an older version, or with a looser umask
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
         self._conn.execute("PRAGMA journal_mode=WAL")

@@ -2,7 +2,8 @@
 
 `--nproc N` re-launches this command under PyTorch's elastic launcher (`torch.distributed.run`,
 what `torchrun` is) with N processes on this machine, so a local multi-rank run and a cluster
-run under torchrun execute the same code.
+run under torchrun execute the same code. The ranks read the config this process resolved,
+from a private file (config/handoff.py), not the overrides again.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig, load_config
-from megascale.config.schema import redacted_url
+from megascale.config.handoff import config_text, write_rank_files
+from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.plan.env import format_applied, launch_env, with_defaults
 
 DEFAULT_CONFIG = "configs/default.toml"
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"megascale train: --nproc {nproc} but parallel.dp*tp*pp = {world}; "
                   f"make them equal", file=sys.stderr)
             return 2
-        return launch_local(nproc, path, args.overrides, cfg)
+        return launch_local(nproc, cfg)
     from megascale.data.shards import DataError
     from megascale.resilience.faults import rank_step_hook
     from megascale.train.trainer import Trainer
@@ -71,20 +74,20 @@ def run(args: argparse.Namespace) -> int:
     return 128 + trainer.stop_signal if trainer.stop_signal else 0  # as if killed by it, once saved
 
 
-def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobConfig) -> int:
+def launch_local(nproc: int, cfg: JobConfig) -> int:
     """Run the ranks under torch.distributed.run; with `parallel.redis_start`, host their Redis too."""
     from megascale.parallel.redis_server import RedisServer
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megascale.cli", "train"]
-    if config:
-        cmd += ["--config", config]
-    planned = launch_env(cfg.train.run_dir, cfg.diagnostics.flight_recorder)
-    env = with_defaults(dict(os.environ), planned)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    print(f"megascale train: {nproc} local ranks on this node; {format_applied(planned)} "
-          "(values already in the environment win)", file=sys.stderr)
     with ExitStack() as job:
+        private = job.enter_context(tempfile.TemporaryDirectory(prefix="megascale-train-"))
+        config, secret_env = write_rank_files(private, config_text(cfg), cfg.parallel.redis_password())
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "megascale.cli", "train", "--config", str(config)]
+        planned = launch_env(cfg.train.run_dir, cfg.diagnostics.flight_recorder)
+        env = with_defaults({k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV}, planned) | secret_env
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        print(f"megascale train: {nproc} local ranks on this node; {format_applied(planned)} "
+              "(values already in the environment win)", file=sys.stderr)
         if cfg.parallel.redis_start:
             try:
                 redis_server = job.enter_context(RedisServer.for_job(cfg.parallel))
@@ -92,7 +95,7 @@ def launch_local(nproc: int, config: str | None, overrides: list[str], cfg: JobC
                 print(f"megascale train: {exc}", file=sys.stderr)
                 return 2
             print(f"megascale train: redis-server for this job at {redacted_url(redis_server.url)}", file=sys.stderr)
-        return _wait_forwarding_sigterm(subprocess.Popen(cmd + list(overrides), env=env), cfg)
+        return _wait_forwarding_sigterm(subprocess.Popen(cmd, env=env), cfg)
 
 
 def _wait_forwarding_sigterm(proc: subprocess.Popen, cfg: JobConfig) -> int:

@@ -49,8 +49,7 @@ class Job:
     @property
     def client(self) -> ApiClient:
         if self._client is None:
-            info = json.loads((self.run_dir / "resilience" / "driver.json").read_text())
-            self._client = ApiClient(info["url"], Path(info["token_file"]).read_text().strip())
+            self._client = ApiClient.for_run(self.run_dir)
         return self._client
 
     def status(self) -> dict | None:

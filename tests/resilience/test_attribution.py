@@ -4,9 +4,13 @@ count grows (issue 25, item 8). The decision function, then the driver's control
 
 from __future__ import annotations
 
+import json
 import time
 
+from pydantic import BaseModel
+
 from megascale.config import load_config
+from megascale.resilience import protocol
 from megascale.resilience.attribution import attribute
 from megascale.resilience.driver import Driver
 from megascale.resilience.rules import Finding, abnormal_exits, error_lines
@@ -17,11 +21,17 @@ KEYWORDS = ["Traceback (most recent call last)"]
 
 
 def rank(number: int, exitcode: int | None = None, exited_at: float | None = None) -> dict:
-    return {"rank": number, "alive": exitcode is None, "exitcode": exitcode, "exited_at": exited_at, "step": 6}
+    return {"rank": number, "local_rank": number % 2, "pid": 1000 + number, "alive": exitcode is None,
+            "exitcode": exitcode, "exited_at": exited_at, "step": 6}
 
 
 def report(node: str, at: float, ranks: list[dict], errors: list[dict] = ()) -> dict:
     return {"node_id": node, "time": at, "attempt": 0, "ranks": ranks, "errors": list(errors)}
+
+
+def via_api(schema: type[BaseModel], body: dict) -> dict:
+    """The body as the API hands it to a handler: checked and completed by its schema."""
+    return schema.model_validate_json(json.dumps(body)).model_dump()
 
 
 def findings(reports: dict[str, dict]) -> list[Finding]:
@@ -86,15 +96,16 @@ def test_the_driver_blames_and_counts_only_the_first_death(tmp_path):
     driver = Driver(cfg, state, JobStore(tmp_path / "driver.sqlite"))
     driver.rcfg.error_keywords = KEYWORDS
     for node, address in (("node0", "10.0.0.1"), ("node1", "10.0.0.2")):
-        assert driver.on_register({"node_id": node, "address": address})[0] == 200
+        assert driver.on_register(via_api(protocol.Register, {"node_id": node, "address": address,
+                                                              "host": node}))[0] == 200
     now = time.time()
     driver.tick(now)
     assert state.phase == "running"
-    driver.on_heartbeat(NODE0_BEFORE)
-    driver.on_heartbeat(NODE1_FIRST)
+    driver.on_heartbeat(via_api(protocol.Heartbeat, NODE0_BEFORE))
+    driver.on_heartbeat(via_api(protocol.Heartbeat, NODE1_FIRST))
     driver.tick(now + 0.25)
     assert state.phase == "running"  # node0's evidence is not in yet
-    driver.on_heartbeat(NODE0_AFTER)
+    driver.on_heartbeat(via_api(protocol.Heartbeat, NODE0_AFTER))
     driver.tick(now + 0.5)
     assert state.phase == "stopping"
     fault = driver.store.events("fault")[-1]

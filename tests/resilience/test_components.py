@@ -1,13 +1,9 @@
 """Driver parts without processes: self-check plan and verdict, placement, fault specs, the
-persisted state, the API's authentication."""
-
-import os
-import stat
+persisted state (the API's authentication: tests/security)."""
 
 import pytest
 
 from megascale.config import load_config
-from megascale.resilience.api import ApiClient, ApiError, ApiServer, load_or_create_token
 from megascale.resilience.faults import StepHook, parse_faults, rank_step_hook
 from megascale.resilience.placement import PlacementError, layout_for, usable_nodes
 from megascale.resilience.rankstatus import read_status
@@ -109,24 +105,6 @@ def test_state_survives_a_new_store(tmp_path):
     loaded = again.load()
     assert loaded == state and isinstance(loaded.nodes["n0"], Node)
     assert [(e["event"], e["kind"]) for e in again.events("fault")] == [("fault", "hang")]
-
-
-def test_api_needs_the_token_and_writes_it_0600(tmp_path):
-    token = load_or_create_token("", tmp_path / "token")
-    assert stat.S_IMODE(os.stat(tmp_path / "token").st_mode) == 0o600
-    assert load_or_create_token("", tmp_path / "token") == token
-    server = ApiServer("127.0.0.1", 0, token, {("GET", "/v1/status"): lambda body: (200, {"ok": 1})}).start()
-    try:
-        url = f"http://127.0.0.1:{server.port}"
-        assert ApiClient(url, token).status() == {"ok": 1}
-        with pytest.raises(ApiError) as err:
-            ApiClient(url, "wrong").status()
-        assert err.value.status == 401
-        with pytest.raises(ApiError) as err:
-            ApiClient(url, token).call("POST", "/v1/nothing", {})
-        assert err.value.status == 404
-    finally:
-        server.close()
 
 
 def test_bad_resilience_config_names_the_key():

@@ -83,9 +83,9 @@ def test_executor_killed_spare_takes_over_and_the_node_stays_out(job_factory, re
     evicted = job.wait_for(lambda s: victim in s["evicted"])
     assert evicted["nodes"][spare]["role"] == "active"  # the spare took the slot
     # The evicted node tries to come back: refused (exit code 3).
-    token_file = job.run_dir / "resilience" / "token"
     back = subprocess.run([sys.executable, "-m", "megascale.cli", "executor", "--driver", job.client.url,
-                           "--token-file", str(token_file), "--node-id", victim, "--address", "127.0.0.1",
+                           "--secret-dir", str(job.run_dir / "resilience" / "secret"), "--node-id", victim,
+                           "--address", "127.0.0.1",
                            "--workdir", str(job.run_dir / "again")], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert back.returncode == 3, back.stderr[-2000:]
