@@ -5,11 +5,19 @@ Start-up cost is store traffic: every group creation exchanges addresses (gloo) 
 `CountingStore` wrapper sees each operation a rank makes (its own and those the backends make in
 C++ through the `torch.distributed.Store` trampoline), so the per-rank cost of a creation scheme
 is measured rather than argued.
+
+What listens where: the rank-0 TCPStore serves MASTER_PORT. PyTorch binds it to every interface
+whatever host it is given, so when MASTER_ADDR is an address of this machine (127.0.0.1 in local
+runs, the node's own address on a cluster) rank 0 hands it a socket bound to that address only
+(`bound_listener`); the store has no authentication, so firewall the port between nodes
+(docs/cluster.md, docs/security.md).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -171,12 +179,32 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
         return inner
     # Under torchrun the agent already hosts the TCPStore on MASTER_PORT; workers join it.
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_master = rank == 0 and not agent_hosts
     tcp = dist.TCPStore(
         address.host,
         address.port,
         world_size,
-        is_master=(rank == 0 and not agent_hosts),
+        is_master=is_master,
         timeout=timeout,
         wait_for_workers=False,
+        **(bound_listener(address.host, address.port) if is_master else {}),
     )
     return dist.PrefixStore(address.prefix, tcp)
+
+
+def bound_listener(host: str, port: int) -> dict[str, int]:
+    """TCPStore arguments that make its server listen on `host` only, when `host` is an IP address
+    this machine has; otherwise none (PyTorch then listens on every interface)."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return {}  # a name: torch resolves it for the workers but binds the server everywhere
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:  # not an address of ours, or the port is taken: torch says so in its own words
+        sock.close()
+        return {}
+    return {"master_listen_fd": sock.detach()}

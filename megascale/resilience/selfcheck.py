@@ -133,11 +133,14 @@ def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, m
     import torch
     import torch.distributed as dist
 
+    from megascale.parallel.store import bound_listener
+
     tests = []
     backend, device = pair_backend()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
-        store = dist.TCPStore(master, port, 2, is_master=role == 0, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(master, port, 2, is_master=role == 0, timeout=timedelta(seconds=timeout_s),
+                              **(bound_listener(master, port) if role == 0 else {}))
         if device == "cuda":
             torch.cuda.set_device(0)
         dist.init_process_group(backend, store=store, rank=role, world_size=2,
