@@ -8,12 +8,13 @@ the store (`store.py`), so `--sql` answers any question the page does not.
 from __future__ import annotations
 
 import base64
-import html
 import json
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import jinja2
 
 from megascale.config.schema import DiagnosticsConfig
 from megascale.diagnostics import hang, straggler, timeline
@@ -141,61 +142,60 @@ def plot_mfu(conn: sqlite3.Connection, path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def _img(path: Path, alt: str) -> str:
-    data = base64.b64encode(path.read_bytes()).decode()
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+# Every value reaches the page through Jinja2 with autoescaping: timer files, host names and
+# analyses are data another process wrote, and none of it may become markup or script.
+TEMPLATE = """<!DOCTYPE html><html><head><meta charset="utf-8"><title>megascale report</title>
+<style>body{font-family:sans-serif;margin:2em;max-width:1500px}img{max-width:100%;border:1px solid #ccc}
+li{margin:.2em 0}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}
+</style></head><body>
+<h1>megascale run report: {{ run_dir }}</h1>
+<p>{{ stats.ranks }} ranks, {{ stats.steps }} steps,
+mean step time {{ "%.1f" % ((stats.step_time or 0) * 1e3) }} ms.</p>
+{% if hang %}<h2 id="hang">Hang analysis</h2><ul>{% for line in hang %}<li>{{ line }}</li>{% endfor %}</ul>
+<img alt="hang topology" src="{{ figures.hang }}">{% endif %}
+<h2 id="stragglers">Stragglers</h2>
+{% if stragglers %}<ul>{% for line in stragglers %}<li>{{ line }}</li>{% endfor %}</ul>
+{% else %}<p>No rank is consistently slower than its stage peers.</p>{% endif %}
+{% if stages %}<h2>Where the time goes, per pipeline stage</h2><p>Share of the ranks' step time
+(self time per kind; p2p waits are the pipeline bubble, comm the collectives).</p>
+<table><tr><th>pp stage</th><th>ranks</th>{% for kind in kinds %}<th>{{ kind }}</th>{% endfor %}</tr>
+{% for row in stages %}<tr><td>{{ row.pp }}</td><td>{{ row.ranks }}</td>
+{% for share in row.shares %}<td>{{ "-" if share is none else "%.1f%%" % share }}</td>{% endfor %}</tr>{% endfor %}
+</table>{% endif %}
+{% for title, src in pictures %}<h2>{{ title }}</h2><img alt="{{ title }}" src="{{ src }}">{% endfor %}
+<h2>Timeline</h2><p>Chrome/Perfetto traces (open in ui.perfetto.dev or chrome://tracing):
+{% for group, name in traces %}<a href="{{ name }}">by {{ group }}</a>{{ ", " if not loop.last }}{% endfor %}</p>
+</body></html>"""
+TITLES = {"heatmap_host": "Compute heat map, ranks by host", "heatmap_grid": "Compute heat map, ranks by pp/dp/tp",
+          "breakdown": "Step-time breakdown", "mfu": "MFU over time"}
 
 
-def _stage_table(conn: sqlite3.Connection) -> str:
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _stage_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     """Share of step time per kind for each pipeline stage: p2p is the pipeline bubble."""
     cols = ", ".join(f"SUM({k}) AS {k}" for k in KINDS)
     rows = query(conn, f"SELECT pp, COUNT(DISTINCT rank) AS ranks, {cols}, "
                        "SUM(step_time) AS step FROM rank_steps GROUP BY pp ORDER BY pp")
-    if not rows:
-        return ""
-    head = "".join(f"<th>{k}</th>" for k in (*KINDS, "untimed"))
-    body = "".join(
-        f"<tr><td>{r['pp']}</td><td>{r['ranks']}</td>"
-        + "".join(f"<td>{100 * v / r['step']:.1f}%</td>" if r["step"] else "<td>-</td>"
-                  for v in [*(r[k] or 0 for k in KINDS),
-                            (r["step"] or 0) - sum(r[k] or 0 for k in KINDS)]) + "</tr>"
-        for r in rows)
-    return ("<h2>Where the time goes, per pipeline stage</h2><p>Share of the ranks' step time "
-            "(self time per kind; p2p waits are the pipeline bubble, comm the collectives).</p>"
-            f"<table><tr><th>pp stage</th><th>ranks</th>{head}</tr>{body}</table>")
+    out = []
+    for r in rows:
+        parts = [r[k] or 0 for k in KINDS]
+        parts.append((r["step"] or 0) - sum(parts))
+        out.append({"pp": r["pp"], "ranks": r["ranks"],
+                    "shares": [100 * v / r["step"] if r["step"] else None for v in parts]})
+    return out
 
 
 def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
-    e = html.escape
     (stats,) = query(conn, "SELECT COUNT(DISTINCT rank) AS ranks, COUNT(DISTINCT step) AS steps, "
                            "AVG(step_time) AS step_time FROM rank_steps")
-    parts = [f"<h1>megascale run report: {e(str(run_dir))}</h1>",
-             f"<p>{stats['ranks']} ranks, {stats['steps']} steps, mean step time "
-             f"{(stats['step_time'] or 0) * 1e3:.1f} ms.</p>"]
-    if report.hang is not None:
-        parts.append('<h2 id="hang">Hang analysis</h2><ul>')
-        parts += [f"<li>{e(line)}</li>" for line in report.hang.summary()]
-        parts.append("</ul>" + _img(report.figures["hang"], "hang topology"))
-    parts.append('<h2 id="stragglers">Stragglers</h2>')
-    if report.stragglers:
-        parts.append("<ul>" + "".join(f"<li>{e(s.describe())}</li>" for s in report.stragglers)
-                     + "</ul>")
-    else:
-        parts.append("<p>No rank is consistently slower than its stage peers.</p>")
-    parts.append(_stage_table(conn))
-    titles = {"heatmap_host": "Compute heat map, ranks by host",
-              "heatmap_grid": "Compute heat map, ranks by pp/dp/tp",
-              "breakdown": "Step-time breakdown", "mfu": "MFU over time"}
-    for key, title in titles.items():
-        if key in report.figures:
-            parts.append(f"<h2>{title}</h2>" + _img(report.figures[key], title))
-    parts.append("<h2>Timeline</h2><p>Chrome/Perfetto traces (open in ui.perfetto.dev or "
-                 "chrome://tracing): " + ", ".join(
-                     f'<a href="{e(p.name)}">by {e(g)}</a>' for g, p in report.traces.items())
-                 + "</p>")
-    style = ("body{font-family:sans-serif;margin:2em;max-width:1500px}"
-             "img{max-width:100%;border:1px solid #ccc}li{margin:.2em 0}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .6em;"
-             "text-align:right}")
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>megascale report</title>"
-            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(TEMPLATE).render(
+        run_dir=str(run_dir), stats=stats, kinds=[*KINDS, "untimed"], stages=_stage_rows(conn),
+        hang=report.hang.summary() if report.hang is not None else None,
+        figures={k: _data_uri(v) for k, v in report.figures.items() if k == "hang"},
+        stragglers=[s.describe() for s in report.stragglers],
+        pictures=[(title, _data_uri(report.figures[key])) for key, title in TITLES.items() if key in report.figures],
+        traces=[(group, path.name) for group, path in report.traces.items()])
