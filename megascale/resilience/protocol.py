@@ -80,6 +80,7 @@ class SelfcheckTest(Message):
     expected: float = 0.0
     passed: bool = False
     peer: Name | None = None
+    backend: Literal["gloo", "nccl"] | None = None  # of a pair test
     error: Text | None = None
 
 

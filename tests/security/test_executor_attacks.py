@@ -152,19 +152,20 @@ def test_a_link_planted_in_the_work_directory_is_not_written_through(tmp_path, s
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's directory needs root")
 def test_a_work_directory_another_user_made_first_is_refused(tmp_path, secret):
-    shared_tmp = tmp_path / "tmp"
+    shared_tmp = tmp_path / "tmp"  # like /tmp: world-writable with the sticky bit
     shared_tmp.mkdir(mode=0o1777)
     shared_tmp.chmod(0o1777)
-    planted = shared_tmp / "megascale"  # the old default: /tmp/megascale/NODE
-    (planted / "node0" / "attempt0").mkdir(parents=True)
     victim = tmp_path / "victim"
     victim.write_text("root's file\n")
-    (planted / "node0" / "attempt0" / "rank00000.log").symlink_to(victim)
-    for path in (planted, planted / "node0", planted / "node0" / "attempt0"):
-        os.chown(path, 65534, 65534)
-    with pytest.raises(UnsafePathError, match="belongs to uid 65534"):
-        Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1",
-                 planted / "node0")
+    planted = shared_tmp / "megascale"  # the old default: /tmp/megascale/NODE
+    for workdir in (planted, planted / "node0"):  # the directory itself, or one above it, is theirs
+        (workdir / "attempt0").mkdir(parents=True, exist_ok=True)
+        (workdir / "attempt0" / "rank00000.log").symlink_to(victim)
+        for path in (workdir, workdir / "attempt0"):
+            os.chown(path, 65534, 65534)
+        with pytest.raises(UnsafePathError, match="belongs to uid 65534"):
+            Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1",
+                     workdir)
     open_to_all = tmp_path / "open"
     open_to_all.mkdir()
     open_to_all.chmod(0o777)  # world-writable without the sticky bit: anyone can swap its entries
