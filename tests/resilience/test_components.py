@@ -1,9 +1,13 @@
 """Driver parts without processes: self-check plan and verdict, placement, fault specs, the
 persisted state (the API's authentication: tests/security)."""
 
+import threading
+import time
+
 import pytest
 
 from megascale.config import load_config
+from megascale.resilience.driver import Driver
 from megascale.resilience.faults import StepHook, parse_faults, rank_step_hook
 from megascale.resilience.placement import PlacementError, layout_for, usable_nodes
 from megascale.resilience.rankstatus import read_status
@@ -114,3 +118,27 @@ def test_bad_resilience_config_names_the_key():
         load_config(None, ["--resilience.heartbeat_s=5", "--resilience.heartbeat_timeout_s=2"])
     with pytest.raises(ConfigError, match="resilience.restart_budget"):
         load_config(None, ["--resilience.restart_budget=-1"])
+
+
+def test_a_tick_that_raises_is_logged_once_and_the_control_loop_goes_on(tmp_path, caplog):
+    """The issue's crash ("ranks": "abc" reaching the rules), planted past the schemas: the
+    driver logs it and keeps ticking; once the report is sane again the job carries on."""
+    cfg = load_config(None, ["--parallel.dp=1", "--train.steps=10"])
+    state = JobState("j1", 1, 1, {"dp": 1, "tp": 1, "pp": 1}, run_dir=str(tmp_path))
+    driver = Driver(cfg, state, JobStore(tmp_path / "s.sqlite"))
+    driver.on_register({"node_id": "n0", "address": "127.0.0.1", "host": "h", "pid": None})
+    driver.tick(time.time())
+    assert state.phase == "running"
+    driver.reports["n0"] = {"attempt": 0, "ranks": "abc"}
+    stop = threading.Event()
+    loop = threading.Thread(target=driver.run, args=(stop,), daemon=True)
+    loop.start()
+    time.sleep(1.0)  # four ticks, each failing the same way
+    assert loop.is_alive() and caplog.text.count("control loop tick failed") == 1
+    driver.reports["n0"] = {"attempt": 0, "ranks": [{"rank": 0, "alive": False, "exitcode": 0, "step": 10}]}
+    deadline = time.monotonic() + 5
+    while state.phase != "complete" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    loop.join(5)
+    assert state.phase == "complete" and not loop.is_alive()
