@@ -93,6 +93,17 @@ def next_commit(current: Survey, step: int) -> tuple[str, int]:
     return step_name(step, max(taken) + 1 if taken else 0), seq
 
 
+def _tidy(out: Pruned, done: list[str], what: str, action) -> None:
+    """One removal or move; a storage error leaves that entry in place, reported, and never
+    turns the commit that has already happened into a failure."""
+    try:
+        action()
+    except OSError as exc:
+        out.unchecked.append(f"{what.split(' ', 1)[0]}: not tidied ({type(exc).__name__}: {exc})")
+    else:
+        done.append(what)
+
+
 @dataclass
 class Pruned:
     removed: list[str] = field(default_factory=list)
@@ -112,22 +123,21 @@ def prune(fs: fsspec.AbstractFileSystem, root: str, keep: int, just_committed: s
         problem = dict((e.name, why) for e, why in current.invalid).get(just_committed, "not the newest")
         raise CheckpointError(f"the commit of {just_committed} did not verify ({problem}); nothing pruned")
     out = Pruned()
+    step = current.newest.entry.step
     kept_steps: set[int] = set()
     for valid in current.valid:
         if valid.entry.step not in kept_steps and len(kept_steps) < keep:
             kept_steps.add(valid.entry.step)
-            continue
-        remove(fs, valid.entry.path)
-        out.removed.append(valid.entry.name)
+        else:
+            _tidy(out, out.removed, valid.entry.name, lambda e=valid.entry: remove(fs, e.path))
     for entry, why in current.invalid:
-        rename(fs, entry.path, join(root, entry.name + QUARANTINE + tag))
-        out.quarantined.append(f"{entry.name} -> {entry.name}{QUARANTINE}{tag}: {why}")
-    step = current.newest.entry.step
+        aside = entry.name + QUARANTINE + tag
+        _tidy(out, out.quarantined, f"{entry.name} -> {aside}: {why}",
+              lambda e=entry, a=aside: rename(fs, e.path, join(root, a)))
     for entry in current.temporaries:  # other ranks may already be writing this run's next save
         if entry.name.rsplit("-", 1)[1] != tag or entry.step <= step:
-            remove(fs, entry.path)
-            out.removed.append(entry.name)
-    out.unchecked = [f"{entry.name}: {why}" for entry, why in current.unreadable]
+            _tidy(out, out.removed, entry.name, lambda e=entry: remove(fs, e.path))
+    out.unchecked += [f"{entry.name}: {why}" for entry, why in current.unreadable]
     if out.removed or out.quarantined:
         sync_dir(fs, root, durable)
     return out

@@ -289,7 +289,7 @@ class CheckpointManager:
                 for line in info["quarantined"]:
                     log.warning("invalid checkpoint moved aside (never loaded; inspect or delete it): %s", line)
                 for line in info["unchecked"]:
-                    log.warning("checkpoint could not be checked, left in place: %s", line)
+                    log.warning("checkpoint left in place after a storage error: %s", line)
         else:
             log.error("checkpoint at step %d FAILED on rank %d: %s -- training continues; "
                       "older checkpoints are intact", step, self.rank, info)

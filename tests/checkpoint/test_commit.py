@@ -189,6 +189,23 @@ def test_keep_1_beside_stale_and_corrupt_newer_checkpoints(run, straight_run):
     assert_same_params(params, straight_run[1])
 
 
+def test_prune_that_cannot_tidy_reports_and_keeps_the_commit(run):
+    """An invalid checkpoint that storage refuses to move (immutable) is reported and left in
+    place; the commit it follows stands."""
+    root = run / "checkpoints"
+    shutil.copytree(root / step_name(10), root / step_name(50))  # its manifest says step 10
+    if subprocess.run(["chattr", "+i", str(root / step_name(50))], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    try:
+        fs, path = open_root(str(root))
+        pruned = catalog.prune(fs, path, keep=3, just_committed=step_name(10), tag="cafe")
+    finally:
+        subprocess.run(["chattr", "-i", str(root / step_name(50))], check=True)
+    assert pruned.quarantined == [] and pruned.removed == []
+    assert len(pruned.unchecked) == 1 and pruned.unchecked[0].startswith(f"{step_name(50)}: not tidied")
+    assert catalog.survey(fs, path).newest.entry.name == step_name(10)
+
+
 def test_commit_syncs_files_and_directories_around_the_rename(tmp_path, monkeypatch):
     """Spy on the system calls of an inline save: every file and both directories reach the disk,
     the root after the rename."""
