@@ -146,6 +146,13 @@ class Scalar(_Strict):
         return self
 
 
+class JobConfigRecord(BaseModel):
+    """The job's resolved config; only the model section is read back (export, a warning)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    model: dict[str, Any]
+
+
 class Manifest(_Strict):
     format: Literal[FORMAT]  # type: ignore[valid-type]
     version: Literal[VERSION]  # type: ignore[valid-type]
@@ -153,7 +160,7 @@ class Manifest(_Strict):
     seq: Positive  # commit order within the checkpoint root: the newest commit has the highest
     world_size: Positive
     layout: Layout
-    config: dict[str, Any]
+    config: JobConfigRecord
     created: float
     run_id: Name
     torch: str

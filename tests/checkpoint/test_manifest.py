@@ -61,6 +61,7 @@ DEFECTS = {
         [t.update(file="rank-00000.bin/../../../../etc/hostname") for t in m["tensors"]]),
         "is not a rank data file"),
     "unknown key": (lambda m: m.update(extra=1), "Extra inputs are not permitted"),
+    "config without its model": (lambda m: m["config"].pop("model"), "config.model: Field required"),
     "old format version": (lambda m: m.update(version=1), "format version 1"),
     "RNG state without its tensor": (lambda m: m["ranks"]["0"]["rng"].update(cuda={}), "has no tensor record"),
 }
