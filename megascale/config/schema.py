@@ -224,6 +224,9 @@ class TrainConfig:
     gc_every: int = 50  # automatic GC off; collect on every rank every N steps
     run_dir: str = "runs/default"
     tensorboard: bool = True
+    wandb: bool = False  # also log to Weights & Biases (pip install 'megascale[wandb]')
+    wandb_project: str = "megascale"
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: written under run_dir, `wandb sync` later
 
     def validate(self) -> None:
         _positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every"])

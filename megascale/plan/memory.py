@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megascale.config.schema import JobConfig
 from megascale.model.flops import parameter_count
 from megascale.plan.cluster import GPUSpec
 from megascale.plan.layout import Layout, Workload
@@ -133,3 +134,16 @@ def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec,
     buffers += tokens * m.vocab_size / t * (ab + 4)  # logits and their fp32 softmax/gradient
     return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
                           buffers=buffers, reserved=gpu.reserved_bytes, capacity=gpu.memory_bytes)
+
+
+def job_memory_estimate(cfg: JobConfig, device: str) -> MemoryEstimate:
+    """The estimate for one rank of a job as configured, with nothing reserved for the device
+    context: what the trainer prints beside the memory it measures after its first step."""
+    p = cfg.parallel
+    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, v=p.vpp, micro_batch=cfg.train.micro_batch,
+                    zero=2 if p.dp > 1 else 0, recompute=cfg.train.recompute)
+    # CPU attention with a sliding window is SDPA with a band mask: the scores are materialized
+    attention = "unfused" if device != "cuda" and cfg.model.window is not None else "flash2"
+    device_spec = GPUSpec(name=device, peak_flops={}, memory_bytes=float("inf"), hbm_bytes_per_s=0.0,
+                          gemm_efficiency=1.0, attention_efficiency=1.0, reserved_bytes=0.0)
+    return memory_per_gpu(Workload.from_job(cfg), layout, device_spec, attention)

@@ -24,7 +24,7 @@ import torch
 
 from megascale.checkpoint.manager import CheckpointManager, FinalSave
 from megascale.checkpoint.stateful import CheckpointState, RNGState, TrainState
-from megascale.config import ConfigError, JobConfig, dump_config
+from megascale.config import ConfigError, JobConfig, dump_config, to_dict
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
@@ -34,7 +34,8 @@ from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
 from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh
-from megascale.train.metrics import MetricsWriter, progress_line, setup_logging
+from megascale.plan.memory import job_memory_estimate
+from megascale.train.metrics import MetricsWriter, StepClock, memory_record, progress_line, setup_logging
 from megascale.train.stop import StopOnSignal
 
 log = logging.getLogger("megascale")
@@ -92,7 +93,11 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir, CheckpointState(
             model=self.runner, optimizer=self.optimizer, loader=self.train_loader, train=self.train_state,
             rng=RNGState(self.device)))
-        self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard)
+        wandb = None if not cfg.train.wandb else {
+            "project": cfg.train.wandb_project, "mode": cfg.train.wandb_mode, "name": self.run_dir.name,
+            "config": to_dict(cfg)}
+        self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard, wandb)
+        self.clock = StepClock()
         self.stop_signal = 0  # set by fit() when a signal stopped it
         self.final_save: FinalSave | None = None  # set by fit(): is the step reached committed?
         # called as hook(step, step_time) after each step (an executor's progress file, test faults)
@@ -211,14 +216,31 @@ class Trainer:
             tokens_per_s=tokens_per_s,
             data_wait=self.train_loader.wait_seconds,
             mfu=mfu(tokens_per_s / world, self.flops_per_token, self.peak.value),
+            eta_s=self.clock.eta_s(step_time, cfg.steps - self.step),
+            **memory_record(self.device),
         )
         record.update({f"time_{k}": v for k, v in self.timers.end_step(self.step).items()})
+        if self.step == 1:
+            self._log_memory_against_plan(record)
         self.metrics.write(self.step, record)
         for hook in self.step_hooks:
             hook(self.step, step_time)
         if self.step % cfg.log_every == 0 or self.step == cfg.steps:
             log.info(progress_line(self.step, cfg.steps, record))
         return record
+
+    def _log_memory_against_plan(self, record: dict) -> None:
+        """After the first step, the measured memory beside what the planner predicts for this
+        rank's model state, activations and buffers (what `megascale plan` would say)."""
+        plan = job_memory_estimate(self.cfg, self.mesh.device.type)
+        if "mem_cuda_max_allocated_gib" in record:
+            measured = (f"max allocated {record['mem_cuda_max_allocated_gib']:.2f} GiB, reserved "
+                        f"{record['mem_cuda_max_reserved_gib']:.2f} GiB")
+        else:  # the host process: Python, PyTorch and its libraries come on top of the model
+            measured = f"peak RSS {record['mem_rss_peak_gib']:.2f} GiB (the whole process)"
+        parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in plan.as_dict().items()
+                          if k not in ("total", "capacity", "reserved"))
+        log.info("memory after step 1: %s; planner estimate %.1f MiB (%s MiB)", measured, plan.total / 2**20, parts)
 
     def close(self) -> None:
         self.watchdog.stop()
