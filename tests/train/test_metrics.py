@@ -56,6 +56,7 @@ def _wandb_history(run_file) -> list[dict]:
 def test_trackers_get_grouped_tags_and_wandb_works_offline(tmp_path, capsys, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")  # what the trainer sets; undone after the test
     cfg = load_config("configs/default.toml", TINY + [
         f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}",
         "--train.steps=3", "--train.tensorboard=true", "--train.wandb=true", "--train.wandb_mode=offline"])
