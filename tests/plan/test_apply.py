@@ -108,6 +108,7 @@ def test_ranks_receive_the_planned_order_and_env(tmp_path, monkeypatch):
     topo = tmp_path / "topology.txt"
     topo.write_text("node1 0 0\nnode0 1 0\n")  # node1 under the first ToR: it runs ranks 0, 1
     monkeypatch.setenv("NCCL_DEBUG", "INFO")  # set where the job is launched: it must win
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)  # an in-process trainer of an earlier test sets it
     job = Job(tmp_path / "run", fault=PAUSE, spares=0, extra=("--topology", f"file:{topo}"))
     job.start()
     try:
