@@ -28,6 +28,7 @@ def child(mode: str, tp: int, pp: int, layers: int, hidden: int) -> dict:
 
     from megascale.config import ModelConfig
     from megascale.model import GPT
+    from megascale.model.init import SeededValues
     from megascale.parallel.materialize import materialize
     from megascale.parallel.pipeline import split_model
     from megascale.parallel.tensor import parallelize
@@ -45,7 +46,7 @@ def child(mode: str, tp: int, pp: int, layers: int, hidden: int) -> dict:
         parallelize(model, TPContext(group=None, rank=0, size=tp, sequence_parallel=True))
     chunks = split_model(model, pp, 1, 0) if pp > 1 else [model]
     if mode == "meta":
-        materialize(chunks, cfg, 0, torch.device("cpu"))
+        materialize(chunks, SeededValues(cfg, 0), torch.device("cpu"))
     del model  # eager: what the rank does not hold is freed here
     seconds = time.perf_counter() - start
     params = [p for c in chunks for p in c.parameters()]

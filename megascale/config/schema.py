@@ -37,21 +37,51 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class RopeScaling:
+    """Llama-3 rotary scaling: wavelengths longer than the original context are stretched by
+    `factor`, short ones kept, the band between interpolated (Llama 3.1 and later)."""
+
+    kind: Literal["none", "llama3"] = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def validate(self) -> None:
+        if self.kind == "none":
+            return
+        if self.factor <= 0 or self.original_max_positions < 1:
+            raise ConfigError("model.rope_scaling.factor and .original_max_positions must be > 0")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(
+                f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}"
+            )
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 257  # byte-level: 256 bytes + end-of-document
     seq_len: int = 256
     layers: int = 4
     hidden: int = 256
     heads: int = 8
+    kv_heads: int = 0  # grouped-query attention: key/value heads; 0 = heads (multi-head)
     ffn_hidden: int = 0  # 0 means 4 * hidden
     block: Literal["serial", "parallel"] = "parallel"
+    parallel_norms: Literal[1, 2] = 1  # parallel block: 1 norm feeds both branches, 2 = one each (GPT-NeoX)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "gelu_exact", "swiglu"] = "gelu"  # gelu: tanh approximation (GPT-2)
     window: int | None = None  # sliding-window span in tokens; None = full causal
     positions: Literal["rotary", "learned"] = "rotary"
     tie_embeddings: bool = False
-    bias: bool = True
+    bias: bool = True  # the linear layers have biases (LayerNorms always do)
+    qkv_bias: bool = False  # the QKV projection has one even when bias = false (Qwen 2)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     rope_base: float = 10000.0
+    rotary_fraction: float = 1.0  # share of each head's dimensions that rotate (GPT-NeoX: 0.25)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
     @property
     def ffn(self) -> int:
@@ -60,6 +90,25 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def kv_groups(self) -> int:
+        """Key/value heads (each shared by `heads / kv_groups` query heads)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def qkv_width(self) -> int:
+        """Output width of the QKV projection: query heads plus the key and value heads."""
+        return (self.heads + 2 * self.kv_groups) * self.head_dim
+
+    @property
+    def mlp_in_width(self) -> int:
+        """Output width of the MLP's input projection (SwiGLU's gate and up side by side)."""
+        return 2 * self.ffn if self.mlp == "swiglu" else self.ffn
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_fraction)
 
     def validate(self) -> None:
         _positive(self, "model", ["vocab_size", "seq_len", "layers", "hidden", "heads"])
@@ -70,10 +119,20 @@ class ModelConfig:
                 f"model.heads={self.heads} must divide model.hidden={self.hidden} "
                 f"(allowed heads: {_divisors(self.hidden)})"
             )
-        if self.positions == "rotary" and self.head_dim % 2:
+        if self.kv_heads < 0 or self.heads % self.kv_groups:
             raise ConfigError(
-                f"model.positions='rotary' needs an even head dim, got hidden/heads={self.head_dim}"
+                f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads} (0 = heads; "
+                f"allowed: {_divisors(self.heads)})"
             )
+        if self.positions == "rotary":
+            if not 0 < self.rotary_fraction <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ConfigError(
+                    f"model.positions='rotary' needs an even number of rotating dims per head, got "
+                    f"head dim {self.head_dim} x model.rotary_fraction {self.rotary_fraction}"
+                )
+            self.rope_scaling.validate()
+        if self.block == "serial" and self.parallel_norms != 1:
+            raise ConfigError("model.parallel_norms applies to block='parallel' only (a serial block has 2)")
         if self.window is not None and self.window < 1:
             raise ConfigError(f"model.window must be >= 1 or absent (full causal), got {self.window}")
         if self.norm_eps <= 0 or self.init_std <= 0:
@@ -385,11 +444,16 @@ class JobConfig:
 
 
 def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> None:
-    """The model splits into `tp` slices: whole heads, whole MLP columns and, under sequence
+    """The model splits into `tp` slices: whole heads and key/value groups, whole MLP columns and, under sequence
     parallelism, equal sequence slices. Checked by `validate()` and again by tensor parallelism
     against the mesh it is given, before any collective."""
     if m.heads % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.heads={m.heads} (allowed tp: {_divisors(m.heads)})")
+    if m.kv_groups % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.kv_heads={m.kv_groups}: each tp rank holds whole "
+            f"key/value heads (allowed tp: {_divisors(m.kv_groups)})"
+        )
     if m.ffn % tp:
         raise ConfigError(f"parallel.tp={tp} must divide the MLP width {m.ffn}")
     if sequence_parallel and tp > 1 and m.seq_len % tp:

@@ -28,11 +28,12 @@ def band_mask(seq_len: int, window: int | None, device: torch.device) -> torch.T
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-    """q, k, v: [batch, heads, seq, head_dim]."""
-    seq_len = q.shape[-2]
+    """q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim], where each key/value
+    head serves `heads / kv_heads` consecutive query heads (grouped-query attention)."""
+    seq_len, gqa = q.shape[-2], k.shape[1] != q.shape[1]
     if window is None or window >= seq_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(seq_len, window, q.device))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(seq_len, window, q.device), enable_gqa=gqa)
 
 
 @eager_cache(maxsize=16)
@@ -65,11 +66,12 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     for other layouts: here, on CPU, a rotary output with the permuted layout of the QKV split
     (test_attention.py); upstream, garbage K gradients (pytorch#146377)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gqa = k.shape[1] != q.shape[1]
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention as flex
 
-        return flex(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)))
-    return _compiled_flex()(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)))
+        return flex(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)), enable_gqa=gqa)
+    return _compiled_flex()(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)), enable_gqa=gqa)
 
 
 def causal_attention(

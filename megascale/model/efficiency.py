@@ -49,9 +49,10 @@ def apply_compile(blocks: nn.ModuleDict | nn.ModuleList) -> None:
 
 def fuse_parallel_gemms(blocks: nn.ModuleDict | nn.ModuleList) -> None:
     """Parallel blocks run QKV and the MLP up-projection as one GEMM, and both output
-    projections as one (`Block.fuse_gemms`); serial blocks have nothing to fuse."""
+    projections as one (`Block.fuse_gemms`); serial blocks, and parallel blocks with a norm per
+    branch, have nothing to fuse."""
     for _, block in _items(blocks):
-        if isinstance(block, Block) and block.ln2 is None:
+        if isinstance(block, Block) and block.fusable:
             block.fuse_gemms = True
 
 

@@ -40,25 +40,32 @@ class FlopsBreakdown:
 
 
 def flops_per_token(cfg: ModelConfig) -> FlopsBreakdown:
-    h, f, layers = cfg.hidden, cfg.ffn, cfg.layers
-    dense = layers * 2 * (4 * h * h + 2 * h * f)
+    """GQA's smaller key/value projections and SwiGLU's third matrix count as what they are."""
+    h, layers = cfg.hidden, cfg.layers
+    dense = layers * 2 * (h * cfg.qkv_width + h * h + h * cfg.mlp_in_width + cfg.ffn * h)
     span = mean_attention_span(cfg.seq_len, cfg.window)
     attention = layers * 2 * 2 * span * h
     head = 2 * h * cfg.vocab_size
     return FlopsBreakdown(dense=float(dense), attention=float(attention), head=float(head))
 
 
+def norm_parameters(cfg: ModelConfig) -> int:
+    """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
+    return cfg.hidden * (1 if cfg.norm == "rmsnorm" else 2)
+
+
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of the GPT in `megascale.model` (kept in step with it by a test)."""
     h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
     b = 1 if cfg.bias else 0
-    norms_per_layer = 1 if cfg.block == "parallel" else 2
+    qkv_b = 1 if cfg.bias or cfg.qkv_bias else 0
+    norms_per_layer = cfg.parallel_norms if cfg.block == "parallel" else 2
     per_layer = (
-        3 * h * h + 3 * h * b  # qkv
+        (h + qkv_b) * cfg.qkv_width  # qkv
         + h * h + h * b  # attention output
-        + h * f + f * b + f * h + h * b  # MLP
-        + norms_per_layer * 2 * h  # LayerNorm weight and bias
+        + (h + b) * cfg.mlp_in_width + f * h + h * b  # MLP
+        + norms_per_layer * norm_parameters(cfg)
     )
     embed = v * h + (cfg.seq_len * h if cfg.positions == "learned" else 0)
     head = 0 if cfg.tie_embeddings else v * h
-    return cfg.layers * per_layer + embed + 2 * h + head
+    return cfg.layers * per_layer + embed + norm_parameters(cfg) + head

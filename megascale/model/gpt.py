@@ -1,7 +1,11 @@
 """A GPT decoder with the serial or the parallel transformer block.
 
 Serial:   y = x + MLP(LN2(x + Attn(LN1(x))))
-Parallel: y = x + MLP(LN(x)) + Attn(LN(x))      (one LayerNorm feeds both branches)
+Parallel: y = x + MLP(LN(x)) + Attn(LN(x))      (one norm feeds both branches; GPT-NeoX: two)
+
+Each layer option exists once, here, and composes with both blocks: LayerNorm or RMSNorm, GeLU
+or SwiGLU, multi-head or grouped-query attention, full or sliding-window, rotary (partial,
+Llama-3-scaled) or learned positions, biases or none, tied or untied embeddings.
 
 No parallelism lives here. The model is three stages -- `embed`, `blocks`, `head` -- so that the
 pipeline splitter can cut it into chunks. The block's forward is written once: tensor
@@ -19,7 +23,7 @@ from torch import nn
 from megascale.config.schema import ModelConfig
 from megascale.model.attention import causal_attention
 from megascale.model.init import initial_value
-from megascale.model.rotary import apply_rotary, rotary_tables
+from megascale.model.rotary import apply_rotary, rotary_tables, scaling_key
 
 IGNORE_INDEX = -100
 
@@ -49,45 +53,64 @@ class Linear(nn.Linear):
         return self.project(x, self.weight, self.bias)
 
 
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.queries_per_group = cfg.heads // cfg.kv_groups
         self.window = cfg.window
         self.rotary = cfg.positions == "rotary"
-        self.rope_base = cfg.rope_base
+        self.rope = (cfg.rotary_dim, cfg.rope_base, scaling_key(cfg.rope_scaling))
         self.kernel = "auto"
-        self.qkv = Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias)
+        self.qkv = Linear(cfg.hidden, cfg.qkv_width, bias=cfg.bias or cfg.qkv_bias)
         self.proj = Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[b, s, heads*3*d] -> [b, s, heads*d].
+        """[b, s, groups*(q+2)*d] -> [b, s, groups*q*d].
 
-        The QKV projection is laid out head-major (q, k, v of head 0, then of head 1, ...), so
-        a contiguous slice of its rows is a set of whole heads: tensor parallelism splits it
-        without reordering, and this works for any number of local heads."""
+        The QKV projection is laid out group-major: for each key/value group, its query heads,
+        then its key head, then its value head (with multi-head attention a group is one head:
+        q, k, v of head 0, then of head 1, ...). A contiguous slice of its rows is a set of whole
+        groups, so tensor parallelism splits it without reordering, for any number of local
+        groups."""
         b, s, width = qkv.shape
-        heads = width // (3 * self.head_dim)
-        q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        per_group = self.queries_per_group
+        groups = width // ((per_group + 2) * self.head_dim)
+        grouped = qkv.view(b, s, groups, per_group + 2, self.head_dim)
+        q = grouped[:, :, :, :per_group].reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
+        k, v = grouped[:, :, :, per_group].transpose(1, 2), grouped[:, :, :, per_group + 1].transpose(1, 2)
         if self.rotary:
-            cos, sin = rotary_tables(s, self.head_dim, self.rope_base, qkv.device, qkv.dtype)
+            cos, sin = rotary_tables(s, *self.rope, qkv.device, qkv.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = causal_attention(q, k, v, self.window, self.kernel)
-        return out.transpose(1, 2).reshape(b, s, heads * self.head_dim)
+        return out.transpose(1, 2).reshape(b, s, groups * per_group * self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.attend(self.qkv(x)))
 
 
 class MLP(nn.Module):
+    """GeLU (tanh-approximated or exact) or SwiGLU. SwiGLU's gate and up projections are one
+    layer whose rows interleave them (gate 0, up 0, gate 1, up 1, ...), so that a contiguous
+    slice of rows -- a tensor-parallel slice -- holds matching gate and up columns."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc = Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
+        self.kind = cfg.mlp
+        self.fc = Linear(cfg.hidden, cfg.mlp_in_width, bias=cfg.bias)
         self.proj = Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
 
-    @staticmethod
-    def activation(x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate="tanh")
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            gate, up = x.unflatten(-1, (-1, 2)).unbind(-1)
+            return F.silu(gate) * up
+        return F.gelu(x, approximate="tanh" if self.kind == "gelu" else "none")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.activation(self.fc(x)))
@@ -97,43 +120,55 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.kind = cfg.block
-        self.ln1 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps) if cfg.block == "serial" else None
+        self.ln1 = make_norm(cfg)
+        self.ln2 = make_norm(cfg) if cfg.block == "serial" or cfg.parallel_norms == 2 else None
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        # Parallel block only: QKV and the MLP up-projection as one GEMM over the concatenated
-        # weights (one pass over the LayerNorm output; under tensor parallelism one gather), and
-        # both output projections as one (one reduce-scatter). Speed only: same function.
+        # Parallel block with one norm only: QKV and the MLP up-projection as one GEMM over the
+        # concatenated weights (one pass over the norm's output; under tensor parallelism one
+        # gather), and both output projections as one (one reduce-scatter). Speed only.
         self.fuse_gemms = False
 
+    @property
+    def fusable(self) -> bool:
+        """Both branches read the same input (MegaScale's parallel block)."""
+        return self.kind == "parallel" and self.ln2 is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ln2 is not None:  # serial
+        if self.kind == "serial":
             x = x + self.attn(self.ln1(x))
             return x + self.mlp(self.ln2(x))
         h = self.ln1(x)
         if self.fuse_gemms:
             return x + self._fused_branches(h)
-        return x + self.mlp(h) + self.attn(h)
+        return x + self.mlp(h if self.ln2 is None else self.ln2(x)) + self.attn(h)
 
     def _fused_branches(self, h: torch.Tensor) -> torch.Tensor:
         """Attn(h) + MLP(h) with one GEMM in and one GEMM out."""
         attn, mlp = self.attn, self.mlp
         weight_in = torch.cat([attn.qkv.weight, mlp.fc.weight])
-        bias_in = None if attn.qkv.bias is None else torch.cat([attn.qkv.bias, mlp.fc.bias])
-        qkv, up = attn.qkv.project(h, weight_in, bias_in).split(
+        qkv, up = attn.qkv.project(h, weight_in, _joined_bias(attn.qkv, mlp.fc)).split(
             [attn.qkv.weight.shape[0], mlp.fc.weight.shape[0]], dim=-1)
         inner = torch.cat([attn.attend(qkv), mlp.activation(up)], dim=-1)
         weight_out = torch.cat([attn.proj.weight, mlp.proj.weight], dim=1)
-        bias_out = None if attn.proj.bias is None else attn.proj.bias + mlp.proj.bias
-        return attn.proj.project(inner, weight_out, bias_out)
+        biases = [b for b in (attn.proj.bias, mlp.proj.bias) if b is not None]
+        return attn.proj.project(inner, weight_out, sum(biases) if biases else None)
+
+
+def _joined_bias(*layers: nn.Linear) -> torch.Tensor | None:
+    """The biases of layers whose outputs are concatenated (zeros for a layer without one)."""
+    if all(layer.bias is None for layer in layers):
+        return None
+    return torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.weight.shape[0])
+                      for layer in layers])
 
 
 class Head(nn.Module):
-    """Final LayerNorm, vocabulary projection and the summed token loss."""
+    """Final norm, vocabulary projection and the summed token loss."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

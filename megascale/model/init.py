@@ -7,25 +7,45 @@ the parameters it holds (`megascale.parallel.materialize`), getting exactly the 
 single-process model has. Values come from a CPU generator, so they are the same on every rank
 whatever its accelerator.
 
-GPT-2 rules: biases 0, LayerNorm weights 1, residual output projections N(0, std/sqrt(2L)),
+GPT-2 rules: biases 0, norm weights 1, residual output projections N(0, std/sqrt(2L)),
 every other matrix N(0, std).
+
+Where values come from is pluggable (`ValueSource`): these seeded values for a new model, or a
+pretrained model's tensors read one at a time (`megascale.interop`), keyed the same way.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from typing import Protocol
 
 import torch
 
 from megascale.config.schema import ModelConfig
 
 
+class ValueSource(Protocol):
+    """The whole value of a parameter, by its single-process name and shape (any float dtype, CPU)."""
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
+
+
+class SeededValues:
+    """`initial_value` for one model config and seed: what a new model starts from."""
+
+    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return initial_value(name, shape, self.cfg, self.seed)
+
+
 def initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The fp32 CPU tensor parameter `name` (its single-process name) starts from."""
     if name.endswith("bias"):
         return torch.zeros(shape)
-    if len(shape) == 1:  # LayerNorm weight
+    if len(shape) == 1:  # norm weight
         return torch.ones(shape)
     std = cfg.init_std / math.sqrt(2 * cfg.layers) if name.endswith("proj.weight") else cfg.init_std
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))

@@ -14,6 +14,7 @@ from torch import nn
 
 from megascale.config.schema import JobConfig
 from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_gemms, set_attention_kernel
+from megascale.model.init import SeededValues, ValueSource
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
 from megascale.parallel.runner import ModelRunner
@@ -21,13 +22,14 @@ from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
 
 
-def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
+def build_runner(model: nn.Module, cfg: JobConfig, mesh=None, values: ValueSource | None = None) -> ModelRunner:
     """Apply every parallelism the layout asks for, then the speed-only transformations of the
     blocks (they wrap whatever blocks the parallel code left), and return this rank's runner.
 
-    `model` may be on the meta device: its parameters get their values (`train.seed`) after
-    the layout is applied, on the mesh's device, only for the part this rank holds."""
-    runner = _parallel_runner(model, cfg, mesh)
+    `model` may be on the meta device: its parameters get their values after the layout is
+    applied, on the mesh's device, only for the part this rank holds; from `values` (e.g. a
+    pretrained model's tensors), by default the seeded initial values of `train.seed`."""
+    runner = _parallel_runner(model, cfg, mesh, values or SeededValues(cfg.model, cfg.train.seed))
     for chunk in runner.chunks:
         set_attention_kernel(chunk, cfg.train.attention)
         blocks = getattr(chunk, "blocks", None)
@@ -41,7 +43,7 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None) -> ModelRunner:
     return runner
 
 
-def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh) -> ModelRunner:
+def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource) -> ModelRunner:
     distributed = mesh is not None and mesh.world_size > 1
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg, mesh)
@@ -51,7 +53,7 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh) -> ModelRunner:
     else:
         runner = ModelRunner([model], cfg, mesh)
     device = mesh.device if mesh is not None else torch.device("cpu")
-    materialize(runner.chunks, cfg.model, cfg.train.seed, device)  # only what this rank kept
+    materialize(runner.chunks, values, device)  # only what this rank kept
     if distributed and mesh.dp_size > 1:
         runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)  # ZeRO-2 per chunk
     return runner

@@ -7,12 +7,14 @@ the model's own: these layers only put the communication around the GEMM it alre
 
 Layout (Megatron TP + SP; activations `[batch, seq, hidden]`):
 - residual stream, LayerNorms: sequence-sharded `[b, s/tp, h]` (SP) or replicated (no SP);
-- column-parallel layers (rows of the weight = whole heads / MLP columns): their input is
+- column-parallel layers (rows of the weight = whole key/value groups of heads / MLP columns,
+  SwiGLU's gate and up interleaved so a slice keeps them paired): their input is
   all-gathered along the sequence inside the GEMM (`collective_gemm`);
 - row-parallel layers: reduce-scattered along the sequence inside the GEMM; the bias is added
   after the reduction;
 - parallel block: its fused GEMMs (`Block.fuse_gemms`, always on under TP) gather the one
-  LayerNorm output once and reduce-scatter both branches once;
+  norm output once and reduce-scatter both branches once (GPT-NeoX's variant, a norm per
+  branch, gathers and reduce-scatters each branch);
 - embedding and head split along the vocabulary when tp divides it (the loss is computed
   from vocabulary-split logits, `tp_comm.vocab_parallel_cross_entropy`); otherwise replicated
   and, under SP, applied to the local sequence slice only.
@@ -201,7 +203,7 @@ def parallelize(model: GPT, tp: TPContext) -> None:
         for norm in (block.ln1, block.ln2):
             if norm is not None:
                 slicer.partial(*norm.parameters())
-        block.fuse_gemms = block.ln2 is None  # parallel block: one gather, one reduce-scatter
+        block.fuse_gemms = block.fusable  # parallel block: one gather, one reduce-scatter
     if vocab_parallel:
         slicer.split(model.embed.tokens, "weight", 0)
         slicer.split(model.head.out, "weight", 0)

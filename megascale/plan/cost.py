@@ -99,11 +99,13 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
 
     # (column GEMM, row GEMM) pairs: each column GEMM follows a TP all-gather and each row GEMM
     # precedes a reduce-scatter. The parallel block fuses QKV with fc1 and out-proj with fc2.
-    if m.block == "parallel":
-        pairs = [((tokens, (3 * h + f) / t, h), (tokens, h, (h + f) / t))]
+    # Their widths: QKV is narrower with grouped-query attention, SwiGLU's input GEMM twice as wide.
+    qkv, up = m.qkv_width, m.mlp_in_width
+    if m.block == "parallel" and m.parallel_norms == 1:
+        pairs = [((tokens, (qkv + up) / t, h), (tokens, h, (h + f) / t))]
     else:
-        pairs = [((tokens, 3 * h / t, h), (tokens, h, h / t)),
-                 ((tokens, f / t, h), (tokens, h, f / t))]
+        pairs = [((tokens, qkv / t, h), (tokens, h, h / t)),
+                 ((tokens, up / t, h), (tokens, h, f / t))]
 
     def gemm(shape: tuple[float, float, float], rows: float = 1.0) -> float:
         return eff.gemm_time(gpu, dt, shape[0] * rows, shape[1], shape[2], ab)

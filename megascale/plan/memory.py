@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megascale.config.schema import JobConfig
-from megascale.model.flops import parameter_count
+from megascale.model.flops import norm_parameters, parameter_count
 from megascale.plan.cluster import GPUSpec
 from megascale.plan.layout import Layout, Workload
 
@@ -42,7 +42,7 @@ def param_split(work: Workload) -> ParamSplit:
     layer = parameter_count(replace(m, layers=1)) - no_layers
     untied_head = parameter_count(replace(m, layers=0, tie_embeddings=False)) - parameter_count(
         replace(m, layers=0, tie_embeddings=True))
-    head = (0 if m.tie_embeddings else untied_head) + 2 * m.hidden  # + final LayerNorm
+    head = (0 if m.tie_embeddings else untied_head) + norm_parameters(m)  # + final norm
     return ParamSplit(layer=layer, embedding=no_layers - head, head=head)
 
 
@@ -54,11 +54,12 @@ def activation_elements_per_token(work: Workload, recompute: str) -> float:
     """Elements one layer saves for backward per token (before tp/sp splitting)."""
     m = work.model
     h, f = m.hidden, m.ffn
-    norms = 1 if m.block == "parallel" else 2
+    norms = m.parallel_norms if m.block == "parallel" else 2
     if recompute == "full":
         return h  # the layer input only
-    # per norm: its input and output; attention: q, k, v, o; MLP: GeLU input and fc2 input
-    saved = norms * 2 * h + 4 * h + 2 * f
+    # per norm: its input and output; attention: q, k, v (narrower under GQA), o; MLP: the
+    # activation's input (SwiGLU: gate and up) and fc2 input
+    saved = norms * 2 * h + m.qkv_width + h + m.mlp_in_width + f
     if recompute == "selective":
         saved -= norms * h + f  # LayerNorm outputs and GeLU outputs are recomputed
     return saved

@@ -49,6 +49,7 @@ class Case:
     optim: str = "adamw"
     overlap: bool = True
     split: tuple[int, ...] | None = None  # layers per pipeline chunk; None: `auto`
+    model: str = "gpt"  # a key of MODELS
 
     @property
     def world(self) -> int:
@@ -56,15 +57,24 @@ class Case:
 
     def __str__(self) -> str:
         return (
-            f"dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}-{self.optim}"
+            f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}-{self.optim}"
             f"{'' if self.overlap else '-sync'}{'' if self.split is None else f'-split{list(self.split)}'}"
         )
 
 
+# Tiny models whose sizes also exercise ZeRO padding (hidden 12, odd bias lengths). The
+# Llama-style one: RMSNorm, SwiGLU, grouped-query attention (2 key/value heads for 4 query heads,
+# so tp=2 splits whole groups), no biases.
+MODELS = {
+    "gpt": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=12, heads=2, block="serial"),
+    "llama": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=16, heads=4, kv_heads=2, ffn_hidden=20,
+                         block="serial", norm="rmsnorm", mlp="swiglu", bias=False),
+}
+
+
 def job_config(case: Case, steps: int = STEPS) -> JobConfig:
-    """A tiny model whose sizes also exercise ZeRO padding (hidden 12, odd bias lengths)."""
     cfg = JobConfig(
-        model=ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=12, heads=2, block="serial"),
+        model=MODELS[case.model],
         optim=OptimConfig(
             name=case.optim, lr=1e-2, warmup_steps=2, weight_decay=0.1, grad_clip=0.3
         ),

@@ -11,6 +11,7 @@ import torch
 from megascale.config import ModelConfig
 from megascale.layout.shard import shard_spec, tp_slice
 from megascale.model import GPT
+from megascale.model.init import SeededValues
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import split_model
 from megascale.parallel.tensor import parallelize
@@ -30,7 +31,7 @@ def test_one_process_matches_the_eagerly_built_model(tie):
     cfg = replace(CFG, tie_embeddings=tie)
     want = dict(GPT(cfg, seed=SEED).named_parameters())
     model = _meta(cfg)
-    made = materialize([model], cfg, SEED, torch.device("cpu"))
+    made = materialize([model], SeededValues(cfg, SEED), torch.device("cpu"))
     got = dict(model.named_parameters())
     assert made == len(want) == len(got)
     for name, value in want.items():
@@ -52,7 +53,7 @@ def test_tensor_and_pipeline_slices_are_cut_from_the_whole(tp_rank, pp_rank):
     model = _meta(CFG)
     parallelize(model, TPContext(group=None, rank=tp_rank, size=2, sequence_parallel=True))
     chunks = split_model(model, pp=2, vpp=1, pp_rank=pp_rank)
-    made = materialize(chunks, CFG, SEED, torch.device("cpu"))
+    made = materialize(chunks, SeededValues(CFG, SEED), torch.device("cpu"))
 
     local = dict(chunks[0].named_parameters())
     assert made == len(local) < len(whole)  # only this stage's parameters
@@ -70,5 +71,5 @@ def test_tensor_and_pipeline_slices_are_cut_from_the_whole(tp_rank, pp_rank):
 def test_real_parameters_are_left_alone():
     model = GPT(CFG, seed=SEED)
     before = model.blocks[0].attn.qkv.weight
-    assert materialize([model], CFG, seed=99, device=torch.device("cpu")) == 0
+    assert materialize([model], SeededValues(CFG, 99), torch.device("cpu")) == 0
     assert model.blocks[0].attn.qkv.weight is before

@@ -20,6 +20,7 @@ from megascale.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    RopeScaling,
     check_tensor_parallel,
 )
 from megascale.layout.shard import shard_spec, tp_slice
@@ -106,6 +107,17 @@ def _cases(tp: int) -> list[tuple[str, ModelConfig, bool, bool, int]]:
         cases.append((f"tp={tp} {block} vocab=67 learned tied no-bias sp={sp}", odd, sp, True, 3))
     tied = model_config(tie_embeddings=True, positions="learned", block="parallel")
     cases.append((f"tp={tp} parallel vocab-parallel tied learned", tied, True, True, 4))
+    # Llama-family layers: grouped-query attention (whole key/value groups per rank), SwiGLU
+    # (gate and up sliced together), RMSNorm, Llama-3 rotary scaling; Qwen 2's QKV-only bias in
+    # the fused parallel block; GPT-NeoX's norm per branch, exact GeLU and partial rotary
+    llama = dict(heads=8, kv_heads=4, norm="rmsnorm", mlp="swiglu", ffn_hidden=96, bias=False)
+    scaling = RopeScaling(kind="llama3", factor=4.0, original_max_positions=16)
+    cases.append((f"tp={tp} llama gqa swiglu rmsnorm rope-scaled",
+                  model_config(block="serial", rope_scaling=scaling, **llama), True, True, 2))
+    cases.append((f"tp={tp} parallel llama swa qkv-bias",
+                  model_config(block="parallel", window=8, qkv_bias=True, **llama), True, True, 2))
+    neox = model_config(block="parallel", parallel_norms=2, mlp="gelu_exact", rotary_fraction=0.25)
+    cases.append((f"tp={tp} neox two norms partial rotary no-sp", neox, False, True, 2))
     return cases
 
 
@@ -242,6 +254,8 @@ def test_bad_layouts_name_the_numbers(monkeypatch):
     with pytest.raises(ConfigError, match=r"tp=3 must divide model.seq_len=32 with sequence parallelism"):
         check_tensor_parallel(model_config(heads=3, hidden=48), 3, sequence_parallel=True)
     check_tensor_parallel(model_config(heads=3, hidden=48), 3, sequence_parallel=False)
+    with pytest.raises(ConfigError, match=r"tp=4 must divide model.kv_heads=2: each tp rank holds whole key/value"):
+        check_tensor_parallel(model_config(heads=8, kv_heads=2), 4, sequence_parallel=True)
     # world size mismatch: refused by the mesh before the process group exists
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
