@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from megascale.checkpoint.stateful import TrainState
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
@@ -60,7 +61,7 @@ class BenchTrainer(Trainer):
     """`Trainer.train_step` on a model built here (no loaders, checkpoints or metrics)."""
 
     def __init__(self, cfg: JobConfig, mesh: ParallelMesh, timers: Timers) -> None:
-        self.cfg, self.mesh, self.step, self.timers = cfg, mesh, 0, timers
+        self.cfg, self.mesh, self.train_state, self.timers = cfg, mesh, TrainState(), timers  # step 0
         torch.manual_seed(cfg.train.seed)
         self.runner = build_runner(GPT(cfg.model), cfg, mesh)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megascale.checkpoint.stateful import TrainState
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers
@@ -129,7 +130,7 @@ class StepTrainer(Trainer):
     built here, without the data loaders, checkpoints and metrics of a full run."""
 
     def __init__(self, cfg: JobConfig, mesh: ParallelMesh) -> None:
-        self.cfg, self.mesh, self.step = cfg, mesh, 0
+        self.cfg, self.mesh, self.train_state = cfg, mesh, TrainState()  # step 0
         with torch.device("meta"):  # as the Trainer builds it: values after the layout
             model = GPT(cfg.model)
         self.runner = build_runner(model, cfg, mesh)
