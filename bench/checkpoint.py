@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from megascale.config import load_config
-from megascale.parallel.launch import run_local
+from megascale.testing.launch import run_local
 from megascale.train.trainer import Trainer
 
 SMALL = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.seq_len=64",

@@ -32,7 +32,7 @@ from megascale.config import load_config
 from megascale.data import build_loaders, ensure_default_corpus
 from megascale.data.shards import read_manifest
 from megascale.parallel import init_mesh
-from megascale.parallel.launch import run_local
+from megascale.testing.launch import run_local
 
 RESULTS = Path(__file__).parent / "results" / "data_loader.json"
 

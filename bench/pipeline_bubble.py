@@ -38,9 +38,9 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT
 from megascale.parallel import init_mesh
-from megascale.parallel.launch import run_local
 from megascale.parallel.pipeline import PipelineRunner, build_schedule, simulate, split_model
 from megascale.parallel.pipeline.schedule import Op
+from megascale.testing.launch import run_local
 
 MODES = [(1, True), (2, True), (1, False), (2, False)]  # (v, decoupled)
 

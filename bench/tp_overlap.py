@@ -36,9 +36,9 @@ import torch.distributed as dist
 from megascale.config.schema import JobConfig, ModelConfig, ParallelConfig
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model.gpt import GPT
-from megascale.parallel.launch import run_local
 from megascale.parallel.mesh import init_mesh
 from megascale.parallel.tensor import apply_tensor_parallel, sync_sequence_parallel_grads
+from megascale.testing.launch import run_local
 
 FUSED = ("tp.all_gather", "tp.reduce_scatter")
 

@@ -36,8 +36,8 @@ from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT
 from megascale.optim import build_optimizer
 from megascale.parallel.engine import build_runner
-from megascale.parallel.launch import run_local
 from megascale.parallel.mesh import ParallelMesh, init_mesh
+from megascale.testing.launch import run_local
 from megascale.train.trainer import Trainer
 
 RESULTS = Path(__file__).parent / "results" / "zero_overlap.json"

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"parallel", "plan"},
     {"checkpoint"},
     {"resilience"},
-    {"train"},
+    {"train", "testing"},
 ]
 TOP_LEVEL = {"cli"}  # megascale/cli.py dispatches to every command
 

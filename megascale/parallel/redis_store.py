@@ -24,7 +24,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from megascale.config.schema import redacted_url
-from megascale.parallel.redis_server import delete_prefix, key_pattern
 
 # TCPStore semantics of compare_set, atomically: set only if the current value is `expected`
 # (a missing key counts as ""); return the value now stored, or `expected` if the key is absent.
@@ -184,3 +183,23 @@ class RedisStore(dist.Store):
         if pubsub is not None:
             pubsub.close()
         self._client.close()
+
+
+def delete_prefix(url: str, prefix: str, password: str | None = None, timeout_s: float = 5.0) -> int:
+    """Delete every key under `prefix` (a finished attempt's); returns how many."""
+    pattern = key_pattern(prefix)
+    auth = {"password": password} if password else {}
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **auth)
+    try:
+        names = list(client.scan_iter(match=pattern, count=1000))
+        for i in range(0, len(names), 1000):
+            client.unlink(*names[i : i + 1000])
+        return len(names)
+    finally:
+        client.close()
+
+
+def key_pattern(prefix: str) -> str:
+    """A SCAN pattern matching exactly the keys that start with `prefix`."""
+    special = "*?[]\\"
+    return "".join("\\" + c if c in special else c for c in prefix) + "*"

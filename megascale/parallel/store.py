@@ -208,3 +208,10 @@ def bound_listener(host: str, port: int) -> dict[str, int]:
         sock.close()
         return {}
     return {"master_listen_fd": sock.detach()}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on at `host` right now ("" = on every interface): bind to port 0 and ask."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

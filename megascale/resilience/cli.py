@@ -37,7 +37,7 @@ from megascale.resilience.placement import PlacementError, layout_for
 from megascale.resilience.state import FINISHED, JobState, JobStore
 
 if TYPE_CHECKING:
-    from megascale.parallel.redis_server import RedisServer
+    from megascale.resilience.redis_server import RedisServer
 
 log = logging.getLogger("megascale.driver")
 
@@ -186,7 +186,7 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer
     adopts the one its predecessor started instead of starting a second on the same port."""
     if not cfg.parallel.redis_start:  # checked here: the import below brings in torch
         return None
-    from megascale.parallel.redis_server import RedisServer
+    from megascale.resilience.redis_server import RedisServer
 
     server = RedisServer.for_job(cfg.parallel)
     pid = state.api.get("redis_pid")

@@ -498,7 +498,7 @@ class Driver:
         Runs in the background: the imports bring in torch."""
         import redis
 
-        from megascale.parallel.redis_server import delete_prefix
+        from megascale.parallel.redis_store import delete_prefix
         from megascale.parallel.store import attempt_prefix
 
         prefix = attempt_prefix(self.state.job_id, attempt)

@@ -7,9 +7,8 @@ provided the global batch still divides into micro-batches; the checkpoint is re
 
 from __future__ import annotations
 
-import socket
-
 from megascale.config.schema import JobConfig
+from megascale.parallel.store import free_port
 
 
 class PlacementError(RuntimeError):
@@ -50,6 +49,4 @@ def rendezvous_port(base: int, attempt: int, offset: int = 0) -> int:
     port free on this host now (local mode: every simulated node is reachable from here)."""
     if base:
         return base + offset + attempt % 1000
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return free_port("")

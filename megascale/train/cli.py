@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
 def launch_local(nproc: int, cfg: JobConfig) -> int:
     """Run the ranks under torch.distributed.run; with `parallel.redis_start`, host their Redis too."""
-    from megascale.parallel.redis_server import RedisServer
+    from megascale.resilience.redis_server import RedisServer
 
     with ExitStack() as job:
         private = job.enter_context(tempfile.TemporaryDirectory(prefix="megascale-train-"))

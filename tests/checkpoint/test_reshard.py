@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megascale.config.schema import ParallelConfig
-from megascale.parallel.launch import free_port, run_local
+from megascale.parallel.store import free_port
+from megascale.testing.launch import run_local
 from tests.checkpoint import sharded
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

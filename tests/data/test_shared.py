@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megascale.data import DataError, build_loaders
 from megascale.data.shm import PREFIX
 from megascale.parallel import init_mesh
-from megascale.parallel.launch import run_local
+from megascale.testing.launch import run_local
 from tests.data.conftest import job
 
 pytestmark = pytest.mark.timeout(180)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from megascale.config.schema import ParallelConfig
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.parallel.collective_gemm import all_gather_matmul, chunk_ranges, matmul_reduce_scatter
-from megascale.parallel.launch import run_local
 from megascale.parallel.mesh import init_mesh
 from megascale.parallel.tp_comm import TPContext, vocab_parallel_cross_entropy
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(200)
 

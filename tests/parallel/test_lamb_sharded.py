@@ -20,8 +20,9 @@ from torch import nn
 from megascale.config.schema import JobConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.layout.shard import ShardSpec, local_piece, set_shard_spec, shard_spec, tp_slice
 from megascale.optim import build_optimizer, clip_grad_norm_, global_grad_norm
-from megascale.parallel.launch import free_port, run_local
+from megascale.parallel.store import free_port
 from megascale.parallel.zero import ZeroGradSync
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megascale.parallel.launch import run_local
+from megascale.testing.launch import run_local
 
 
 def _unpicklable():

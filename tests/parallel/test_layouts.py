@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 from layout_parity import Case, compare, run_cases, train
 
-from megascale.parallel.launch import free_port, run_local
+from megascale.parallel.store import free_port
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megascale.config import ConfigError, ParallelConfig
 from megascale.layout.grid import DIMS
 from megascale.parallel import init_mesh
-from megascale.parallel.launch import run_local
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(600)  # generous: the deadlines below catch hangs
 

@@ -22,8 +22,9 @@ import torch
 from layout_parity import Case, StepTrainer, global_batches, job_config, rank_batch
 from overlap_probe import Recorder, install
 
-from megascale.parallel.launch import free_port, run_local
 from megascale.parallel.mesh import init_mesh
+from megascale.parallel.store import free_port
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
 

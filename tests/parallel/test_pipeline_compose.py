@@ -16,9 +16,9 @@ from megascale.model import GPT
 from megascale.optim import build_optimizer, clip_grad_norm_
 from megascale.parallel import init_mesh
 from megascale.parallel.engine import build_runner
-from megascale.parallel.launch import run_local
 from megascale.parallel.pipeline import PipelineRunner, split_model
 from megascale.parallel.tensor import apply_tensor_parallel
+from megascale.testing.launch import run_local
 from tests.parallel.test_pipeline_parity import batches, job, reference, token_count
 
 pytestmark = pytest.mark.timeout(240)

@@ -20,8 +20,8 @@ from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer, clip_grad_norm_
 from megascale.parallel import init_mesh
-from megascale.parallel.launch import run_local
 from megascale.parallel.pipeline import PipelineRunner, split_model
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
 

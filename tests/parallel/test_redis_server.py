@@ -8,11 +8,10 @@ from cli_train import train_cli
 
 from megascale.config import ConfigError, JobConfig, ParallelConfig, to_dict
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
-from megascale.parallel.launch import free_port
-from megascale.parallel.redis_server import RedisServer, delete_prefix
-from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
-from megascale.parallel.store import StoreAddress, attempt_prefix, create_store
+from megascale.parallel.redis_store import RedisStore, StoreUnreachableError, delete_prefix
+from megascale.parallel.store import StoreAddress, attempt_prefix, create_store, free_port
 from megascale.resilience.driver import Driver
+from megascale.resilience.redis_server import RedisServer
 from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
 
 pytestmark = pytest.mark.redis

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from megascale.config import ConfigError, ParallelConfig, load_config
 from megascale.parallel import init_mesh
-from megascale.parallel.launch import free_port, run_local, run_with_stores
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
-from megascale.parallel.store import StoreAddress, create_store
+from megascale.parallel.store import StoreAddress, create_store, free_port
+from megascale.testing.launch import run_local, run_with_stores
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(900)]
 

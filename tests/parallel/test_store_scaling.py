@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale.parallel.launch import run_local
+from megascale.testing.launch import run_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench/
 from bench.startup import LAYOUTS, creation_ops  # noqa: E402

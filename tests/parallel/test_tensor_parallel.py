@@ -26,10 +26,10 @@ from megascale.config.schema import (
 from megascale.layout.shard import shard_spec, tp_slice
 from megascale.model.gpt import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer, clip_grad_norm_
-from megascale.parallel.launch import run_local
 from megascale.parallel.mesh import init_mesh
 from megascale.parallel.tensor import apply_tensor_parallel, parallelize, sync_sequence_parallel_grads
 from megascale.parallel.tp_comm import TPContext
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,8 +14,9 @@ from torch import nn
 
 from megascale.config.schema import JobConfig, ParallelConfig, TrainConfig
 from megascale.layout.shard import local_piece, shard_spec
-from megascale.parallel.launch import free_port, run_local
+from megascale.parallel.store import free_port
 from megascale.parallel.zero import ZeroGradSync
+from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
 

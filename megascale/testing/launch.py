@@ -10,19 +10,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (bind to port 0 and ask)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megascale.parallel.store import free_port
 
 
 def run_local(

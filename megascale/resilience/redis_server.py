@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import redis
 
 from megascale.config import ParallelConfig
-from megascale.parallel.launch import free_port
+from megascale.parallel.store import free_port
 
 
 class RedisServer:
@@ -138,23 +138,3 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def delete_prefix(url: str, prefix: str, password: str | None = None, timeout_s: float = 5.0) -> int:
-    """Delete every key under `prefix` (a finished attempt's); returns how many."""
-    pattern = key_pattern(prefix)
-    auth = {"password": password} if password else {}
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **auth)
-    try:
-        names = list(client.scan_iter(match=pattern, count=1000))
-        for i in range(0, len(names), 1000):
-            client.unlink(*names[i : i + 1000])
-        return len(names)
-    finally:
-        client.close()
-
-
-def key_pattern(prefix: str) -> str:
-    """A SCAN pattern matching exactly the keys that start with `prefix`."""
-    special = "*?[]\\"
-    return "".join("\\" + c if c in special else c for c in prefix) + "*"
