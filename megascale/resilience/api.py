@@ -70,14 +70,16 @@ class ApiClient:
                 try:
                     conn.request(method, path, body=data, headers=headers)
                     resp = conn.getresponse()
-                    raw = resp.read(MAX_REPLY)
+                    raw = resp.read(MAX_REPLY + 1)
                     break
                 except (OSError, http.client.HTTPException) as exc:
                     self.close()
                     if last_try or not reused:  # a kept-alive connection the driver closed: retry once
                         raise ConnectionError(f"{self.url}{path}: {exc!r}") from exc
-            if resp.will_close:
+            if resp.will_close or len(raw) > MAX_REPLY:
                 self.close()
+        if len(raw) > MAX_REPLY:
+            raise ConnectionError(f"{self.url}{path}: reply larger than {MAX_REPLY} bytes")
         try:
             reply = json.loads(raw or b"{}")
         except ValueError:

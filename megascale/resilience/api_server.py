@@ -237,12 +237,14 @@ class _Connection(asyncio.Protocol):
         self._forget()
 
     def data_received(self, data: bytes) -> None:
-        self.h11.receive_data(data)
-        self._advance()
+        if not self.closed:  # after a refusal the rest of what the client sends is dropped
+            self.h11.receive_data(data)
+            self._advance()
 
     def eof_received(self) -> bool:
-        self.h11.receive_data(b"")
-        self._advance()
+        if not self.closed:
+            self.h11.receive_data(b"")
+            self._advance()
         return False
 
     # ------------------------------------------------------------------ HTTP
