@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megascale.config import load_config
+from megascale.config import default_config_path, load_config
 from megascale.data import TokenBatch
 from megascale.diagnostics.mfu import measure_cpu_gemm_flops
 from megascale.model import GPT
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/trainer_overhead.json")
     args = parser.parse_args()
     run_dir = tempfile.mkdtemp(prefix="megascale-bench-")
-    cfg = load_config("configs/default.toml", MODEL + [
+    cfg = load_config(default_config_path(), MODEL + [
         "--optim.name=adamw", "--checkpoint.every=0", "--checkpoint.resume=none",
         "--train.tensorboard=false", f"--train.run_dir={run_dir}", "--train.eval_every=0",
     ])

@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("megascale.diagnostics.cli", "analyse a run: heat map, stragglers, hangs, timeline"),
     "export": ("megascale.checkpoint.cli", "export a checkpoint as safetensors"),
 }
+CONFIG_COMMANDS = {"train", "launch", "plan"}  # take --section.key=value overrides of the job config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,14 +38,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"megascale {name}", description=SUBCOMMANDS[name][1])
+    config = name in CONFIG_COMMANDS
+    cmd_parser = argparse.ArgumentParser(prog=f"megascale {name}", description=SUBCOMMANDS[name][1],
+                                         add_help=not config)
     module.add_arguments(cmd_parser)
+    if config:
+        cmd_parser.add_argument("-h", "--help", nargs="?", const="", metavar="SECTION",
+                                help="show this help and every config key (of one SECTION: e.g. model)")
     args, extra = cmd_parser.parse_known_args(argv[1:])
-    args.overrides = [a for a in extra if a.startswith("--") and "=" in a]
-    leftover = [a for a in extra if a not in args.overrides]
+    if config and args.help is not None:
+        from megascale.config.help import config_help
+
+        print(cmd_parser.format_help())
+        print(config_help(args.help or None))
+        return 0
+    args.overrides, leftover = split_overrides(extra)
     if leftover:
         cmd_parser.error(f"unrecognised arguments: {' '.join(leftover)}")
     return int(module.run(args) or 0)
+
+
+def split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
+    """`--a.b=v` and `--a.b v` as `--a.b=v` overrides; whatever else is left over."""
+    overrides, leftover, i = [], [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg.startswith("--") and "=" in arg:
+            overrides.append(arg)
+        elif arg.startswith("--") and "." in arg and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            overrides.append(f"{arg}={extra[i + 1]}")
+            i += 1
+        else:
+            leftover.append(arg)
+        i += 1
+    return overrides, leftover
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Typed job configuration: dataclasses, TOML loading and command-line overrides."""
 
-from megascale.config.loader import dump_config, load_config, to_dict
+from megascale.config.loader import default_config_path, dump_config, load_config, to_dict
 from megascale.config.schema import (
     CheckpointConfig,
     ConfigError,
@@ -16,5 +16,5 @@ from megascale.config.schema import (
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "DiagnosticsConfig", "JobConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
-    "dump_config", "load_config", "to_dict",
+    "default_config_path", "dump_config", "load_config", "to_dict",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -23,8 +24,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+def default_config_path() -> Path:
+    """The config shipped with the package: the small CPU job `megascale train` runs by default."""
+    return Path(str(resources.files("megascale.config") / "default.toml"))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Build a validated config from an optional TOML file, then `--a.b=v` overrides."""
+    """Build a validated config from the built-in defaults, an optional TOML file over them, then
+    `--a.b=v` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)

@@ -9,9 +9,10 @@ these objects and names the offending key on any error.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 # The Redis store's password: from this variable rather than the URL, it stays out of command
@@ -36,16 +37,25 @@ class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or impossible. Names the key."""
 
 
+def opt(default: Any = MISSING, doc: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
+    """A config field and its one-line description: the one source `megascale train --help`
+    and the documentation check read."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass
 class RopeScaling:
     """Llama-3 rotary scaling: wavelengths longer than the original context are stretched by
     `factor`, short ones kept, the band between interpolated (Llama 3.1 and later)."""
 
-    kind: Literal["none", "llama3"] = "none"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_positions: int = 8192
+    kind: Literal["none", "llama3"] = opt("none", "none, or llama3: stretch long wavelengths (Llama 3.1 and later)")
+    factor: float = opt(8.0, "how much longer wavelengths are stretched")
+    low_freq_factor: float = opt(1.0, "wavelengths above original_max_positions / this are stretched in full")
+    high_freq_factor: float = opt(
+        4.0, "wavelengths below original_max_positions / this are kept; between: interpolated")
+    original_max_positions: int = opt(8192, "the context length the model was pretrained with")
 
     def validate(self) -> None:
         if self.kind == "none":
@@ -61,27 +71,31 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 257  # byte-level: 256 bytes + end-of-document
-    seq_len: int = 256
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 8
-    kv_heads: int = 0  # grouped-query attention: key/value heads; 0 = heads (multi-head)
-    ffn_hidden: int = 0  # 0 means 4 * hidden
-    block: Literal["serial", "parallel"] = "parallel"
-    parallel_norms: Literal[1, 2] = 1  # parallel block: 1 norm feeds both branches, 2 = one each (GPT-NeoX)
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    mlp: Literal["gelu", "gelu_exact", "swiglu"] = "gelu"  # gelu: tanh approximation (GPT-2)
-    window: int | None = None  # sliding-window span in tokens; None = full causal
-    positions: Literal["rotary", "learned"] = "rotary"
-    tie_embeddings: bool = False
-    bias: bool = True  # the linear layers have biases (LayerNorms always do)
-    qkv_bias: bool = False  # the QKV projection has one even when bias = false (Qwen 2)
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    rope_base: float = 10000.0
-    rotary_fraction: float = 1.0  # share of each head's dimensions that rotate (GPT-NeoX: 0.25)
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """The GPT: sizes, block kind, attention, positions and the Llama-family layer options."""
+
+    vocab_size: int = opt(257, "vocabulary size; byte-level is 257 (256 bytes + end-of-document)")
+    seq_len: int = opt(256, "tokens per training sequence (and the learned position table's length)")
+    layers: int = opt(4, "transformer blocks")
+    hidden: int = opt(256, "width of the residual stream")
+    heads: int = opt(8, "attention (query) heads; must divide hidden")
+    kv_heads: int = opt(0, "grouped-query attention: key/value heads; 0 = heads (multi-head)")
+    ffn_hidden: int = opt(0, "MLP width; 0 = 4 * hidden")
+    block: Literal["serial", "parallel"] = opt(
+        "parallel", "serial: x + MLP(LN(x + Attn(LN(x)))); parallel: x + MLP(LN(x)) + Attn(LN(x)) (MegaScale)")
+    parallel_norms: Literal[1, 2] = opt(1, "parallel block: 1 norm feeds both branches, 2 = one each (GPT-NeoX)")
+    norm: Literal["layernorm", "rmsnorm"] = opt("layernorm", "layernorm, or rmsnorm (Llama family)")
+    mlp: Literal["gelu", "gelu_exact", "swiglu"] = opt(
+        "gelu", "gelu (tanh approximation, GPT-2), gelu_exact, or swiglu (Llama family)")
+    window: int | None = opt(None, "sliding-window attention span in tokens; none = full causal")
+    positions: Literal["rotary", "learned"] = opt("rotary", "rotary, or learned absolute positions (GPT-2)")
+    tie_embeddings: bool = opt(False, "the head shares the token embedding's weight (needs pp = 1)")
+    bias: bool = opt(True, "the linear layers have biases (LayerNorms always do)")
+    qkv_bias: bool = opt(False, "the QKV projection has a bias even when bias = false (Qwen 2)")
+    norm_eps: float = opt(1e-5, "epsilon of every LayerNorm/RMSNorm")
+    init_std: float = opt(0.02, "standard deviation of the initial weights (residual projections are scaled down)")
+    rope_base: float = opt(10000.0, "rotary base (theta): 10000 for GPT-NeoX/Llama 2, 500000 for Llama 3")
+    rotary_fraction: float = opt(1.0, "share of each head's dimensions that rotate (GPT-NeoX: 0.25)")
+    rope_scaling: RopeScaling = opt(factory=RopeScaling, doc="rotary scaling for long contexts (a section of its own)")
 
     @property
     def ffn(self) -> int:
@@ -141,16 +155,18 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["lamb", "adamw"] = "lamb"
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    decay_steps: int = 0  # 0 means train.steps
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # global L2 norm; 0 disables
+    """LAMB or AdamW, the learning-rate schedule and gradient clipping."""
+
+    name: Literal["lamb", "adamw"] = opt("lamb", "lamb (layer-wise trust ratio, large batches) or adamw")
+    lr: float = opt(2e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "cosine decays to lr * min_lr_ratio")
+    warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
+    decay_steps: int = opt(0, "cosine decay length in steps; 0 = train.steps")
+    weight_decay: float = opt(0.01, "decoupled weight decay of matrices (not biases or norms)")
+    beta1: float = opt(0.9, "first-moment decay")
+    beta2: float = opt(0.95, "second-moment decay")
+    eps: float = opt(1e-8, "denominator epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -169,26 +185,30 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1  # virtual pipeline chunks per pp rank (interleaved 1F1B when > 1)
+    """The (pp, dp, tp) layout, the overlaps and how ranks meet at start-up."""
+
+    dp: int = opt(1, "data-parallel degree (ZeRO-2 shards gradients and optimizer state over it)")
+    tp: int = opt(1, "tensor-parallel degree (inside a node; with sequence parallelism)")
+    pp: int = opt(1, "pipeline stages")
+    vpp: int = opt(1, "virtual pipeline chunks per stage (interleaved 1F1B when > 1)")
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
     # last the head and loss), "even" splits by count, or a list of pp*vpp counts in chunk order
-    pp_split: Literal["auto", "even"] | list[int] = "auto"
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"  # 1f1b is interleaved when vpp > 1
-    sequence_parallel: bool = True
-    tp_overlap: bool = True  # chunked all-gather/reduce-scatter fused into the GEMMs
-    tp_overlap_chunks: int = 2
-    dp_overlap: bool = True  # ZeRO-2 all-gather prefetch and reduce-scatter overlap
-    dp_bucket_mb: float = 16.0  # ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    store: Literal["tcp", "redis"] = "tcp"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_connect_timeout_s: float = 10.0  # fail with the address if Redis is not reachable
-    redis_start: bool = False  # the launcher/driver runs redis-server at redis_url for the job
-    init_timeout_s: float = 120.0
-    collective_timeout_s: float = 600.0
+    pp_split: Literal["auto", "even"] | list[int] = opt(
+        "auto", "layers per chunk: auto (FLOP-balanced), even, or a list of pp*vpp counts")
+    schedule: Literal["1f1b", "gpipe"] = opt("1f1b", "1f1b (interleaved when vpp > 1) or gpipe")
+    sequence_parallel: bool = opt(True, "shard LayerNorm/residual activations along the sequence over tp")
+    tp_overlap: bool = opt(True, "chunked all-gather/reduce-scatter fused into the GEMMs")
+    tp_overlap_chunks: int = opt(2, "chunks each collective GEMM is cut into")
+    dp_overlap: bool = opt(True, "ZeRO-2 all-gather prefetch and reduce-scatter overlap")
+    dp_bucket_mb: float = opt(16.0, "ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier")
+    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "auto (NCCL on CUDA, gloo on CPU), gloo or nccl")
+    store: Literal["tcp", "redis"] = opt("tcp", "rendezvous store: tcp (PyTorch's TCPStore) or redis")
+    redis_url: str = opt(
+        "redis://127.0.0.1:6379/0", "redis://HOST:PORT/DB of the Redis store (password: $MEGASCALE_REDIS_PASSWORD)")
+    redis_connect_timeout_s: float = opt(10.0, "fail with the address if Redis is not reachable within this")
+    redis_start: bool = opt(False, "the launcher/driver runs redis-server at redis_url for the job")
+    init_timeout_s: float = opt(120.0, "how long ranks wait for each other at start-up")
+    collective_timeout_s: float = opt(600.0, "a collective that takes longer fails (then the watchdog says where)")
 
     @property
     def world_size(self) -> int:
@@ -243,16 +263,19 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a prepared token directory; "" = the embedded default corpus
-    cache_dir: str = ".cache/megascale"  # where the default corpus is prepared
-    val_fraction: float = 0.02
-    seed: int = 1234
-    prefetch: bool = True  # prepare step k+1's batch while step k runs
-    reader: Literal["node", "tp", "rank"] = "node"  # who reads from disk
-    cross_document: bool = False  # predict across end-of-document tokens
-    mixture: dict[str, float] = field(default_factory=dict)  # path -> weight
-    tokenizer: str = ""  # expected tokenizer: "" = the manifest's, "bytes", or a tokenizer.json
-    verify_checksums: bool = True  # sha256 of every shard before training (readers only)
+    """Prepared token data: path or mixture, loading, evaluation split."""
+
+    path: str = opt("", "a prepared token directory (megascale prep); \"\" = the embedded default corpus")
+    cache_dir: str = opt(".cache/megascale", "where the default corpus is prepared")
+    val_fraction: float = opt(0.02, "share of documents held out for evaluation")
+    seed: int = opt(1234, "seed of the sample order (resumable)")
+    prefetch: bool = opt(True, "prepare step k+1's batch while step k runs")
+    reader: Literal["node", "tp", "rank"] = opt(
+        "node", "who reads from disk: node (one per node, shared memory), tp, or rank")
+    cross_document: bool = opt(False, "predict across end-of-document tokens")
+    mixture: dict[str, float] = opt(factory=dict, doc="weighted datasets: PATH=WEIGHT,PATH=WEIGHT (instead of path)")
+    tokenizer: str = opt("", "expected tokenizer: \"\" = the manifest's, bytes, or a tokenizer.json")
+    verify_checksums: bool = opt(True, "sha256 of every shard before training (readers only)")
 
     def validate(self) -> None:
         if not 0 <= self.val_fraction < 1:
@@ -266,26 +289,32 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    global_batch: int = 16  # sequences per optimizer step, across data-parallel ranks
-    micro_batch: int = 4  # sequences per forward/backward on one rank
-    seed: int = 1234
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast on GPU
-    param_dtype: Literal["fp32", "bf16"] = "fp32"
-    recompute: Literal["none", "full", "selective"] = "none"
-    compile: bool = False  # torch.compile each block (fuses LayerNorm, GeLU, residual adds)
-    fuse_input_gemm: bool = False  # parallel block: QKV and MLP up-projection as one GEMM
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
-    eval_every: int = 50
-    eval_batches: int = 4
-    log_every: int = 1
-    gc_every: int = 50  # automatic GC off; collect on every rank every N steps
-    run_dir: str = "runs/default"
-    tensorboard: bool = True
-    wandb: bool = False  # also log to Weights & Biases (pip install 'megascale[wandb]')
-    wandb_project: str = "megascale"
-    wandb_mode: Literal["online", "offline"] = "online"  # offline: written under run_dir, `wandb sync` later
+    """The loop: steps, batch sizes, precision, speed options, logging and trackers."""
+
+    steps: int = opt(200, "optimizer steps to train")
+    global_batch: int = opt(16, "sequences per optimizer step, across data-parallel ranks")
+    micro_batch: int = opt(4, "sequences per forward/backward on one rank")
+    seed: int = opt(1234, "seed of the initial weights and of every rank's RNG")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto (CUDA when available), cpu or cuda")
+    dtype: Literal["fp32", "bf16"] = opt("fp32", "compute dtype: fp32, or bf16 (autocast)")
+    param_dtype: Literal["fp32", "bf16"] = opt(
+        "fp32", "parameters, gradients and their reduction in fp32 or bf16 (fp32 master shards either way)")
+    recompute: Literal["none", "full", "selective"] = opt(
+        "none", "activation recomputation: none, selective (attention core) or full (whole blocks)")
+    compile: bool = opt(False, "torch.compile each block (fuses LayerNorm, GeLU, residual adds)")
+    fuse_input_gemm: bool = opt(
+        False, "parallel block: QKV and MLP up-projection as one GEMM (tensor parallel always does)")
+    attention: Literal["auto", "sdpa", "flex"] = opt("auto", "attention kernel: auto, sdpa, or flex (CUDA only)")
+    eval_every: int = opt(50, "evaluate every N steps; 0 = never")
+    eval_batches: int = opt(4, "batches per evaluation")
+    log_every: int = opt(1, "progress line every N steps")
+    gc_every: int = opt(50, "automatic GC off; collect on every rank every N steps")
+    run_dir: str = opt("runs/default", "where the run's logs, metrics, timers and checkpoints go")
+    tensorboard: bool = opt(True, "write TensorBoard scalars (grouped tags) under run_dir")
+    wandb: bool = opt(False, "also log to Weights & Biases (pip install 'megascale[wandb]')")
+    wandb_project: str = opt("megascale", "the W&B project")
+    wandb_mode: Literal["online", "offline"] = opt(
+        "online", "online, or offline: written under run_dir for a later `wandb sync`")
 
     def validate(self) -> None:
         _positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every"])
@@ -296,16 +325,19 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # "" = <run_dir>/checkpoints; any fsspec URL is accepted
-    every: int = 100  # steps; 0 disables periodic saves
-    keep: int = 3
-    resume: str = "auto"  # auto | none | a checkpoint path
-    async_save: bool = True
-    when_busy: Literal["wait", "skip"] = "wait"
-    write_mb_per_s: float = 0.0  # cap on stage-2 write bandwidth per rank; 0 = unlimited
-    commit_timeout_s: float = 600.0  # rank 0 gives up on a save whose other ranks never finish
-    save_on_signal: bool = True  # SIGTERM/Ctrl-C: every rank stops after the same step and saves
-    fsync: bool = True  # sync files and directories around each commit (false: scratch storage only)
+    """Two-stage checkpoints: where, how often, how many, and resume."""
+
+    dir: str = opt("", "\"\" = <run_dir>/checkpoints; any fsspec URL is accepted")
+    every: int = opt(100, "save every N steps; 0 disables periodic saves")
+    keep: int = opt(3, "valid checkpoints kept")
+    resume: str = opt("auto", "auto (the newest valid one), none, or a checkpoint path")
+    async_save: bool = opt(True, "stage 2 (persisting) in a background writer while training goes on")
+    when_busy: Literal["wait", "skip"] = opt(
+        "wait", "a save due while the previous one is still writing: wait, or skip it")
+    write_mb_per_s: float = opt(0.0, "cap on stage-2 write bandwidth per rank; 0 = unlimited")
+    commit_timeout_s: float = opt(600.0, "rank 0 gives up on a save whose other ranks never finish")
+    save_on_signal: bool = opt(True, "SIGTERM/Ctrl-C: every rank stops after the same step and saves")
+    fsync: bool = opt(True, "sync files and directories around each commit (false: scratch storage only)")
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:
@@ -320,12 +352,14 @@ class CheckpointConfig:
 
 @dataclass
 class DiagnosticsConfig:
-    timers: bool = True
-    hang_timeout_s: float = 300.0
-    flight_recorder: bool = True
-    straggler_threshold: float = 1.10  # slower than peers' median by this factor
-    straggler_min_fraction: float = 0.5  # ... in at least this share of the analysed steps
-    straggler_warmup_steps: int = 1  # first steps left out of straggler statistics
+    """Always-on timers, hang dumps, the Flight Recorder and straggler detection."""
+
+    timers: bool = opt(True, "always-on per-rank timers (compute apart from communication waits)")
+    hang_timeout_s: float = opt(300.0, "a rank stuck this long dumps where it is (hang analysis)")
+    flight_recorder: bool = opt(True, "PyTorch's Flight Recorder of collectives (feeds hang analysis)")
+    straggler_threshold: float = opt(1.10, "a rank slower than its peers' median by this factor ...")
+    straggler_min_fraction: float = opt(0.5, "... in at least this share of the analysed steps is a straggler")
+    straggler_warmup_steps: int = opt(1, "first steps left out of straggler statistics")
 
     def validate(self) -> None:
         if self.hang_timeout_s <= 0 or self.straggler_threshold <= 1:
@@ -348,30 +382,30 @@ class DiagnosticsConfig:
 class ResilienceConfig:
     """The fault-tolerant driver (`megascale launch`) and its executors."""
 
-    heartbeat_s: float = 1.0  # executor -> driver
-    heartbeat_timeout_s: float = 5.0  # no heartbeat for this long: the node is lost
-    startup_timeout_s: float = 120.0  # start -> first step; covers a slow first step
-    hang_floor_s: float = 10.0  # no step progress for max(floor, factor * max step time): hang
-    hang_factor: float = 5.0
-    warmup_steps: int = 2  # steps before the hang window and the slowdown baseline are learned
-    slow_factor: float = 3.0  # recent step time above factor x baseline: a slowdown alert
-    traffic_window_s: float = 5.0  # traffic at zero this long while ranks run: a fault
-    traffic_fall_ratio: float = 0.2  # traffic below ratio x its baseline: an alert
-    traffic_interfaces: list[str] = field(default_factory=list)  # [] = every interface but lo
-    error_keywords: list[str] = field(default_factory=lambda: [
+    heartbeat_s: float = opt(1.0, "executor -> driver heartbeat period")
+    heartbeat_timeout_s: float = opt(5.0, "no heartbeat for this long: the node is lost")
+    startup_timeout_s: float = opt(120.0, "start -> first step; covers a slow first step")
+    hang_floor_s: float = opt(10.0, "no step progress for max(floor, factor * max step time): hang")
+    hang_factor: float = opt(5.0, "see hang_floor_s")
+    warmup_steps: int = opt(2, "steps before the hang window and the slowdown baseline are learned")
+    slow_factor: float = opt(3.0, "recent step time above factor x baseline: a slowdown alert")
+    traffic_window_s: float = opt(5.0, "traffic at zero this long while ranks run: a fault")
+    traffic_fall_ratio: float = opt(0.2, "traffic below ratio x its baseline: an alert")
+    traffic_interfaces: list[str] = opt(factory=list, doc="network interfaces watched; [] = every interface but lo")
+    error_keywords: list[str] = opt(doc="log lines containing any of these are faults", factory=lambda: [
         "Traceback (most recent call last)", "CUDA error", "NCCL error", "ncclInternalError",
         "Segmentation fault", "illegal memory access", "uncorrectable ECC"])
-    restart_budget: int = 10  # restarts allowed over the whole job
-    max_node_faults: int = 2  # faults blamed on one node before it is evicted anyway
-    spares: int = 0
-    stop_timeout_s: float = 20.0
-    selfcheck_timeout_s: float = 60.0
-    selfcheck_expected: str = ""  # JSON file of expected figures; "" = built-in floors
-    api_host: str = "127.0.0.1"
-    api_port: int = 0  # 0 = any free port (written to the state dir)
-    api_request_timeout_s: float = 10.0  # a client's TLS handshake, and each request, must finish within this
-    secret_dir: str = ""  # token + TLS certificate and key; "" = <run_dir>/resilience/secret, made if missing
-    rendezvous_port: int = 0  # 0 = a free port per attempt; else base + attempt
+    restart_budget: int = opt(10, "restarts allowed over the whole job")
+    max_node_faults: int = opt(2, "faults blamed on one node before it is evicted anyway")
+    spares: int = opt(0, "spare nodes that replace evicted ones")
+    stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")
+    selfcheck_timeout_s: float = opt(60.0, "limit on the self-check diagnostics after a fault")
+    selfcheck_expected: str = opt("", "JSON file of expected figures; \"\" = built-in floors")
+    api_host: str = opt("127.0.0.1", "the driver's API address (127.0.0.1 unless executors run elsewhere)")
+    api_port: int = opt(0, "0 = any free port (written to the state dir)")
+    api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
+    secret_dir: str = opt("", "token + TLS certificate and key; \"\" = <run_dir>/resilience/secret, made if missing")
+    rendezvous_port: int = opt(0, "0 = a free port per attempt; else base + attempt")
 
     def validate(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",

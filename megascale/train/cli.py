@@ -19,30 +19,33 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from megascale.config import ConfigError, JobConfig, load_config
+from megascale.config import ConfigError, JobConfig, default_config_path, load_config
 from megascale.config.handoff import config_text, write_rank_files
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.plan.env import format_applied, launch_env, with_defaults
 
-DEFAULT_CONFIG = "configs/default.toml"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help=f"TOML config (default: {DEFAULT_CONFIG} if present)")
+    parser.add_argument("--config", help="TOML config over the built-in defaults (default: the packaged "
+                                         "megascale/config/default.toml, a small model on CPU)")
     parser.add_argument("--nproc", type=int, default=0,
                         help="start N local ranks (default: dp*tp*pp of the config when > 1)")
     parser.epilog = "Override any config key with --section.key=value, e.g. --model.layers=8"
 
 
 def run(args: argparse.Namespace) -> int:
-    path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    path = args.config or default_config_path()
+    under_launcher = "RANK" in os.environ
+    if not under_launcher:  # ranks started by a launcher read the file it resolved: it said this
+        print(f"megascale train: config {path}{'' if args.config else ' (packaged default)'} "
+              f"with {len(args.overrides)} override(s); the log lists what differs from the built-in defaults",
+              file=sys.stderr)
     try:
         cfg = load_config(path, args.overrides)
     except ConfigError as exc:
         print(f"megascale train: config error: {exc}", file=sys.stderr)
         return 2
     world = cfg.parallel.world_size
-    under_launcher = "RANK" in os.environ
     nproc = args.nproc or (world if world > 1 and not under_launcher else 0)
     if nproc and not under_launcher:
         if nproc != world:

@@ -25,6 +25,7 @@ import torch
 from megascale.checkpoint.manager import CheckpointManager, FinalSave
 from megascale.checkpoint.stateful import CheckpointState, RNGState, TrainState
 from megascale.config import ConfigError, JobConfig, dump_config, to_dict
+from megascale.config.help import non_defaults
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
@@ -72,6 +73,7 @@ class Trainer:
             log.info("mesh %s", self.mesh.startup.summary())
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.toml")
+            log.info("config differs from the built-in defaults in: %s", " ".join(non_defaults(cfg)) or "nothing")
 
         seed_everything(cfg.train.seed)
         with torch.device("meta"):  # values come after the layout, for this rank's part only

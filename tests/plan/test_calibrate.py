@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from megascale.cli import main
-from megascale.config import ConfigError, load_config
+from megascale.config import ConfigError, default_config_path, load_config
 from megascale.config.loader import dump_config
 from megascale.diagnostics.store import default_db_path
 from megascale.diagnostics.timers import Timers
@@ -93,7 +93,7 @@ def test_jitter_from_run_feeds_the_straggler_term(run_dir, capsys):
     calibrate([str(path)], run_dir[1])  # builds the timer database
     jitter = jitter_from_run(default_db_path(path))
     assert jitter.expected_max(2) == pytest.approx(0.95 * 0.25 + 1.05 * 0.75)
-    code = main(["plan", "--gpus", "64", "--batch", "64", "--model", "configs/default.toml",
+    code = main(["plan", "--gpus", "64", "--batch", "64", "--model", str(default_config_path()),
                  "--jitter-from", str(path), "--explain"])
     assert code == 0
     assert "measured (" in capsys.readouterr().out

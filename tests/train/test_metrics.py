@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from megascale.config import load_config
+from megascale.config import default_config_path, load_config
 from megascale.train.metrics import StepClock, memory_record, progress_line, tag
 from megascale.train.trainer import Trainer
 
@@ -57,7 +57,7 @@ def test_trackers_get_grouped_tags_and_wandb_works_offline(tmp_path, capsys, mon
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")  # what the trainer sets; undone after the test
-    cfg = load_config("configs/default.toml", TINY + [
+    cfg = load_config(default_config_path(), TINY + [
         f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}",
         "--train.steps=3", "--train.tensorboard=true", "--train.wandb=true", "--train.wandb_mode=offline"])
     trainer = Trainer(cfg)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megascale.config import load_config
+from megascale.config import default_config_path, load_config
 from megascale.train.trainer import Trainer
 
 TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.seq_len=64",
@@ -17,7 +17,7 @@ TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.seq
 
 
 def _trainer(tmp_path, *extra):
-    cfg = load_config("configs/default.toml", TINY + [
+    cfg = load_config(default_config_path(), TINY + [
         f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}", *extra])
     return Trainer(cfg)
 
