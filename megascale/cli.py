@@ -20,7 +20,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("megascale.resilience.selfcheck_cli", "run node and network self-checks"),
     "secret": ("megascale.resilience.credentials", "make a job's secret: driver token, TLS certificate and key"),
     "report": ("megascale.diagnostics.cli", "analyse a run: heat map, stragglers, hangs, timeline"),
-    "export": ("megascale.checkpoint.cli", "export a checkpoint as safetensors"),
+    "export": ("megascale.interop.export_cli", "write a checkpoint as a Hugging Face model directory"),
+    "generate": ("megascale.interop.generate_cli", "text from a checkpoint or a Hugging Face model directory"),
+    "import": ("megascale.interop.import_cli", "the config that trains on from a Hugging Face checkpoint directory"),
 }
 CONFIG_COMMANDS = {"train", "launch", "plan"}  # take --section.key=value overrides of the job config
 

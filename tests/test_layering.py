@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"diagnostics"},
     {"parallel", "plan"},
     {"checkpoint"},
-    {"resilience"},
+    {"resilience", "interop"},
     {"train", "testing"},
 ]
 TOP_LEVEL = {"cli"}  # megascale/cli.py dispatches to every command

@@ -1,17 +1,10 @@
-"""Whole tensors out of a checkpoint, and `megascale export`: safetensors + config.json.
-
-The export loads into a single-process `GPT` with `load_exported`, with no pickle anywhere:
-tensors through safetensors, the model config as JSON.
-"""
+"""Whole tensors out of a checkpoint: what `megascale export` (megascale.interop) writes out."""
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from megascale.checkpoint.catalog import candidates
 from megascale.checkpoint.comm import Comm
@@ -19,9 +12,7 @@ from megascale.checkpoint.manifest import RNG
 from megascale.checkpoint.restore import restore
 from megascale.checkpoint.state import VALUE, Target, torch_dtype
 from megascale.checkpoint.storage import CheckpointError, open_root
-from megascale.config import ModelConfig
 from megascale.layout.shard import ShardSpec
-from megascale.model import GPT
 
 log = logging.getLogger("megascale.checkpoint")
 
@@ -45,28 +36,3 @@ def whole_tensors(url: str, fields: tuple[str, ...] = (VALUE,)):
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s", candidate, exc)
     raise CheckpointError(f"no valid checkpoint at {url}")
-
-
-def export(url: str, out: Path, dtype: torch.dtype | None = None) -> Path:
-    tensors, manifest = whole_tensors(url)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {param: (t.to(dtype) if dtype else t).contiguous() for (param, _), t in tensors.items()}
-    save_file(weights, str(out / "model.safetensors"),
-              metadata={"format": "pt", "step": str(manifest["step"])})
-    (out / "config.json").write_text(json.dumps(
-        {"model": manifest["config"]["model"], "step": manifest["step"]}, indent=1))
-    return out
-
-
-def load_exported(out: Path) -> GPT:
-    """A single-process GPT with the exported weights (tied weights may be stored once)."""
-    config = json.loads((Path(out) / "config.json").read_text())
-    model = GPT(ModelConfig(**config["model"]))
-    weights = load_file(str(Path(out) / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    loaded_ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in weights}
-    really_missing = [n for n in missing if id(model.get_parameter(n)) not in loaded_ids]
-    if really_missing or unexpected:
-        raise CheckpointError(f"export does not fit the model: missing {really_missing}, "
-                              f"unexpected {unexpected}")
-    return model

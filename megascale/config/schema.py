@@ -331,6 +331,8 @@ class CheckpointConfig:
     every: int = opt(100, "save every N steps; 0 disables periodic saves")
     keep: int = opt(3, "valid checkpoints kept")
     resume: str = opt("auto", "auto (the newest valid one), none, or a checkpoint path")
+    init_from: str = opt("", "weights only, fresh optimizer: a Hugging Face checkpoint directory (megascale "
+                             "import); read when there is no checkpoint to resume from")
     async_save: bool = opt(True, "stage 2 (persisting) in a background writer while training goes on")
     when_busy: Literal["wait", "skip"] = opt(
         "wait", "a save due while the previous one is still writing: wait, or skip it")

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"megascale train: config error: {exc}", file=sys.stderr)
         return 2
+    if cfg.checkpoint.init_from and not _init_from_fits(cfg):
+        return 2
     world = cfg.parallel.world_size
     nproc = args.nproc or (world if world > 1 and not under_launcher else 0)
     if nproc and not under_launcher:
@@ -75,6 +77,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"megascale train: {trainer.final_save.describe()}", file=sys.stderr)
         return 1
     return 128 + trainer.stop_signal if trainer.stop_signal else 0  # as if killed by it, once saved
+
+
+def _init_from_fits(cfg: JobConfig) -> bool:
+    """The pretrained checkpoint exists, is supported and matches the model config: said here,
+    in one line, before any rank starts."""
+    from megascale.interop.hf_files import InteropError
+    from megascale.interop.pretrained import init_source
+
+    try:
+        init_source(cfg)
+    except InteropError as exc:
+        print(f"megascale train: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def launch_local(nproc: int, cfg: JobConfig) -> int:

@@ -30,6 +30,7 @@ from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.diagnostics.watchdog import Watchdog
+from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
@@ -80,7 +81,9 @@ class Trainer:
             model = GPT(cfg.model)
         if cfg.train.param_dtype == "bf16":  # parameters, gradients and their reduction in bf16
             model.to(torch.bfloat16)
-        self.runner = build_runner(model, cfg, self.mesh)
+        # values: a pretrained checkpoint's (weights only), or the seeded initialisation
+        values = init_source(cfg) if cfg.checkpoint.init_from else None
+        self.runner = build_runner(model, cfg, self.mesh, values)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
         self.timers = Timers(
