@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("megascale.interop.generate_cli", "text from a checkpoint or a Hugging Face model directory"),
     "import": ("megascale.interop.import_cli", "the config that trains on from a Hugging Face checkpoint directory"),
 }
-CONFIG_COMMANDS = {"train", "launch", "plan"}  # take --section.key=value overrides of the job config
+CONFIG_COMMANDS = {"train", "launch", "plan", "import"}  # take --section.key=value overrides of the job config
 
 
 def main(argv: list[str] | None = None) -> int:
