@@ -16,6 +16,7 @@ from pathlib import Path
 from megascale.config import ConfigError, JobConfig, dump_config, load_config
 from megascale.interop.hf_files import InteropError
 from megascale.interop.pretrained import Pretrained, init_source
+from megascale.interop.tokenizer_files import tokenizer_spec
 from megascale.model.flops import parameter_count
 
 
@@ -49,7 +50,7 @@ def imported_config(source: Pretrained, out: Path, overrides: list[str]) -> JobC
     cfg.checkpoint.init_from = str(source.dir.path.resolve())
     tokenizer = source.dir.path / "tokenizer.json"
     if tokenizer.is_file():
-        cfg.data.tokenizer = str(tokenizer.resolve())
+        cfg.data.tokenizer = tokenizer_spec(tokenizer)
     cfg.train.run_dir = str(out / "run")
     if not overrides:
         cfg.validate()

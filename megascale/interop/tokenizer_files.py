@@ -60,6 +60,17 @@ def write_tokenizer(spec: str, out: Path, max_length: int) -> tuple[str, int]:
     return eod_token, eod
 
 
+def tokenizer_spec(tokenizer_json: Path) -> str:
+    """What `data.tokenizer` should say for a checkpoint's tokenizer.json: `bytes` for megascale's
+    own byte-level tokenizer as an export writes it (data prepared byte-level then fits), else the file."""
+    try:
+        if json.loads(tokenizer_json.read_text()) == json.loads(byte_tokenizer_json()):
+            return "bytes"
+    except (OSError, ValueError):
+        pass  # not ours: the data check names the problem with the file when training starts
+    return str(tokenizer_json.resolve())
+
+
 def byte_tokenizer_json() -> str:
     """megascale's byte-level tokenizer as a tokenizer.json (GPT-2's byte-to-character table)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -19,6 +19,7 @@ from megascale.config.schema import RopeScaling
 from megascale.interop.export import write_export
 from megascale.interop.generate import generate
 from megascale.interop.pretrained import load_pretrained
+from megascale.interop.tokenizer_files import tokenizer_spec
 from megascale.model import GPT
 from tests.interop.conftest import CASES, VOCAB, close, random_hf_model, saved
 
@@ -118,3 +119,16 @@ def test_sharded_checkpoints_both_ways(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         close(back(TOKENS).logits, hf(TOKENS).logits)
+
+
+def test_byte_level_tokenizer_ships_as_an_equivalent_tokenizer_json(tmp_path):
+    """AutoTokenizer reads the export's tokenizer with the ids megascale's byte tokenizer gives,
+    and importing the export sets data.tokenizer back to 'bytes'."""
+    cfg = ModelConfig(vocab_size=257, seq_len=16, layers=1, hidden=32, heads=4)
+    write_export(cfg, _weights(GPT(cfg, seed=0)), tmp_path / "out", "bytes", step=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "héllo wörld\n\tdef f(x): return x ** 2  # ünïcode ✓"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert ids == list(text.encode()) and tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == 256
+    assert tokenizer_spec(tmp_path / "out" / "tokenizer.json") == "bytes"
