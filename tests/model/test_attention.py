@@ -18,9 +18,9 @@ def _explicit(q, k, v, window):
     return scores.softmax(-1) @ v
 
 
-def _qkv(seq=24, dtype=torch.float64):
+def _qkv(seq=24, dtype=torch.float64, heads=3, kv_heads=3):
     torch.manual_seed(3)
-    return [torch.randn(2, 3, seq, 8, dtype=dtype) for _ in range(3)]
+    return [torch.randn(2, n, seq, 8, dtype=dtype) for n in (heads, kv_heads, kv_heads)]
 
 
 @pytest.mark.parametrize("window", [1, 2, 5, 16, 23])
@@ -36,6 +36,15 @@ def test_window_at_least_sequence_equals_full_causal(window):
     torch.testing.assert_close(sdpa_attention(q, k, v, None), _explicit(q, k, v, None))
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_grouped_query_attention_repeats_each_key_value_head_for_its_queries(window):
+    """Query heads 0-2 use key/value head 0, heads 3-5 head 1 (the group-major QKV layout)."""
+    q, k, v = _qkv(heads=6, kv_heads=2)
+    repeated = [t.repeat_interleave(3, dim=1) for t in (k, v)]
+    torch.testing.assert_close(sdpa_attention(q, k, v, window), _explicit(q, *repeated, window))
+    torch.testing.assert_close(causal_attention(q, k, v, window), _explicit(q, *repeated, window))
+
+
 def test_window_changes_result():
     q, k, v = _qkv()
     assert not torch.allclose(sdpa_attention(q, k, v, 4), sdpa_attention(q, k, v, None))
@@ -44,9 +53,10 @@ def test_window_changes_result():
 @pytest.mark.parametrize("window", [None, 64])
 def test_flex_attention_matches_sdpa_on_cpu(window, cpu_compiler):
     """FlexAttention's block mask (the GPU kernel that skips masked blocks) gives the same
-    values; on CPU it runs compiled, so keep one small case."""
+    values; on CPU it runs compiled, so keep one small case (the windowed one with grouped-query
+    attention: 4 query heads on 2 key/value heads)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    q, k, v = _qkv(seq=256, dtype=torch.float32)
+    q, k, v = _qkv(seq=256, dtype=torch.float32, heads=4 if window else 3, kv_heads=2 if window else 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = flex_attention(q, k, v, window)
