@@ -340,6 +340,8 @@ class CheckpointConfig:
     commit_timeout_s: float = opt(600.0, "rank 0 gives up on a save whose other ranks never finish")
     save_on_signal: bool = opt(True, "SIGTERM/Ctrl-C: every rank stops after the same step and saves")
     fsync: bool = opt(True, "sync files and directories around each commit (false: scratch storage only)")
+    peer_every: int = opt(5, "steps between copies of each rank's state into a peer node's memory, used to "
+                             "recover under megascale launch (0 = no copies)")
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:
@@ -350,6 +352,8 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.write_mb_per_s must be >= 0, got {self.write_mb_per_s}")
         if self.commit_timeout_s <= 0:
             raise ConfigError(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        if self.peer_every < 0:
+            raise ConfigError(f"checkpoint.peer_every must be >= 0 (0 = no peer copies), got {self.peer_every}")
 
 
 @dataclass
@@ -408,6 +412,7 @@ class ResilienceConfig:
     api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
     secret_dir: str = opt("", "token + TLS certificate and key; \"\" = <run_dir>/resilience/secret, made if missing")
     rendezvous_port: int = opt(0, "0 = a free port per attempt; else base + attempt")
+    in_place: bool = opt(False, "recover by replacing only the failed ranks; the healthy ones stay alive")
 
     def validate(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",

@@ -162,6 +162,13 @@ mean step time {{ "%.1f" % ((stats.step_time or 0) * 1e3) }} ms.</p>
 {% for row in stages %}<tr><td>{{ row.pp }}</td><td>{{ row.ranks }}</td>
 {% for share in row.shares %}<td>{{ "-" if share is none else "%.1f%%" % share }}</td>{% endfor %}</tr>{% endfor %}
 </table>{% endif %}
+{% if recoveries %}<h2 id="recoveries">Recoveries</h2><p>Each fault the driver recovered from, the path it
+took (in_place: healthy ranks stayed; restart: every rank restarted) and its phases in seconds.</p>
+<table><tr><th>fault</th><th>where</th><th>path</th><th>self-check</th><th>restored from</th>
+{% for phase in phases %}<th>{{ phase }}</th>{% endfor %}<th>total</th></tr>
+{% for r in recoveries %}<tr><td>{{ r.kind }}</td><td>{{ r.where }}</td><td>{{ r.path }}</td><td>{{ r.check }}</td>
+<td>{{ r.source }}</td>{% for v in r.spans %}<td>{{ v }}</td>{% endfor %}<td>{{ r.total }}</td></tr>{% endfor %}
+</table>{% endif %}
 {% for title, src in pictures %}<h2>{{ title }}</h2><img alt="{{ title }}" src="{{ src }}">{% endfor %}
 <h2>Timeline</h2><p>Chrome/Perfetto traces (open in ui.perfetto.dev or chrome://tracing):
 {% for group, name in traces %}<a href="{{ name }}">by {{ group }}</a>{{ ", " if not loop.last }}{% endfor %}</p>
@@ -188,6 +195,33 @@ def _stage_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     return out
 
 
+RECOVERY_PHASES = ("detect", "stop", "decide", "replace", "restore", "first_step")
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+
+
+def recovery_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The driver's recoveries (resilience/summary.json of a `megascale launch` run), as table rows."""
+    try:
+        faults = json.loads((run_dir / "resilience" / "summary.json").read_text()).get("faults", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    rows = []
+    for f in faults if isinstance(faults, list) else []:
+        if not isinstance(f, dict):
+            continue
+        check = f.get("selfcheck") if isinstance(f.get("selfcheck"), dict) else {}
+        where = f"rank {f['rank']}" if f.get("rank") is not None else f.get("node")
+        rows.append({"kind": f.get("kind"), "where": where, "path": f.get("path") or "-",
+                     "check": ("ran" if check.get("run") else "skipped") if check else "-",
+                     "source": f.get("restore_source") or "-",
+                     "spans": [_seconds(f.get(f"{p}_s")) for p in RECOVERY_PHASES],
+                     "total": _seconds(f.get("recovery_s"))})
+    return rows
+
+
 def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
     (stats,) = query(conn, "SELECT COUNT(DISTINCT rank) AS ranks, COUNT(DISTINCT step) AS steps, "
                            "AVG(step_time) AS step_time FROM rank_steps")
@@ -198,4 +232,5 @@ def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
         figures={k: _data_uri(v) for k, v in report.figures.items() if k == "hang"},
         stragglers=[s.describe() for s in report.stragglers],
         pictures=[(title, _data_uri(report.figures[key])) for key, title in TITLES.items() if key in report.figures],
-        traces=[(group, path.name) for group, path in report.traces.items()])
+        traces=[(group, path.name) for group, path in report.traces.items()],
+        recoveries=recovery_rows(run_dir), phases=RECOVERY_PHASES)

@@ -27,8 +27,10 @@ from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence, selfcheck_plan
 from megascale.resilience.attribution import Verdict, attribute
+from megascale.resilience.decide import RESTART, hang_culprits, selfcheck_decision
 from megascale.resilience.ettr import job_summary
 from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks, usable_nodes
+from megascale.resilience.recovery import start_marks
 from megascale.resilience.rules import (
     Finding,
     TrafficRule,
@@ -178,8 +180,9 @@ class Driver:
             before = self.hang.last_step
             self.hang.observe(max(steps), recent, now)
             if self.resumed_pending is not None and self.hang.last_step > before:
+                ranks = [r for n in self.state.role(ACTIVE) for r in self.reports.get(n.node_id, {}).get("ranks", [])]
                 self.store.event("resumed", {**self.resumed_pending, "step": self.hang.last_step,
-                                             "resumed": now})
+                                             "resumed": now, **start_marks(ranks)})
                 self.resumed_pending = None
         for step, seconds in recent:
             self.slow.observe(step, seconds)
@@ -331,6 +334,8 @@ class Driver:
                   "last_progress": self.hang.last_progress, "step": self.hang.last_step,
                   "also": [f.to_dict() for f in others], "collateral": [f.to_dict() for f in collateral]}
         if finding.kind == "hang":
+            record["culprits"] = hang_culprits({n.node_id: self.reports.get(n.node_id, {})
+                                                for n in self.state.role(ACTIVE)})
             run_dir, layout = self.state.run_dir, dict(self.state.layout)
             self._in_background(lambda: self.store.event("hang_analysis", {
                 "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}))
@@ -339,7 +344,13 @@ class Driver:
         if finding.kind == "manual_evict":
             self.manual_evictions.pop(finding.node, None)
             record["evict"] = True
+        node = self.state.nodes.get(finding.node or "")
+        check = selfcheck_decision(record, node.faults if node else 0, self.rcfg.max_node_faults)
+        record["selfcheck"] = check.to_dict()
+        if not self.rcfg.in_place:
+            record["path_reason"] = "resilience.in_place is off"
         log.error("FAULT %s: %s -- stopping attempt %d", finding.kind, finding.detail, self.state.attempt)
+        log.info("%s", check.describe())
         self.store.event("fault", record, now)
         self.current_fault = record
         self.state.phase = STOPPING
@@ -372,6 +383,10 @@ class Driver:
             return
         stopped = {n for n, c in self.waiting_for.items() if c in self.results}
         self.store.event("stopped", {"attempt": self.state.attempt, "nodes": sorted(stopped)}, now)
+        check = (self.current_fault or {}).get("selfcheck") or {"run": True, "rule": "no record of the fault"}
+        if not check["run"]:
+            self._evict_failed({}, {n: {"ok": True} for n in stopped}, now)
+            return self._restart(now, check)
         live = [n for n in self._live_nodes(now) if n.node_id in stopped]
         # Lost active nodes are judged (no result) but not paired: a link test with a node that
         # cannot answer would only cost its neighbours a rendezvous timeout.
@@ -392,21 +407,26 @@ class Driver:
         verdict = selfcheck_plan.judge(reports)
         self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
                                        "reports": reports}, now)
+        self._evict_failed(verdict["failed"], reports, now)
+        self._restart(now, (self.current_fault or {}).get("selfcheck"))
+
+    def _evict_failed(self, failed: dict[str, str], answered: dict[str, Any], now: float) -> None:
+        """Evict the nodes the self-check failed, lost nodes (no heartbeat, or no answer to the
+        phase's command), the node of a manual eviction and nodes at `max_node_faults`."""
         fault = self.current_fault or {}
         for node in list(self.state.nodes.values()):
             if node.role == EVICTED:
                 continue
-            why = verdict["failed"].get(node.node_id)
+            why = failed.get(node.node_id)
             lost = now - self.last_seen.get(node.node_id, 0) > self.rcfg.heartbeat_timeout_s
-            if lost or not reports.get(node.node_id):
-                why = why or "lost: no heartbeat or no self-check result"
+            if lost or not answered.get(node.node_id):
+                why = why or "lost: no heartbeat or no answer to the recovery's command"
             if fault.get("evict") and node.node_id == fault.get("node"):
                 why = why or fault.get("detail")
             if node.faults >= self.rcfg.max_node_faults:
                 why = why or f"{node.faults} faults blamed on it (resilience.max_node_faults)"
             if why:
                 self._evict(node, why)
-        self._restart(now)
 
     def _evict(self, node: Node, why: str) -> None:
         log.error("evicting %s (%s): %s", node.node_id, node.address, why)
@@ -419,10 +439,14 @@ class Driver:
         self.store.event("evict", {"node": node.node_id, "address": node.address, "reason": why})
         self._save()
 
-    def _restart(self, now: float) -> None:
+    def _restart(self, now: float, check: dict[str, Any] | None = None, reason: str = "") -> None:
+        """Restart every rank (the path that always works): attempt k+1 on the nodes left."""
         s = self.state
         if s.restarts >= s.restart_budget:
             return self._finish(FAILED, f"restart budget of {s.restart_budget} used up")
+        reason = reason or (self.current_fault or {}).get("path_reason") or "every rank restarts"
+        self.store.event("decide", {"attempt": s.attempt, "path": RESTART, "reason": reason, "selfcheck": check}, now)
+        log.info("recovery path: %s (%s)", RESTART, reason)
         active = s.role(ACTIVE)
         spares = s.role(SPARE)
         while len(active) < s.nodes_wanted and spares:

@@ -3,7 +3,8 @@
 A step counts once, with the duration of its last (kept) execution: a step run again after a
 rollback to the last checkpoint is time lost to the fault, as is detection, stopping, the
 self-check and the restart. Read from rank 0's metrics.jsonl, which every attempt appends to.
-`job_summary` puts it beside the job's fault matrix: per fault, how long each recovery phase took.
+`job_summary` puts it beside the job's fault matrix: per fault, the path its recovery took and how
+long each phase lasted (`recovery.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megascale.resilience.recovery import recovery_phases
 from megascale.resilience.state import JobState, JobStore
 
 
@@ -46,26 +48,16 @@ def ettr(metrics_path: str | Path, wall_s: float, up_to_step: int | None = None)
 
 def job_summary(s: JobState, store: JobStore, steps: int) -> dict[str, Any]:
     wall = (s.finished or time.time()) - s.created
-    faults = store.events("fault")
-    resumed = {e["fault_detected"]: e for e in store.events("resumed")}
-    hangs = {e["detected"]: e["analysis"] for e in store.events("hang_analysis")}
-    phases = {(e["event"], e["attempt"]): e["time"] for e in store.events()
-              if e["event"] in ("stopped", "selfcheck", "attempt")}
+    events = store.events()
+    hangs = {e["detected"]: e["analysis"] for e in events if e["event"] == "hang_analysis"}
     matrix = []
-    for f in faults:
-        r = resumed.get(f["detected"])
-        a = f["attempt"]
-        marks = [f["detected"], phases.get(("stopped", a)), phases.get(("selfcheck", a)),
-                 phases.get(("attempt", a + 1)), r["resumed"] if r else None]
-        spans = {f"{name}_s": (end - start) if start and end else None for name, start, end in
-                 zip(("stop", "selfcheck", "evict", "start"), marks[:-1], marks[1:], strict=True)}
+    for f in (e for e in events if e["event"] == "fault"):
         matrix.append({"kind": f["kind"], "node": f.get("node"), "rank": f.get("rank"), "detail": f["detail"],
-                       "collateral": f.get("collateral", []),
+                       "collateral": f.get("collateral", []), "also": f.get("also", []),
                        "detected": f["detected"], "last_progress": f.get("last_progress"),
-                       "resumed": r["resumed"] if r else None,
-                       "recovery_s": (r["resumed"] - f["detected"]) if r else None, **spans,
+                       **recovery_phases(f, events),
                        **({"hang_analysis": hangs[f["detected"]]} if f["detected"] in hangs else {})})
     return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
             "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
-            "faults": matrix, "alerts": store.events("alert"),
+            "faults": matrix, "alerts": [e for e in events if e["event"] == "alert"],
             "ettr": ettr(Path(s.run_dir) / "metrics.jsonl", wall, steps)}

@@ -175,15 +175,14 @@ class Executor:
     def _rank_reports(self, attempt: Attempt) -> tuple[list[dict], list[dict]]:
         ranks, errors = [], []
         for rp in attempt.ranks:
-            process = {"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid,
-                       "alive": rp.proc.poll() is None, "exitcode": rp.proc.returncode}
-            status = read_status(attempt.status_dir, rp.rank) or {}
             ended = rp.exited_at is not None  # an exit is reported with its time or not yet
             process = {"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid, "alive": not ended,
-                       "exitcode": rp.proc.returncode if ended else None, "exited_at": rp.exited_at}
+                       "exitcode": rp.proc.returncode if ended else None, "exited_at": rp.exited_at,
+                       "state": None if ended else _process_state(rp.proc.pid)}
             status = read_status(attempt.status_dir, rp.rank) or {}
             report = {**process, "step": status.get("step"), "step_time": status.get("step_time"),
-                      "recent": status.get("recent", []), "status_time": status.get("time")}
+                      "recent": status.get("recent", []), "status_time": status.get("time"),
+                      "start": status.get("start")}
             try:  # what the driver will accept; a garbled status file costs the progress, not the node
                 RankReport.model_validate_json(json.dumps(report))
             except (ValidationError, TypeError, ValueError):
@@ -326,6 +325,16 @@ def _note_exit(rp: RankProcess) -> None:
     first rank to die, and peers die within milliseconds of it."""
     rp.proc.wait()
     rp.exited_at = time.time()
+
+
+def _process_state(pid: int) -> str | None:
+    """`running`, `sleeping`, `stopped` (SIGSTOP), `disk-sleep`, `zombie`...: a hang's culprit shows here."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+
+
 def _rank_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
 

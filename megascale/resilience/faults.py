@@ -8,7 +8,8 @@ or a test asked for a fault.
 attempt 0 (torchft's `fail_at(rank, step)` idea). Several faults are separated by `;`. Kinds:
 
 - `kill` SIGKILL, `stop` SIGSTOP (a hang), `raise` an exception, `exit` exit code 3,
-  `term` SIGTERM (a preemption notice that reaches this rank only);
+  `term` SIGTERM (a preemption notice that reaches this rank only), `killwriter` SIGKILL to
+  the rank's stage-2 checkpoint writer process (the rank trains on);
 - `sleep:...:seconds=S` a slow step (the status write is delayed too);
 - `throttle:...:stop=S:period=P` an outside process stops the rank for S of every P seconds
   (real SIGSTOP/SIGCONT, a CPU-throttled node) until the rank ends.
@@ -24,12 +25,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from megascale.resilience.rankstatus import STATUS_DIR_ENV, StatusWriter
 
 FAULT_ENV = "MEGASCALE_FAULT"
 ATTEMPT_ENV = "MEGASCALE_RESTART_ATTEMPT"
-KINDS = ("kill", "stop", "raise", "exit", "term", "sleep", "throttle")
+KINDS = ("kill", "stop", "raise", "exit", "term", "sleep", "throttle", "killwriter")
 
 
 class InjectedFault(RuntimeError):
@@ -65,12 +67,22 @@ def parse_faults(text: str) -> list[Fault]:
     return faults
 
 
+class RankFacts(Protocol):
+    """What the hook reads of the rank's trainer (which this package cannot import)."""
+
+    @property
+    def start_record(self) -> dict[str, Any]: ...
+
+    @property
+    def writer_pid(self) -> int | None: ...
+
+
 class StepHook:
     """What a rank does after each step: report progress, then fail if a fault is due."""
 
-    def __init__(self, rank: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, rank: int, env: dict[str, str] | None = None, facts: RankFacts | None = None) -> None:
         env = os.environ if env is None else env
-        self.rank = rank
+        self.rank, self.facts = rank, facts
         attempt = int(env.get(ATTEMPT_ENV) or 0)
         self.faults = {f.step: f for f in parse_faults(env.get(FAULT_ENV, ""))
                        if f.rank == rank and f.attempt == attempt}
@@ -81,12 +93,12 @@ class StepHook:
         if fault is not None and fault.kind == "sleep":
             time.sleep(fault.params.get("seconds", 5.0))
             step_time += fault.params.get("seconds", 5.0)
-        self.status.write(step, step_time)
+        self.status.write(step, step_time, self.facts.start_record if self.facts else None)
         if fault is not None and fault.kind != "sleep":
-            inject(fault)
+            inject(fault, self.facts)
 
 
-def inject(fault: Fault) -> None:
+def inject(fault: Fault, facts: RankFacts | None = None) -> None:
     sys.stderr.write(f"megascale: injecting fault {fault.kind} on rank {fault.rank} "
                      f"after step {fault.step}\n")
     sys.stderr.flush()
@@ -100,6 +112,8 @@ def inject(fault: Fault) -> None:
         os._exit(3)
     elif fault.kind == "term":
         os.kill(os.getpid(), signal.SIGTERM)
+    elif fault.kind == "killwriter" and facts is not None and facts.writer_pid:
+        os.kill(facts.writer_pid, signal.SIGKILL)
     elif fault.kind == "throttle":
         subprocess.Popen([sys.executable, "-m", "megascale.resilience.faults", "throttle",
                           str(os.getpid()), str(fault.params.get("stop", 0.2)),
@@ -118,10 +132,10 @@ def throttle(pid: int, stop_s: float, period_s: float) -> None:
         return
 
 
-def rank_step_hook(rank: int, env: dict[str, str] | None = None) -> StepHook | None:
+def rank_step_hook(rank: int, env: dict[str, str] | None = None, facts: RankFacts | None = None) -> StepHook | None:
     """The hook for this rank, or None when no executor and no fault test asked for one."""
     env = os.environ if env is None else env
-    return StepHook(rank, env) if env.get(STATUS_DIR_ENV) or env.get(FAULT_ENV) else None
+    return StepHook(rank, env, facts) if env.get(STATUS_DIR_ENV) or env.get(FAULT_ENV) else None
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "throttle":

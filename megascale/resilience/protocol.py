@@ -55,6 +55,15 @@ class Hardware(Message):
     gpus: Annotated[list[Gpu], Field(max_length=64)] = []
 
 
+class RankStart(Message):
+    """When a rank joined its attempt's mesh and had its state back, and from where."""
+
+    joined_at: Seconds | None = None
+    restored_at: Seconds | None = None
+    source: Literal["memory", "storage", "none"] | None = None
+    step: Count | None = None
+
+
 class RankReport(Message):
     rank: Count
     local_rank: Count
@@ -66,6 +75,8 @@ class RankReport(Message):
     step_time: Seconds | None = None
     recent: Annotated[list[tuple[Count, Seconds]], Field(max_length=64)] = []
     status_time: Seconds | None = None
+    state: Name | None = None  # the process's state as the kernel reports it (running, stopped, ...)
+    start: RankStart | None = None
 
 
 class ErrorLine(Message):

@@ -32,12 +32,13 @@ class StatusWriter:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, step: int, step_time: float) -> None:
+    def write(self, step: int, step_time: float, start: dict[str, Any] | None = None) -> None:
+        """`start`: when this rank joined its mesh and had its state back (the driver's recovery phases)."""
         if self.path is None:
             return
         self.recent = [*self.recent[-(RECENT - 1):], [step, step_time]]
         data = {"rank": self.rank, "pid": os.getpid(), "step": step, "step_time": step_time,
-                "time": time.time(), "recent": self.recent}
+                "time": time.time(), "recent": self.recent, "start": start}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.path)

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, DataError) as exc:
         print(f"megascale train: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    hook = rank_step_hook(trainer.rank)  # only under an executor, or when a test injects faults
+    hook = rank_step_hook(trainer.rank, facts=trainer)  # only under an executor, or when a test injects faults
     if hook is not None:
         trainer.step_hooks.append(hook)
     try:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megascale.checkpoint.manager import CheckpointManager, FinalSave
+from megascale.checkpoint.replica import ReplicaStore
 from megascale.checkpoint.stateful import CheckpointState, RNGState, TrainState
 from megascale.config import ConfigError, JobConfig, dump_config, to_dict
 from megascale.config.help import non_defaults
@@ -58,7 +59,9 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, replicas: ReplicaStore | None = None):
+        """`replicas`: the peer copies this process keeps across recoveries (a rank under an
+        executor); they are made and restored from only when given."""
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         if cfg.train.attention == "flex" and self.device.type != "cuda":
@@ -67,6 +70,8 @@ class Trainer:
         if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
             os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         self.mesh = init_mesh(cfg.parallel, device=self.device.type)
+        # when this rank joined and had its state back: the driver's recovery phases read it
+        self.start_record: dict = {"joined_at": time.time(), "restored_at": None, "source": None, "step": None}
         self.rank = self.mesh.rank
         self.run_dir = Path(cfg.train.run_dir)
         setup_logging(self.run_dir, self.rank)
@@ -97,7 +102,7 @@ class Trainer:
         self.train_state = TrainState()
         self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir, CheckpointState(
             model=self.runner, optimizer=self.optimizer, loader=self.train_loader, train=self.train_state,
-            rng=RNGState(self.device)))
+            rng=RNGState(self.device)), replicas)
         wandb = None if not cfg.train.wandb else {
             "project": cfg.train.wandb_project, "mode": cfg.train.wandb_mode, "name": self.run_dir.name,
             "config": to_dict(cfg)}
@@ -115,6 +120,11 @@ class Trainer:
             cfg.parallel.tp, cfg.parallel.vpp, cfg.micro_batches,
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The stage-2 checkpoint writer process (fault tests kill it)."""
+        return self.checkpoints.writer_pid
 
     @property
     def step(self) -> int:
@@ -176,7 +186,9 @@ class Trainer:
         the last step and wait for its commit (`final_save`); return the losses of the steps
         this call ran."""
         cfg = self.cfg.train
-        self.checkpoints.resume()
+        resumed = self.checkpoints.resume()
+        source = self.checkpoints.last_restore["source"] if resumed else "none"
+        self.start_record.update(restored_at=time.time(), source=source, step=self.step)
         losses: list[float] = []
         gc.collect()
         gc.disable()
