@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import posixpath
 import queue
 import secrets
@@ -30,31 +31,36 @@ import torch
 
 from megascale.checkpoint import catalog
 from megascale.checkpoint.comm import Comm
-from megascale.checkpoint.manifest import FORMAT, VERSION, checkpoint_bytes
-from megascale.checkpoint.restore import restore
+from megascale.checkpoint.manifest import FORMAT, VERSION, checkpoint_bytes, validate
+from megascale.checkpoint.replica import PeerReplicator, ReplicaStore, build_manifest, choose
+from megascale.checkpoint.restore import InMemory, restore
 from megascale.checkpoint.shm import reap_stale, segment_name
 from megascale.checkpoint.snapshot import HostBuffer, layout
 from megascale.checkpoint.state import (
     RNG,
-    Piece,
     install_optimizer_state,
     load_targets,
+    record_of,
     rng_from_arrays,
     rng_pieces,
     shared_pieces,
-    spec_to_json,
 )
 from megascale.checkpoint.stateful import CheckpointState
 from megascale.checkpoint.storage import CheckpointError, open_root, step_name
 from megascale.checkpoint.writer import WriteJob, persist
 from megascale.config import JobConfig, to_dict
 from megascale.data.shards import DataError
+from megascale.parallel.store import StoreAddress
 
 log = logging.getLogger("megascale.checkpoint")
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig, mesh, run_dir: Path, state: CheckpointState):
+    def __init__(self, cfg: JobConfig, mesh, run_dir: Path, state: CheckpointState,
+                 replicas: ReplicaStore | None = None):
+        """`replicas`: where this rank process keeps peer copies across recoveries (given under an
+        executor, which can recover from them); copies are made every `checkpoint.peer_every` steps
+        when the job spans more than one node."""
         self.job_cfg, self.cfg, self.mesh, self.state = cfg, cfg.checkpoint, mesh, state
         self.rank, self.world = mesh.rank, mesh.world_size
         self.root = self.cfg.dir or str((Path(run_dir) / "checkpoints").resolve())
@@ -77,6 +83,20 @@ class CheckpointManager:
         self._results: queue.Queue = queue.Queue()
         if self.cfg.async_save:
             self._start_writer()
+        self.replicas = replicas
+        self.replicator = self._replicator(replicas)
+
+    def _replicator(self, replicas: ReplicaStore | None) -> PeerReplicator | None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        if replicas is None or self.cfg.peer_every <= 0 or local_world >= self.world:
+            return None  # nobody to recover from the copies, or no other node to keep them
+        return PeerReplicator(replicas, self.mesh.replica_group, self.rank, self.world, local_world,
+                              self.cfg.peer_every, StoreAddress.from_env(need_master=False).attempt,
+                              self._grid_layout())
+
+    def _grid_layout(self) -> dict[str, int]:
+        grid = self.mesh.grid
+        return {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp, "vpp": self.job_cfg.parallel.vpp}
 
     # ------------------------------------------------------------------------------ saving
     @property
@@ -89,6 +109,8 @@ class CheckpointManager:
             self.save()
         else:
             self._poll()  # report a finished write when it finishes, not at the next save
+        if self.replicator is not None:
+            self.replicator.after_step(self.state)
 
     def save(self, blocking: bool = False) -> None:
         self._poll()
@@ -110,7 +132,7 @@ class CheckpointManager:
                                       name=segment_name(self.run_id, self.rank, self._buffers_made))
         params = {p.param for p in mine}
         index = {
-            "records": [_record(p, off) for p, off in zip(written, offsets, strict=True)],
+            "records": [record_of(p, off) for p, off in zip(written, offsets, strict=True)],
             "plain": {name: value for name, value in plain.items() if name in params},
             "meta": {"rng": rng_meta, "loader": self.state.loader.state_dict()},
         }
@@ -304,6 +326,9 @@ class CheckpointManager:
             return False
         fs, root = open_root(self.root if mode == "auto" else mode)
         candidates = catalog.candidates(fs, root) if self.rank == 0 else []
+        newest = candidates[0][1]["step"] if candidates else None
+        if self.replicas is not None and mode == "auto" and self._resume_from_memory(self.comm.broadcast(newest)):
+            return True
         while True:
             choice = self.comm.broadcast(candidates.pop(0) if candidates else None)
             if choice is None:
@@ -321,16 +346,59 @@ class CheckpointManager:
                 continue
             if posixpath.dirname(path) == open_root(self.root)[1]:
                 self.committed = (self.state.step, path)  # already here: the same state is not saved again
+            if self.replicas is not None:
+                self.replicas.discard_after(self.state.step)
             return True
 
-    def _load(self, fs, path: str, manifest: dict) -> None:
+    def _resume_from_memory(self, storage_step: int | None) -> bool:
+        """Restore from the newest generation of peer copies that covers every rank, when it is at
+        least as new as storage's newest checkpoint; a generation that fails a check is skipped."""
+        skip: set = set()
+        while True:
+            choice = choose(self.comm.gather(self.replicas.holdings()), self.world, self._grid_layout(), skip)
+            if choice is None:
+                log.info("no complete generation of peer copies in memory: restoring from storage")
+                self.replicas.forget(skip)
+                return False
+            generation, readers = choice
+            if storage_step is not None and storage_step > generation[0]:
+                log.info("storage's step %d is newer than the peer copies' step %d: restoring from storage",
+                         storage_step, generation[0])
+                self.replicas.forget(skip)
+                return False
+            mine = {name: c for name, c in self.replicas.files(generation).items() if readers.get(name) == self.rank}
+            headers = [h for hs in self.comm.gather([c.header for c in mine.values()]) for h in hs]
+            where = f"peer memory (step {generation[0]} of attempt {generation[1]})"
+            manifest: dict | str | None = None
+            if self.rank == 0:
+                try:
+                    manifest = build_manifest(headers, generation, self.world, self._grid_layout(),
+                                              to_dict(self.job_cfg), self.run_id)
+                    validate(manifest, where)
+                    manifest["manifest_bytes"] = 0
+                except CheckpointError as exc:
+                    manifest = str(exc)
+            manifest = self.comm.broadcast(manifest)
+            try:
+                if isinstance(manifest, str):
+                    raise CheckpointError(manifest)
+                self._load(None, where, manifest, InMemory({n: c.data for n, c in mine.items()}, readers))
+            except CheckpointError as exc:
+                log.warning("%s cannot be used: %s -- trying older copies, then storage", where, exc)
+                skip.add(generation)
+                continue
+            self.replicas.forget(skip)
+            self.replicas.discard_after(generation[0])
+            return True
+
+    def _load(self, fs, path: str, manifest: dict, memory: InMemory | None = None) -> None:
         start = time.perf_counter()
         fields: dict[str, set[str]] = defaultdict(set)
         for rec in manifest["tensors"]:
             if not rec["param"].startswith(RNG):
                 fields[rec["param"]].add(rec["field"])
         targets = load_targets(self.state, fields)
-        restored = restore(fs, path, manifest, targets, self.comm)
+        restored = restore(fs, path, manifest, targets, self.comm, memory)
         problems = [p for p in self.comm.gather(self._install(targets, manifest, restored)) if p]
         if problems:  # every rank falls back together
             raise CheckpointError(f"{path}: " + "; ".join(problems))
@@ -341,7 +409,8 @@ class CheckpointManager:
         read += manifest["manifest_bytes"]
         size = checkpoint_bytes(manifest)
         self.last_restore = {"path": path, "step": self.state.step, "bytes_read": read,
-                             "checkpoint_bytes": size, "seconds": time.perf_counter() - start}
+                             "checkpoint_bytes": size, "seconds": time.perf_counter() - start,
+                             "source": "storage" if memory is None else "memory"}
         saved = manifest["layout"]
         log.info("resumed from %s at step %d (saved as pp=%d dp=%d tp=%d, %d ranks; read %d of "
                  "%d stored bytes, %.2f s)", path, self.state.step, saved["pp"], saved["dp"],
@@ -366,7 +435,9 @@ class CheckpointManager:
         return None
 
     def close(self) -> None:
-        """Wait for the in-flight save, stop the writer and free the host buffer."""
+        """Wait for the in-flight save and peer copy, stop the writer and free the host buffer."""
+        if self.replicator is not None:
+            self.replicator.wait()
         self._wait()
         if self._writer is not None and self._writer.poll() is None:
             self._writer.stdin.close()
@@ -394,13 +465,3 @@ class FinalSave:
                  f"steps {self.newest[0] + 1}-{self.step} would be trained again" if self.newest
                  else "this run committed no checkpoint")
         return f"step {self.step} was NOT saved ({self.error}); {older}"
-
-
-def _record(piece: Piece, offset: int) -> dict[str, Any]:
-    return {"param": piece.param, "field": piece.field, "spec": spec_to_json(piece.spec),
-            "dtype": str(piece.tensor.dtype).removeprefix("torch."),
-            "shape": list(piece.tensor.shape), "offset": offset,
-            "nbytes": piece.tensor.numel() * piece.tensor.element_size()}
-
-
-

@@ -40,16 +40,16 @@ Name = Annotated[str, Field(min_length=1, max_length=1000)]
 DType = Literal[tuple(DTYPE_SIZES)]  # type: ignore[valid-type]
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
-class FileInfo(_Strict):
+class FileInfo(Strict):
     size: Count
     sha256: Annotated[str, Field(pattern=_SHA256)]
 
 
-class Spec(_Strict):
+class Spec(Strict):
     global_shape: list[Count]
     tp_dim: Count | None
     tp_rank: Count
@@ -75,7 +75,7 @@ class Spec(_Strict):
         return math.prod(self.global_shape) // self.tp_size
 
 
-class TensorRecord(_Strict):
+class TensorRecord(Strict):
     param: Name
     field: Name
     spec: Spec | None
@@ -99,42 +99,42 @@ class TensorRecord(_Strict):
         return self
 
 
-class Layout(_Strict):
+class Layout(Strict):
     pp: Positive
     dp: Positive
     tp: Positive
     vpp: Positive
 
 
-class PythonRng(_Strict):
+class PythonRng(Strict):
     version: int
     gauss_next: float | None
 
 
-class NumpyRng(_Strict):
+class NumpyRng(Strict):
     kind: Literal["MT19937"]
     pos: Count
     has_gauss: Count
     cached_gaussian: float
 
 
-class TensorRng(_Strict):
+class TensorRng(Strict):
     pass
 
 
-class RngMeta(_Strict):
+class RngMeta(Strict):
     python: PythonRng | None = None
     numpy: NumpyRng | None = None
     torch: TensorRng | None = None
     cuda: TensorRng | None = None
 
 
-class RankMeta(_Strict):
+class RankMeta(Strict):
     rng: RngMeta
     loader: dict[str, str | int]
 
 
-class Scalar(_Strict):
+class Scalar(Strict):
     kind: Literal["tensor", "bool", "int", "float"]
     value: bool | int | float
     dtype: DType | None = None
@@ -153,7 +153,7 @@ class JobConfigRecord(BaseModel):
     model: dict[str, Any]
 
 
-class Manifest(_Strict):
+class Manifest(Strict):
     format: Literal[FORMAT]  # type: ignore[valid-type]
     version: Literal[VERSION]  # type: ignore[valid-type]
     step: Count
@@ -223,22 +223,25 @@ def _check_files_and_ranks(manifest: Manifest, path: str) -> None:
 
 
 def _check_bounds(manifest: Manifest, path: str) -> None:
-    """Every record inside its file, none overlapping another."""
+    check_records(manifest.tensors, {name: info.size for name, info in manifest.files.items()}, path)
+
+
+def check_records(records: list[TensorRecord], sizes: dict[str, int], path: str) -> None:
+    """Every record inside its file, none overlapping another (a manifest's, or a peer copy's)."""
     by_file: dict[str, list[TensorRecord]] = {}
-    for rec in manifest.tensors:
-        if rec.file not in manifest.files:
+    for rec in records:
+        if rec.file not in sizes:
             raise CheckpointError(f"{path}: {rec.param} {rec.field} is in {rec.file!r}, which is not listed")
         by_file.setdefault(rec.file, []).append(rec)
-    for name, records in by_file.items():
+    for name, file_records in by_file.items():
         end = 0
-        for rec in sorted(records, key=lambda r: r.offset):
+        for rec in sorted(file_records, key=lambda r: r.offset):
             if rec.offset < end:
                 raise CheckpointError(f"{path}: {rec.param} {rec.field} at offset {rec.offset} of {name} "
                                       f"overlaps the record before it (ends at {end})")
             end = rec.offset + rec.nbytes
-        if end > manifest.files[name].size:
-            raise CheckpointError(f"{path}: records of {name} reach byte {end}, the file has "
-                                  f"{manifest.files[name].size}")
+        if end > sizes[name]:
+            raise CheckpointError(f"{path}: records of {name} reach byte {end}, the file has {sizes[name]}")
 
 
 def confined(fs: fsspec.AbstractFileSystem, directory: str, name: str) -> str:

@@ -58,6 +58,16 @@ class Record:
         return int(self.param[len(RNG):]) if self.param.startswith(RNG) else None
 
 
+@dataclass(frozen=True)
+class InMemory:
+    """Data files already in this process's memory (peer copies, `replica.py`): `files` are the
+    ones this rank holds, `readers` says which rank holds each file of the manifest. They are
+    checked against the manifest's sizes and sha256 exactly as files read from storage."""
+
+    files: dict[str, memoryview]
+    readers: dict[str, int]
+
+
 @dataclass
 class Restored:
     bytes_read: int
@@ -72,7 +82,7 @@ class Plan:
     """Who reads which file, who owns which parameter, what moves where (same on all ranks)."""
 
     def __init__(self, manifest: dict, wanted: list[list[tuple]],
-                 specs: list[list[ShardSpec | None]], world: int):
+                 specs: list[list[ShardSpec | None]], world: int, readers: dict[str, int] | None = None):
         self.records = [Record.from_json(r) for r in manifest["tensors"]]
         self.world = world
         self.saved: dict[tuple[str, str], list[Record]] = defaultdict(list)
@@ -81,7 +91,7 @@ class Plan:
                 self.saved[(rec.param, rec.field)].append(rec)
         self.wanted, self.specs = wanted, specs
         self._check()
-        self.reader = self._assign_readers(manifest["files"])
+        self.reader = dict(readers) if readers is not None else self._assign_readers(manifest["files"])
         self.owner = self._assign_owners()
 
     def _check(self) -> None:
@@ -147,14 +157,16 @@ class Plan:
         return piece_numel(self.specs[dst][i]) * _itemsize(self.saved[(param, fld)][0].dtype)
 
 
-def restore(fs, path: str, manifest: dict, targets: list[Target], comm: Comm) -> Restored:
-    """Fill `targets` (this rank's tensors) from the checkpoint at `path`; raises
-    CheckpointError on every rank if any file is corrupt or the checkpoint does not fit."""
+def restore(fs, path: str, manifest: dict, targets: list[Target], comm: Comm,
+            memory: InMemory | None = None) -> Restored:
+    """Fill `targets` (this rank's tensors) from the checkpoint at `path` (or from the files held
+    in `memory`); raises CheckpointError on every rank if any file is corrupt or the checkpoint
+    does not fit."""
     wanted = comm.gather([(t.param, t.field, spec_to_json(t.spec)) for t in targets])
     specs = [[spec_from_json(s) for _, _, s in keys] for keys in wanted]
-    plan = Plan(manifest, wanted, specs, comm.world)
+    plan = Plan(manifest, wanted, specs, comm.world, memory.readers if memory else None)
 
-    data, bytes_read, problems = _read_my_files(fs, path, manifest, plan, comm.rank)
+    data, bytes_read, problems = _read_my_files(fs, path, manifest, plan, comm.rank, memory)
     reports = comm.gather(problems)
     failed = [p for ranks in reports for p in ranks]
     if failed:
@@ -206,8 +218,9 @@ def restore(fs, path: str, manifest: dict, targets: list[Target], comm: Comm) ->
     return restored
 
 
-def _read_my_files(fs, path: str, manifest: dict, plan: Plan, rank: int):
-    """Read this rank's files whole, checking size and sha256; returns bytes per file."""
+def _read_my_files(fs, path: str, manifest: dict, plan: Plan, rank: int, memory: InMemory | None = None):
+    """Read this rank's files whole (or take them from memory), checking size and sha256;
+    returns bytes per file."""
     data: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     bytes_read = 0
@@ -215,14 +228,21 @@ def _read_my_files(fs, path: str, manifest: dict, plan: Plan, rank: int):
         if plan.reader[name] != rank:
             continue
         info = manifest["files"][name]
-        buf = bytearray(info["size"])
-        try:
-            with fs.open(confined(fs, path, name), "rb") as f:
-                got = f.readinto(buf)
-        except OSError as exc:
-            problems.append(f"{name}: cannot be read ({exc})")
-            continue
-        bytes_read += got
+        if memory is not None:
+            if name not in memory.files:
+                problems.append(f"{name}: rank {rank} was to hold it in memory and does not")
+                continue
+            buf = memory.files[name]
+            got = len(buf)
+        else:
+            buf = bytearray(info["size"])
+            try:
+                with fs.open(confined(fs, path, name), "rb") as f:
+                    got = f.readinto(buf)
+            except OSError as exc:
+                problems.append(f"{name}: cannot be read ({exc})")
+                continue
+            bytes_read += got
         if got != info["size"]:
             problems.append(f"{name}: {got} bytes, the manifest says {info['size']}")
         elif hashlib.sha256(buf).hexdigest() != info["sha256"]:

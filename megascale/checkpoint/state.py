@@ -95,6 +95,14 @@ def shared_pieces(state: CheckpointState) -> tuple[list[Piece], dict[str, dict[s
     return pieces, plain
 
 
+def record_of(piece: Piece, offset: int) -> dict[str, Any]:
+    """A piece's record in a rank's data file (the manifest's `tensors` entries, less the file)."""
+    return {"param": piece.param, "field": piece.field, "spec": spec_to_json(piece.spec),
+            "dtype": str(piece.tensor.dtype).removeprefix("torch."),
+            "shape": list(piece.tensor.shape), "offset": offset,
+            "nbytes": piece.tensor.numel() * piece.tensor.element_size()}
+
+
 def scalar_to_json(value: Any, key: str) -> dict[str, Any]:
     if torch.is_tensor(value):
         if value.numel() != 1:

@@ -56,8 +56,7 @@ class ParallelMesh:
         # The default group holds the store only on the C++ side; a Python store subclass must
         # also stay referenced here or its overrides vanish (pybind11 trampoline).
         self.store = store
-        self._checkpoint_group: ProcessGroup | None = None
-        self._checkpoint_created = False
+        self._side_groups: dict[str, ProcessGroup | None] = {}
 
     # coordinates -------------------------------------------------------------------------------
     @property
@@ -112,17 +111,21 @@ class ParallelMesh:
         Created on first access; that first access is collective (every rank must make it, in
         the same order relative to other group creations).
         """
-        if not self._checkpoint_created:
-            self._checkpoint_created = True
-            if self.world_size > 1:
-                self._checkpoint_group = dist.new_group(
-                    list(range(self.world_size)),
-                    timeout=self._timeout,
-                    backend="gloo",
-                    use_local_synchronization=True,
-                    group_desc="checkpoint",
-                )
-        return self._checkpoint_group
+        return self._side_group("checkpoint")
+
+    @property
+    def replica_group(self) -> ProcessGroup | None:
+        """Another world gloo group, for the peer copies a background thread sends (a group's
+        operations must come in one order on every rank, so they cannot share the checkpoint's).
+        Its first access is collective, as the checkpoint group's."""
+        return self._side_group("replica")
+
+    def _side_group(self, name: str) -> ProcessGroup | None:
+        if name not in self._side_groups:
+            self._side_groups[name] = None if self.world_size == 1 else dist.new_group(
+                list(range(self.world_size)), timeout=self._timeout, backend="gloo",
+                use_local_synchronization=True, group_desc=name)
+        return self._side_groups[name]
 
     def destroy(self) -> None:
         """Tear down every group this mesh created (and the default group if it made it)."""
@@ -132,7 +135,7 @@ class ParallelMesh:
         if close is not None:
             close()  # the Redis client's connections
         self._groups = {dim: None for dim in DIMS}
-        self._checkpoint_group = None
+        self._side_groups = {}
 
     def __repr__(self) -> str:
         c = self.coords
