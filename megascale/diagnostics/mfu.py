@@ -49,7 +49,9 @@ class Peak:
     """Peak FLOP/s of the device training runs on, and where the figure came from.
 
     A measured (CPU) peak is a maximum: a probe that ran while other processes held the cores
-    reads low and would inflate MFU, so `refresh()` measures again and can only raise it."""
+    reads low and would inflate MFU, so `refresh()` measures again and can only raise it, and
+    `observe()` raises it to what training itself achieved (a lower bound on any peak): a
+    measured peak never gives an MFU above 100%."""
 
     value: float | None
     source: str
@@ -58,6 +60,13 @@ class Peak:
     def refresh(self) -> None:
         if self.measured:
             self.value = max(self.value or 0.0, measure_cpu_gemm_flops(seconds=0.3))
+
+    def observe(self, achieved_flops: float) -> bool:
+        """Raise a measured peak that training exceeded; True when it did."""
+        if not self.measured or achieved_flops <= (self.value or 0.0):
+            return False
+        self.value = achieved_flops
+        return True
 
 
 def peak_flops(device: torch.device, dtype: str) -> Peak:

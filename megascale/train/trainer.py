@@ -232,7 +232,7 @@ class Trainer:
             step_time=step_time,
             tokens_per_s=tokens_per_s,
             data_wait=self.train_loader.wait_seconds,
-            mfu=mfu(tokens_per_s / world, self.flops_per_token, self.peak.value),
+            mfu=self._mfu(tokens_per_s / world),
             eta_s=self.clock.eta_s(step_time, cfg.steps - self.step),
             **memory_record(self.device),
         )
@@ -245,6 +245,14 @@ class Trainer:
         if self.step % cfg.log_every == 0 or self.step == cfg.steps:
             log.info(progress_line(self.step, cfg.steps, record))
         return record
+
+    def _mfu(self, tokens_per_s_per_rank: float) -> float | None:
+        achieved = tokens_per_s_per_rank * self.flops_per_token
+        probe = self.peak.value
+        if self.peak.observe(achieved):
+            log.warning("the CPU peak probe read %.1f GFLOP/s but a step reached %.1f (the probe ran while the "
+                        "cores were busy): that is the peak from now on", (probe or 0) / 1e9, achieved / 1e9)
+        return mfu(tokens_per_s_per_rank, self.flops_per_token, self.peak.value)
 
     def _log_memory_against_plan(self, record: dict) -> None:
         """After the first step, the measured memory beside what the planner predicts for this

@@ -24,3 +24,14 @@ def test_measured_peak_only_rises():
     fixed = Peak(5.0, "table")
     fixed.refresh()
     assert fixed.value == 5.0
+
+
+def test_a_measured_peak_is_never_below_what_training_reached():
+    """A probe starved of CPU at start-up would give an MFU above 100%: the achieved model
+    FLOP/s is a lower bound on the peak, so the measured peak rises to it (a table peak stays)."""
+    probe = Peak(10e9, "measured", measured=True)
+    assert not probe.observe(8e9) and probe.value == 10e9
+    assert probe.observe(12e9) and probe.value == 12e9
+    assert mfu(12e9 / 6e6, 6e6, probe.value) == pytest.approx(1.0)
+    table = Peak(10e9, "table")
+    assert not table.observe(12e9) and table.value == 10e9
