@@ -73,6 +73,34 @@ def physical_cores() -> list[int]:
     return cpus
 
 
+def gemm_seconds(size: int = 384, reps: int = 40) -> float:
+    """Time of a fixed GEMM loop on this rank's core (the stages' kind of work)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    return time.perf_counter() - start
+
+
+def contention(mesh) -> dict[str, float]:
+    """The same GEMM loop with this rank computing alone, then with every rank at once. Pipeline
+    stages compute at the same time in the steady phase and alone in warm-up/cool-down; when the
+    cores share resources (hyper-threads of one physical core, memory bandwidth), compute time
+    depends on that overlap, and idle/compute no longer measures only the schedule."""
+    gemm_seconds(reps=5)  # warm-up
+    alone = 0.0
+    for r in range(mesh.world_size):
+        dist.barrier()
+        if r == mesh.rank:
+            alone = min(gemm_seconds() for _ in range(3))
+        dist.barrier()
+    together = []
+    for _ in range(3):
+        dist.barrier()
+        together.append(gemm_seconds())
+    return {"alone_s": alone, "together_s": min(together), "slowdown": min(together) / alone}
+
+
 def rank_main(args, out_dir: str) -> dict:
     torch.set_num_threads(1)
     cores = physical_cores()
@@ -82,11 +110,12 @@ def rank_main(args, out_dir: str) -> dict:
     timers = Timers(mesh.rank, mesh.coords._asdict(), "bench", out_dir, enabled=True)
     set_timers(timers)
     try:
+        shared = contention(mesh)
         runners = {}
         for v, decoupled in MODES:
             cfg = job(args, v)
             torch.manual_seed(0)
-            chunks = split_model(GPT(cfg.model), args.p, v, mesh.pp_rank)
+            chunks = split_model(GPT(cfg.model), args.p, v, mesh.pp_rank, cfg.parallel.pp_split)
             runners[(v, decoupled)] = PipelineRunner(chunks, cfg, mesh, decoupled=decoupled)
         g = torch.Generator().manual_seed(1)
         shape = (args.m, args.micro_batch, args.seq)
@@ -111,7 +140,7 @@ def rank_main(args, out_dir: str) -> dict:
                     windows[step] = (f"v={v} {'decoupled' if decoupled else 'coupled'}",
                                      float(span[0] + span[1]))
         timers.end_step(step)
-        return {"rank": mesh.rank, "windows": windows}
+        return {"rank": mesh.rank, "windows": windows, "contention": shared}
     finally:
         timers.close()
         mesh.destroy()
@@ -189,7 +218,11 @@ def main() -> int:
         stats = collect(Path(tmp), results, args)
 
     report = {"config": vars(args), "torch": torch.__version__, "host": platform.node(),
-              "cpus": os.cpu_count(), "modes": {}}
+              "cpus": os.cpu_count(), "modes": {},
+              "contention": {r["rank"]: r["contention"] for r in results}}
+    slow = statistics.mean(r["contention"]["slowdown"] for r in results)
+    print(f"compute contention: the same GEMM loop takes {slow:.2f}x as long with every rank computing "
+          "as with one rank alone (1.00: independent cores)")
     print(f"p={args.p} m={args.m}: bubble = idle / compute per rank (median of {args.rounds}); "
           "replay = the schedule played with the measured compute times and ideal links")
     print(f"{'mode':<14} {'rank':>4} {'compute s':>9} {'idle s':>7} {'bubble':>7} {'replay':>7} "
