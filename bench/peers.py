@@ -142,15 +142,16 @@ def _timers(mesh: ParallelMesh, out_dir: str | None) -> Timers:
     return timers
 
 
-def megascale_comm(path: Path) -> dict[int, dict[str, float]]:
-    """Per step, the self time of megascale's comm/p2p spans summed by mesh dimension."""
+def megascale_spans(path: Path) -> dict[int, dict[str, float]]:
+    """Per step, from megascale's timer file: the self time of its comm/p2p spans summed by mesh
+    dimension, and of its optimizer span (clipping and the optimizer step)."""
     steps: dict[int, dict[str, float]] = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        if row["kind"] in ("comm", "p2p"):
-            dim = row["attrs"].get("group", "world")
+        if row["kind"] in ("comm", "p2p", "optimizer"):
+            key = row["attrs"].get("group", "world") if row["kind"] != "optimizer" else "optimizer"
             per = steps.setdefault(row["step"], {})
-            per[dim] = per.get(dim, 0.0) + row["self"]
+            per[key] = per.get(key, 0.0) + row["self"]
     return steps
 
 
@@ -164,7 +165,7 @@ def alternating_rank(args: argparse.Namespace, layout: dict[str, int]) -> dict:
         try:
             timers = _timers(mesh, tmp)
             sides = {"megascale": MegascaleSide(cfg, mesh, timers), "peer": NativePeer(cfg, mesh.device, layers(cfg))}
-            out = {s: {"step_s": [], "loss": [], "grad_norm": [], "comm": []} for s in SIDES}
+            out = {s: {"step_s": [], "loss": [], "grad_norm": [], "comm": [], "optimizer_s": []} for s in SIDES}
             for i, batch in enumerate(global_batches(cfg, args.warmup + args.steps)):
                 inputs, labels = rank_slice(batch, cfg, mesh.dp_rank)
                 for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
@@ -180,12 +181,15 @@ def alternating_rank(args: argparse.Namespace, layout: dict[str, int]) -> dict:
                         timers.end_step(i + 1)
                     else:
                         out[side]["comm"].append(sides[side].clock.take())
+                        out[side]["optimizer_s"].append(sides[side].optimizer_s)
                     out[side]["step_s"].append(elapsed)
                     for key in ("loss", "grad_norm"):
                         out[side][key].append(record[key])
             timers.close()
-            per_step = megascale_comm(Path(tmp) / "timers" / f"rank{mesh.rank:05d}.jsonl")
-            out["megascale"]["comm"] = [per_step.get(i + 1, {}) for i in range(args.warmup + args.steps)]
+            spans = megascale_spans(Path(tmp) / "timers" / f"rank{mesh.rank:05d}.jsonl")
+            per_step = [spans.get(i + 1, {}) for i in range(args.warmup + args.steps)]
+            out["megascale"]["optimizer_s"] = [s.pop("optimizer", 0.0) for s in per_step]
+            out["megascale"]["comm"] = per_step
             if mesh.device.type == "cuda":  # the peer's host waits say nothing about GPU overlap
                 out["peer"]["comm"] = [{} for _ in out["peer"]["comm"]]
             out["untimed_async"] = sides["peer"].clock.untimed
@@ -255,8 +259,9 @@ def summarize(args: argparse.Namespace, layout: dict[str, int], ranks: list[dict
             for per in r[side]["comm"][keep]:
                 for dim, s in per.items():
                     comm[dim] = comm.get(dim, 0.0) + s / len(ranks) / len(steps)
+        optimizer = statistics.fmean(s for r in ranks for s in r[side]["optimizer_s"][keep])
         row[side] = {"tokens_per_s": tokens / statistics.median(steps), "step_s": steps,
-                     "comm_s_per_step": comm, "loss": ranks[0][side]["loss"],
+                     "comm_s_per_step": comm, "optimizer_s_per_step": optimizer, "loss": ranks[0][side]["loss"],
                      "grad_norm": ranks[0][side]["grad_norm"]}
     for key in ("loss", "grad_norm"):
         row[f"{key}_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["megascale"][key], row["peer"][key],
@@ -288,6 +293,11 @@ def print_row(name: str, row: dict) -> None:
         a, b = ms["comm_s_per_step"].get(dim, 0.0), peer["comm_s_per_step"].get(dim, 0.0)
         ratio = f"x{a / b:.2f}" if b > 0 else "-"
         print(f"  exposed {dim} comm per step: megascale {a * 1e3:7.1f} ms, peer {b * 1e3:7.1f} ms  {ratio}")
+    parts = [(statistics.median(row[s]["step_s"]), sum(row[s]["comm_s_per_step"].values()),
+              row[s]["optimizer_s_per_step"]) for s in SIDES]
+    print("  step (median, ms) = exposed comm + optimizer + the rest (compute, framework): " + "; ".join(
+        f"{side} {step * 1e3:.0f} = {comm * 1e3:.0f} + {opt * 1e3:.0f} + {(step - comm - opt) * 1e3:.0f}"
+        for side, (step, comm, opt) in zip(SIDES, parts, strict=True)))
     if "startup" in ms:
         a, b = ms["startup"], peer["startup"]
         print(f"  start-up: megascale {a['total_s']:.2f} s (groups {a['groups_s']:.2f}, build {a['build_s']:.2f}, "
@@ -307,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="steps per side not kept")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512, help="divisible by tp (vocabulary-parallel)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)

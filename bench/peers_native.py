@@ -174,6 +174,7 @@ class NativePeer:
         self.clock = CommClock({g: d for d, g in self.groups.items() if g is not None})
         self.step_index = 0
         self._tokens = 1  # loss-bearing tokens of the step's global batch
+        self.optimizer_s = 0.0  # the last step's clipping and optimizer step (host time)
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (last stage)
         pp_rank, chunks = self.mesh["pp"].get_local_rank(), par.pp * par.vpp
         stage_ids = [pp_rank + c * par.pp for c in range(par.vpp)]
@@ -245,11 +246,13 @@ class NativePeer:
             part.train()
         with self.clock.recording(), self._context():
             self._forward_backward(inputs.to(self.device), labels.to(self.device))
+        start = time.perf_counter()
         grad_norm = self._clip(self.cfg.optim.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step_index, self.cfg.optim, self.cfg.train.steps)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_s = time.perf_counter() - start
         self.step_index += 1
         return {"loss": self._global_loss(), "grad_norm": float(grad_norm)}
 
