@@ -269,6 +269,10 @@ def summarize(args: argparse.Namespace, layout: dict[str, int], ranks: list[dict
     row["losses_agree"] = max(row["loss_max_rel_diff"], row["grad_norm_max_rel_diff"]) <= RTOL
     row["losses_agree_on_every_rank"] = all(r[s]["loss"] == ranks[0][s]["loss"] for r in ranks for s in SIDES)
     row["tokens_per_s_ratio"] = row["megascale"]["tokens_per_s"] / row["peer"]["tokens_per_s"]
+    # robust to load that changes over the run: adjacent steps compared, and the fastest steps
+    pairs = zip(row["megascale"]["step_s"], row["peer"]["step_s"], strict=True)
+    row["paired_step_ratio"] = statistics.median(p / m for m, p in pairs)
+    row["fastest_step_ratio"] = min(row["peer"]["step_s"]) / min(row["megascale"]["step_s"])
     row["peer_untimed_async_collectives"] = max(r["untimed_async"] for r in ranks)
     row["peer_async_tp"] = ranks[0]["peer_async_tp"]
     return row
@@ -287,7 +291,8 @@ def add_startup(row: dict, startup: dict[str, list[dict]]) -> None:
 def print_row(name: str, row: dict) -> None:
     ms, peer = row["megascale"], row["peer"]
     print(f"\n{name}: tokens/s megascale {ms['tokens_per_s']:.0f}, peer {peer['tokens_per_s']:.0f}: "
-          f"x{row['tokens_per_s_ratio']:.2f}; max rel diff of losses {row['loss_max_rel_diff']:.1e}, of "
+          f"x{row['tokens_per_s_ratio']:.2f} (adjacent steps x{row['paired_step_ratio']:.2f}, fastest steps "
+          f"x{row['fastest_step_ratio']:.2f}); max rel diff of losses {row['loss_max_rel_diff']:.1e}, of "
           f"grad norms {row['grad_norm_max_rel_diff']:.1e} ({'agree' if row['losses_agree'] else 'DISAGREE'})")
     for dim in sorted(set(ms["comm_s_per_step"]) | set(peer["comm_s_per_step"])):
         a, b = ms["comm_s_per_step"].get(dim, 0.0), peer["comm_s_per_step"].get(dim, 0.0)

@@ -116,7 +116,8 @@ class CommClock:
     synchronous c10d collectives (FSDP2's all-gather and reduce-scatter: on CPU it issues them
     without `async_op`), DTensor's `wait_tensor` (every tensor-parallel collective, the
     vocabulary-parallel loss included, is a functional collective waited for there), and the
-    pipeline schedule's `_wait_batch_p2p` (each time step waits for its sends and receives).
+    pipeline schedule's `_batch_p2p` and `_wait_batch_p2p` (each time step posts its sends and
+    receives, then waits for all of them; megascale's p2p spans also cover posting a send).
     Collectives issued with `async_op=True` are counted in `untimed` (their wait is not seen)."""
 
     _SYNC = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
@@ -150,8 +151,8 @@ class CommClock:
     def recording(self) -> Iterator[None]:
         patches = [(dist, name, self._timed(getattr(dist, name), self._group_dim)) for name in self._SYNC]
         patches.append((funcol, "wait_tensor", self._timed(funcol.wait_tensor, lambda *a, **k: "tp")))
-        patches.append((pp_schedules, "_wait_batch_p2p",
-                        self._timed(pp_schedules._wait_batch_p2p, lambda *a, **k: "pp")))
+        for name in ("_batch_p2p", "_wait_batch_p2p"):  # posting, as megascale's pp.send spans do
+            patches.append((pp_schedules, name, self._timed(getattr(pp_schedules, name), lambda *a, **k: "pp")))
         saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
         for module, name, wrapped in patches:
             setattr(module, name, wrapped)
