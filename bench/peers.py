@@ -70,6 +70,17 @@ def parse_layout(name: str) -> dict[str, int]:
     return layout
 
 
+def check_runnable(name: str, layout: dict[str, int], args: argparse.Namespace) -> None:
+    """Refuse, in one line, what is known not to run before starting any rank."""
+    world = layout["dp"] * layout["tp"] * layout["pp"]
+    if args.device == "cuda" and world > torch.cuda.device_count():
+        raise SystemExit(f"layout {name!r} needs {world} GPUs, one per rank (NCCL refuses two ranks on one "
+                         f"GPU); this machine has {torch.cuda.device_count()}")
+    if args.compile and layout["tp"] > 1 and args.device == "cpu":
+        raise SystemExit(f"layout {name!r}: --compile with tp > 1 fails on CPU (the peer's compiled DTensor "
+                         "blocks raise in backward, torch 2.13); drop --compile or tp")
+
+
 def job(args: argparse.Namespace, layout: dict[str, int]) -> JobConfig:
     cfg = JobConfig(
         model=ModelConfig(vocab_size=args.vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
@@ -234,8 +245,10 @@ def startup_rank(args: argparse.Namespace, layout: dict[str, int], side: str) ->
         mesh.destroy()
     else:
         dist.destroy_process_group()
-    return {"groups_s": t_groups - start, "build_s": t_build - t_groups, "first_step_s": t_first - t_build,
-            "total_s": t_first - start, "peak_mib": peak / 2**20, "base_mib": base / 2**20}
+    mesh_s = model.mesh_s if side == "peer" else 0.0  # the peer makes its sub-groups while building
+    return {"groups_s": t_groups - start + mesh_s, "build_s": t_build - t_groups - mesh_s,
+            "first_step_s": t_first - t_build, "total_s": t_first - start, "peak_mib": peak / 2**20,
+            "base_mib": base / 2**20}
 
 
 def _peer_device(choice: str) -> torch.device:
@@ -298,9 +311,9 @@ def print_row(name: str, row: dict) -> None:
         a, b = ms["comm_s_per_step"].get(dim, 0.0), peer["comm_s_per_step"].get(dim, 0.0)
         ratio = f"x{a / b:.2f}" if b > 0 else "-"
         print(f"  exposed {dim} comm per step: megascale {a * 1e3:7.1f} ms, peer {b * 1e3:7.1f} ms  {ratio}")
-    parts = [(statistics.median(row[s]["step_s"]), sum(row[s]["comm_s_per_step"].values()),
+    parts = [(statistics.fmean(row[s]["step_s"]), sum(row[s]["comm_s_per_step"].values()),
               row[s]["optimizer_s_per_step"]) for s in SIDES]
-    print("  step (median, ms) = exposed comm + optimizer + the rest (compute, framework): " + "; ".join(
+    print("  step (mean, ms) = exposed comm + optimizer + the rest (compute, framework): " + "; ".join(
         f"{side} {step * 1e3:.0f} = {comm * 1e3:.0f} + {opt * 1e3:.0f} + {(step - comm - opt) * 1e3:.0f}"
         for side, (step, comm, opt) in zip(SIDES, parts, strict=True)))
     if "startup" in ms:
@@ -341,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help=f"JSON path (default {RESULTS}, or $OUT/peers.json)")
     args = parser.parse_args(argv)
     layouts = {name: parse_layout(name) for name in args.layouts}
+    for name, layout in layouts.items():
+        check_runnable(name, layout, args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report: dict = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,

@@ -170,7 +170,9 @@ class NativePeer:
     def __init__(self, cfg: JobConfig, device: torch.device, chunk_layers: list[range]) -> None:
         self.cfg, self.device = cfg, device
         par = cfg.parallel
+        start = time.perf_counter()
         self.mesh = init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=DIMS)
+        self.mesh_s = time.perf_counter() - start  # creating the sub-groups: start-up's group part
         self.groups = {d: self.mesh.get_group(d) if self.mesh[d].size() > 1 else None for d in DIMS}
         self.clock = CommClock({g: d for d, g in self.groups.items() if g is not None})
         self.step_index = 0
