@@ -12,6 +12,7 @@ one if any file is corrupt.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -90,7 +91,9 @@ class CheckpointManager:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
         if replicas is None or self.cfg.peer_every <= 0 or local_world >= self.world:
             return None  # nobody to recover from the copies, or no other node to keep them
-        return PeerReplicator(replicas, self.mesh.replica_group, self.rank, self.world, local_world,
+        nodes = self.world // local_world
+        stride = self.cfg.peer_stride % nodes or 1  # a stride of the whole ring would keep copies at home
+        return PeerReplicator(replicas, self.mesh.replica_group, self.rank, self.world, stride * local_world,
                               self.cfg.peer_every, StoreAddress.from_env(need_master=False).attempt,
                               self._grid_layout())
 
@@ -433,6 +436,19 @@ class CheckpointManager:
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
             return f"rank {self.rank} cannot use its state: {type(exc).__name__}: {exc}"
         return None
+
+    def abandon(self) -> None:
+        """A peer failed: cancel the in-flight commit (its other ranks may never write their part),
+        let the writer end, free the host buffer; wait for nothing that needs another rank."""
+        self._join_capture()  # a memory copy, no communication
+        if self._writer is not None and self._writer.poll() is None:
+            if self._inflight is not None:
+                self._send({"abort": self._inflight})
+            with contextlib.suppress(OSError):
+                self._writer.stdin.close()  # it ends after its current job (or its abort)
+        if self._buffer is not None:
+            self._buffer.close()  # the writer keeps its own mapping until it is done
+            self._buffer = None
 
     def close(self) -> None:
         """Wait for the in-flight save and peer copy, stop the writer and free the host buffer."""

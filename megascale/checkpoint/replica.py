@@ -3,9 +3,10 @@
 A copy is what stage 2 would write for the rank, taken whole: the rank's data file (every piece
 it holds, its RNG arrays) and its index (records, optimizer scalars, RNG and loader metadata),
 as a header sealed like a manifest (`manifest.seal`: a sha256 of the data and a checksum of the
-header itself). Rank r sends its copy to the same local rank on the next node of the ring and
-keeps its own; the two newest generations (step, attempt) are kept of each, so that a round in
-progress when a fault strikes never leaves the job without a complete one.
+header itself). Rank r sends its copy to the same local rank on the next node of the ring
+(`checkpoint.peer_stride` nodes on: at scale, past its switch) and keeps its own; the two newest
+generations (step, attempt) are kept of each, so that a round in progress when a fault strikes
+never leaves the job without a complete one.
 
 A replacement rank restores from those copies over the network, never from storage: the ranks
 agree on the newest generation that every rank's file is held for (same step, same attempt: a
@@ -233,12 +234,13 @@ class PeerReplicator:
     """Every `every` steps: capture this rank's copy, then (in the background) seal it, send it to
     the same local rank of the next node and take the previous node's, checked before it is kept."""
 
-    def __init__(self, store: ReplicaStore, group: dist.ProcessGroup, rank: int, world: int, local_world: int,
+    def __init__(self, store: ReplicaStore, group: dist.ProcessGroup, rank: int, world: int, offset: int,
                  every: int, attempt: int, grid_layout: dict[str, int]) -> None:
+        """`offset`: ranks between this rank and the one keeping its copy (whole nodes along the ring)."""
         self.store, self.group, self.rank, self.world = store, group, rank, world
         self.every, self.attempt, self.layout = every, attempt, grid_layout
-        self.successor = (rank + local_world) % world
-        self.predecessor = (rank - local_world) % world
+        self.successor = (rank + offset) % world
+        self.predecessor = (rank - offset) % world
         self._thread: threading.Thread | None = None
         self.last_capture_s = 0.0
         self.last_copy_s = 0.0

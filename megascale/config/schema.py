@@ -342,6 +342,8 @@ class CheckpointConfig:
     fsync: bool = opt(True, "sync files and directories around each commit (false: scratch storage only)")
     peer_every: int = opt(5, "steps between copies of each rank's state into a peer node's memory, used to "
                              "recover under megascale launch (0 = no copies)")
+    peer_stride: int = opt(1, "a node's copies go to the node this many places on along the ring; at scale, the "
+                              "nodes behind one switch, so that one switch failure never takes a rank and its copy")
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:
@@ -354,6 +356,8 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         if self.peer_every < 0:
             raise ConfigError(f"checkpoint.peer_every must be >= 0 (0 = no peer copies), got {self.peer_every}")
+        if self.peer_stride < 1:
+            raise ConfigError(f"checkpoint.peer_stride must be >= 1 (nodes along the ring), got {self.peer_stride}")
 
 
 @dataclass
@@ -412,7 +416,10 @@ class ResilienceConfig:
     api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
     secret_dir: str = opt("", "token + TLS certificate and key; \"\" = <run_dir>/resilience/secret, made if missing")
     rendezvous_port: int = opt(0, "0 = a free port per attempt; else base + attempt")
-    in_place: bool = opt(False, "recover by replacing only the failed ranks; the healthy ones stay alive")
+    in_place: bool = opt(True, "recover by replacing only the failed ranks (the healthy ones stay alive, state "
+                               "from peer memory); false: every fault restarts every rank")
+    standby: int = opt(1, "warm rank processes (torch imported) an active node keeps for replacements; "
+                          "spares keep one per rank")
 
     def validate(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",
@@ -430,7 +437,7 @@ class ResilienceConfig:
             raise ConfigError(
                 f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
             )
-        for key in ("warmup_steps", "restart_budget", "spares"):
+        for key in ("warmup_steps", "restart_budget", "spares", "standby"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
         if self.max_node_faults < 1:

@@ -8,6 +8,7 @@ renamed, under a file lock so that concurrent ranks build it once) and reused af
 from __future__ import annotations
 
 import fcntl
+import functools
 import shutil
 import sys
 import sysconfig
@@ -31,7 +32,9 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _source() -> dict:
+@functools.cache
+def source() -> dict:
+    """The corpus's identity (a walk of the stdlib, a second on a busy disk): once per process."""
     root, files = stdlib_files()
     return {"kind": "python-stdlib", "root": str(root), "python": sys.version.split()[0],
             "files": len(files)}
@@ -59,7 +62,7 @@ def _usable(target: Path) -> bool:
         manifest = read_manifest(target)
     except DataError:
         return False
-    return manifest.get("source") == _source() and all(
+    return manifest.get("source") == source() and all(
         (target / s["file"]).is_file() for s in manifest["shards"])
 
 
@@ -77,7 +80,7 @@ def _build(cache: Path, target: Path) -> None:
             for path in files:
                 writer.add(tok.encode(path.read_bytes()))
                 progress.advance(task)
-        manifest = writer.finish(tok.identity(), _source())
+        manifest = writer.finish(tok.identity(), source())
         if target.exists():  # stale (another Python): move aside, then replace
             stale = Path(tempfile.mkdtemp(prefix=f".{NAME}-stale-", dir=cache))
             target.rename(stale / NAME)

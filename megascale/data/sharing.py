@@ -22,8 +22,6 @@ import torch.distributed as dist
 from megascale.data.shards import DataError
 from megascale.data.shm import StepRing
 
-_calls = 0  # build_loaders calls in this process: every rank counts the same, so keys match
-
 
 @dataclass(frozen=True)
 class ReaderGroup:
@@ -65,11 +63,12 @@ def node_ranks(rank: int, world_size: int) -> list[int] | None:
 
 def find_group(mode: str, mesh: Any, store: dist.Store, timeout: float) -> ReaderGroup | None:
     """This rank's reader group, or None when it reads alone (or needs no tokens)."""
-    global _calls
-    _calls += 1
     if mode == "rank":
         return None
-    base = f"megascale/data/{_calls}"
+    # this rank's calls in this store (an attempt's): equal on every rank, whichever attempts a
+    # process lived through before (a rank that stays alive through a recovery has more)
+    calls = store.add(f"megascale/data/calls/{mesh.rank}", 1)
+    base = f"megascale/data/{calls}"
     needs = mesh.is_first_stage or mesh.is_last_stage
     host = socket.gethostname()
     info = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "needs": needs,

@@ -59,7 +59,16 @@ class Peak:
 
     def refresh(self) -> None:
         if self.measured:
-            self.value = max(self.value or 0.0, measure_cpu_gemm_flops(seconds=0.3))
+            self.value = _best_cpu_peak(measure_cpu_gemm_flops(seconds=0.3))
+
+
+_cpu_peak: dict[int, float] = {}  # threads -> best probe in this process (a rank that lives on keeps it)
+
+
+def _best_cpu_peak(measured: float) -> float:
+    threads = torch.get_num_threads()
+    _cpu_peak[threads] = max(_cpu_peak.get(threads, 0.0), measured)
+    return _cpu_peak[threads]
 
     def observe(self, achieved_flops: float) -> bool:
         """Raise a measured peak that training exceeded; True when it did."""
@@ -75,7 +84,9 @@ def peak_flops(device: torch.device, dtype: str) -> Peak:
         peak = device_peak_flops(name, dtype)
         return Peak(peak, f"table:{name}" if peak else f"unknown device {name!r}: no MFU")
     if device.type == "cpu" and dtype == "fp32":
-        return Peak(measure_cpu_gemm_flops(), "measured CPU GEMM probe, best so far", measured=True)
+        known = _cpu_peak.get(torch.get_num_threads())
+        value = known if known is not None else _best_cpu_peak(measure_cpu_gemm_flops())
+        return Peak(value, "measured CPU GEMM probe, best so far", measured=True)
     return Peak(None, f"no known peak for {device.type}/{dtype}: no MFU")
 
 

@@ -137,6 +137,16 @@ class ParallelMesh:
         self._groups = {dim: None for dim in DIMS}
         self._side_groups = {}
 
+    def abort(self) -> None:
+        """Drop every group without waiting for operations in flight (a peer failed). NCCL's
+        communicators are aborted; gloo's fail once their connections are shut down."""
+        if self.backend == "nccl" and self.store is not None and dist.is_initialized():
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        self.destroy()
+        self.store = None  # the rendezvous store (rank 0 serves it) closes with its last reference
+
     def __repr__(self) -> str:
         c = self.coords
         return (

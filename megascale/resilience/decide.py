@@ -3,13 +3,14 @@
 Self-check only when the evidence points at the hardware or the network: a lost heartbeat or
 traffic at zero (the node or its link), an error line naming the transport or the device
 (NCCL/gloo transport errors, CUDA errors, ECC, illegal memory access), a hang in which no rank's
-process is to blame, or repeated faults on one node. A Python exception or a killed process
-says nothing about the machine: checking would only cost the job the self-check's time.
+process is to blame, or repeated faults on one node (at least 2, and one short of
+`max_node_faults`, which evicts). A Python exception or a killed process says nothing about the
+machine: checking would only cost the job the self-check's time.
 
 The fast path keeps the healthy ranks alive and replaces only the failed ones; it needs the
 layout to stay the same (a host for every replaced rank: its own node, or a spare when the node
-goes), the driver to have seen the whole fault (not restarted in the middle of it), and every
-surviving rank to be reachable. Anything else falls back to restarting every rank.
+goes) and every surviving node to be reporting. Anything else falls back to restarting every
+rank (as does a fast recovery the driver's own restart interrupted: `driver.py`).
 Pure logic over the fault record and the nodes: no I/O, no clock.
 """
 
@@ -64,7 +65,7 @@ def selfcheck_decision(fault: dict[str, Any], node_faults: int, max_node_faults:
             return CheckDecision(False, "a hang whose rank's process is stopped or gone: the process, "
                                         "not the machine", {**inputs, "culprits": culprits})
         return CheckDecision(True, "a hang with no process to blame may be the network", inputs)
-    if node_faults >= 2:
+    if node_faults >= max(2, max_node_faults - 1):  # the next fault would evict it anyway
         return CheckDecision(True, "repeated faults on one node", {**inputs, "limit": max_node_faults})
     if fault.get("kind") == "manual_evict":
         return CheckDecision(False, "an operator evicts the node: nothing to find out", inputs)
@@ -90,7 +91,7 @@ class PathDecision:
         return {**asdict(self), "replaced": {str(k): v for k, v in self.replaced.items()}}
 
 
-def recovery_path(*, enabled: bool, resumed_driver: bool, fault: dict[str, Any], check: CheckDecision,
+def recovery_path(*, enabled: bool, fault: dict[str, Any], check: CheckDecision,
                   slots: dict[str, int], spares: list[str], ranks_per_node: int, node_faults: dict[str, int],
                   max_node_faults: int, live: set[str]) -> PathDecision:
     """The path for a blamed fault. `slots`: active node -> slot; `live`: nodes heard from lately.
@@ -99,8 +100,6 @@ def recovery_path(*, enabled: bool, resumed_driver: bool, fault: dict[str, Any],
     rank of a node that leaves (lost, evicted, or to be checked while a spare takes its place)."""
     if not enabled:
         return PathDecision(RESTART, "resilience.in_place is off")
-    if resumed_driver:
-        return PathDecision(RESTART, "the driver restarted during this recovery: ranks' state unknown")
     findings = [fault, *fault.get("also", [])]
     failed_nodes = {f["node"] for f in [*findings, *fault.get("culprits", [])] if f.get("node") in slots}
     if not failed_nodes:

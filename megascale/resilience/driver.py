@@ -2,12 +2,13 @@
 
 Control loop (a tick every 0.25 s): STARTING waits for the nodes to register, then sends each
 active node a `start` for attempt k (ranks, world, rendezvous address chosen per attempt).
-RUNNING evaluates the detection rules on the latest heartbeats. A fault moves the job to
-STOPPING (every node kills its ranks), CHECKING (every live node runs the self-check, paired
-with its neighbours) and back to RUNNING at attempt k+1: failed or lost nodes evicted and
-blocklisted, spares moved into their slots (or dp shrunk), ranks resuming from the newest
-valid checkpoint. The state is written to SQLite on each change, so a restarted driver resumes
-where its predecessor stopped; executors simply keep sending heartbeats until one answers.
+RUNNING evaluates the detection rules on the latest heartbeats. A fault starts one of the two
+recovery paths (`paths.py`): the fast one (RECOVERING: healthy ranks paused, failed ones
+replaced, state from peer memory) or the restart (STOPPING, CHECKING when the self-check rule
+asks for it, every rank restarted from the newest valid checkpoint), then RUNNING at attempt
+k+1. The state is written to SQLite on each change, so a restarted driver resumes where its
+predecessor stopped (a fast recovery it interrupted is redone as a restart); executors simply
+keep sending heartbeats until one answers.
 Handlers get bodies the API's schemas (`protocol.py`) accepted; ranks get their config as one
 TOML text per attempt (their executor writes it to a 0600 file), with no secret in it.
 """
@@ -18,18 +19,17 @@ import json
 import logging
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from megascale.config.handoff import with_overrides
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
-from megascale.resilience import evidence, selfcheck_plan
+from megascale.resilience import evidence
 from megascale.resilience.attribution import Verdict, attribute
-from megascale.resilience.decide import RESTART, hang_culprits, selfcheck_decision
 from megascale.resilience.ettr import job_summary
-from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks, usable_nodes
+from megascale.resilience.paths import RecoveryPaths
+from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
 from megascale.resilience.recovery import start_marks
 from megascale.resilience.rules import (
     Finding,
@@ -49,10 +49,12 @@ from megascale.resilience.state import (
     EVICTED,
     FAILED,
     FINISHED,
+    RECOVERING,
     RUNNING,
     SPARE,
     STARTING,
     STOPPING,
+    SUSPECT,
     JobState,
     JobStore,
     Node,
@@ -62,7 +64,7 @@ log = logging.getLogger("megascale.driver")
 TICK_S = 0.25
 
 
-class Driver:
+class Driver(RecoveryPaths):
     def __init__(self, cfg: JobConfig, state: JobState, store: JobStore) -> None:
         self.cfg, self.rcfg, self.state, self.store = cfg, cfg.resilience, state, store
         self.lock = threading.RLock()
@@ -86,13 +88,20 @@ class Driver:
         self.held_faults: list[Finding] = []  # faults awaiting every node's evidence (attribution)
         self.held_since = 0.0
         self.tick_failure, self.tick_failure_logged = "", 0.0
+        self.background_checks: dict[str, tuple[str, float]] = {}  # suspect node -> (command, deadline)
         now = time.time()
         for node in state.nodes.values():
             if node.role != EVICTED:
                 self.last_seen[node.node_id] = now  # a restarted driver gives everyone a grace
-        if state.phase in (STOPPING, CHECKING):  # redo the interrupted recovery from the start
-            state.phase, self.phase_deadline = STOPPING, now
+        if state.phase in (STOPPING, CHECKING, RECOVERING):  # redo the interrupted recovery from the start
             self.current_fault = (store.events("fault") or [None])[-1]
+            if state.phase == RECOVERING and self.current_fault is not None:
+                self.current_fault["path_reason"] = ("the driver restarted during the fast recovery: the paused "
+                                                     "ranks' state is unknown, every rank restarts")
+                log.warning("%s", self.current_fault["path_reason"])
+            state.phase, self.phase_deadline = STOPPING, now
+        for node in state.role(SUSPECT):  # its self-check's result went with the old driver
+            self._evict(node, "its self-check was interrupted by a driver restart")
         self.hang.reset(now)
 
     # ------------------------------------------------------------------ API handlers
@@ -113,7 +122,7 @@ class Driver:
             self.store.event("register", {"node": node_id, "address": address, "role": known.role})
             log.info("node %s registered from %s as %s", node_id, address, known.role)
             return 200, {"role": known.role, "keywords": self.rcfg.error_keywords,
-                         "heartbeat_s": self.rcfg.heartbeat_s}
+                         "heartbeat_s": self.rcfg.heartbeat_s, "standby": self._standby_for(known)}
 
     def on_heartbeat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         node_id = body["node_id"]
@@ -138,7 +147,14 @@ class Driver:
             commands = self.outbox[node_id]
             # `exit` is never acknowledged (the executor is gone): delivered once is enough
             self.outbox[node_id] = [c for c in commands if c["kind"] != "exit"]
-            return 200, {"commands": commands, "ack": list(body.get("done", {}))}
+            return 200, {"commands": commands, "ack": list(body.get("done", {})), "standby": self._standby_for(node)}
+
+    def _standby_for(self, node: Node) -> int:
+        """Warm rank processes a node keeps: a spare (or any node before the first start) one per
+        rank it would run, an active node `resilience.standby`."""
+        if node.role == SPARE or (node.role == ACTIVE and self.state.phase == STARTING):
+            return self.state.ranks_per_node
+        return self.rcfg.standby if node.role == ACTIVE else 0
 
     def on_status(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
@@ -224,6 +240,8 @@ class Driver:
             self._tick_stopping(now)
         elif phase == CHECKING:
             self._tick_checking(now)
+        elif phase == RECOVERING:
+            self._tick_recovering(now)
         elif phase in FINISHED:
             self._drain_exits(now)
 
@@ -243,12 +261,13 @@ class Driver:
                 del self.manual_evictions[node_id]
             else:
                 return self._begin_recovery(Finding("manual_evict", "fault", reason, node_id), now)
+        self._judge_background_checks(now)
         findings = self._findings(now)
         for f in findings:
             if f.severity == "alert":
                 self._alert(f, now)
         faults = [f for f in findings if f.severity == "fault"]
-        lost_spares = [f for f in faults if f.node and self.state.nodes[f.node].role == SPARE]
+        lost_spares = [f for f in faults if f.node and self.state.nodes[f.node].role in (SPARE, SUSPECT)]
         for f in lost_spares:
             self._evict(self.state.nodes[f.node], f.detail)
         faults = [f for f in faults if f not in lost_spares]
@@ -327,145 +346,8 @@ class Driver:
             self.held_faults = []
         return verdict
 
-    # ------------------------------------------------------------------ recovery
-    def _begin_recovery(self, finding: Finding, now: float, others: list[Finding] = (),
-                        collateral: list[Finding] = ()) -> None:
-        record = {**finding.to_dict(), "attempt": self.state.attempt, "detected": now,
-                  "last_progress": self.hang.last_progress, "step": self.hang.last_step,
-                  "also": [f.to_dict() for f in others], "collateral": [f.to_dict() for f in collateral]}
-        if finding.kind == "hang":
-            record["culprits"] = hang_culprits({n.node_id: self.reports.get(n.node_id, {})
-                                                for n in self.state.role(ACTIVE)})
-            run_dir, layout = self.state.run_dir, dict(self.state.layout)
-            self._in_background(lambda: self.store.event("hang_analysis", {
-                "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}))
-        if finding.node in self.state.nodes:
-            self.state.nodes[finding.node].faults += 1
-        if finding.kind == "manual_evict":
-            self.manual_evictions.pop(finding.node, None)
-            record["evict"] = True
-        node = self.state.nodes.get(finding.node or "")
-        check = selfcheck_decision(record, node.faults if node else 0, self.rcfg.max_node_faults)
-        record["selfcheck"] = check.to_dict()
-        if not self.rcfg.in_place:
-            record["path_reason"] = "resilience.in_place is off"
-        log.error("FAULT %s: %s -- stopping attempt %d", finding.kind, finding.detail, self.state.attempt)
-        log.info("%s", check.describe())
-        self.store.event("fault", record, now)
-        self.current_fault = record
-        self.state.phase = STOPPING
-        self._save()
-        self._broadcast_phase_command("stop", self._live_nodes(now), now, self.rcfg.stop_timeout_s)
-
-    def _live_nodes(self, now: float) -> list[Node]:
-        return [n for n in self.state.nodes.values() if n.role != EVICTED
-                and now - self.last_seen.get(n.node_id, 0) <= self.rcfg.heartbeat_timeout_s]
-
-    def _broadcast_phase_command(self, kind: str, nodes: list[Node], now: float, timeout_s: float,
-                                 extra: dict[str, dict[str, Any]] | None = None) -> None:
-        self.waiting_for = {}
-        for node in nodes:
-            self.waiting_for[node.node_id] = self._send(node.node_id, kind, **(extra or {}).get(node.node_id, {}))
-        self.phase_deadline = now + timeout_s
-
-    def _send(self, node_id: str, kind: str, **fields: Any) -> str:
-        command = {"id": f"{kind}-{uuid.uuid4().hex[:12]}", "kind": kind, **fields}
-        self.outbox.setdefault(node_id, []).append(command)
-        return command["id"]
-
-    def _phase_done(self, now: float) -> bool:
-        return now >= self.phase_deadline or all(c in self.results for c in self.waiting_for.values())
-
-    def _tick_stopping(self, now: float) -> None:
-        if not self.waiting_for and now >= self.phase_deadline:  # after a driver restart
-            return self._broadcast_phase_command("stop", self._live_nodes(now), now, self.rcfg.stop_timeout_s)
-        if not self._phase_done(now):
-            return
-        stopped = {n for n, c in self.waiting_for.items() if c in self.results}
-        self.store.event("stopped", {"attempt": self.state.attempt, "nodes": sorted(stopped)}, now)
-        check = (self.current_fault or {}).get("selfcheck") or {"run": True, "rule": "no record of the fault"}
-        if not check["run"]:
-            self._evict_failed({}, {n: {"ok": True} for n in stopped}, now)
-            return self._restart(now, check)
-        live = [n for n in self._live_nodes(now) if n.node_id in stopped]
-        # Lost active nodes are judged (no result) but not paired: a link test with a node that
-        # cannot answer would only cost its neighbours a rendezvous timeout.
-        active, spares = self.state.role(ACTIVE), [n for n in self.state.role(SPARE) if n in live]
-        ring = [n for n in active if n in live] + spares
-        plan = selfcheck_plan.build(ring, self.state.ranks_per_node, self.rcfg)
-        self.check_ring = [n.node_id for n in active + spares]
-        self.state.phase = CHECKING
-        self._save()
-        self._broadcast_phase_command("selfcheck", live, now, self.rcfg.selfcheck_timeout_s,
-                                      {n: {"plan": p, "timeout_s": self.rcfg.selfcheck_timeout_s}
-                                       for n, p in plan.items()})
-
-    def _tick_checking(self, now: float) -> None:
-        if not self._phase_done(now):
-            return
-        reports = {n: self.results.get(self.waiting_for.get(n, "")) for n in self.check_ring}
-        verdict = selfcheck_plan.judge(reports)
-        self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
-                                       "reports": reports}, now)
-        self._evict_failed(verdict["failed"], reports, now)
-        self._restart(now, (self.current_fault or {}).get("selfcheck"))
-
-    def _evict_failed(self, failed: dict[str, str], answered: dict[str, Any], now: float) -> None:
-        """Evict the nodes the self-check failed, lost nodes (no heartbeat, or no answer to the
-        phase's command), the node of a manual eviction and nodes at `max_node_faults`."""
-        fault = self.current_fault or {}
-        for node in list(self.state.nodes.values()):
-            if node.role == EVICTED:
-                continue
-            why = failed.get(node.node_id)
-            lost = now - self.last_seen.get(node.node_id, 0) > self.rcfg.heartbeat_timeout_s
-            if lost or not answered.get(node.node_id):
-                why = why or "lost: no heartbeat or no answer to the recovery's command"
-            if fault.get("evict") and node.node_id == fault.get("node"):
-                why = why or fault.get("detail")
-            if node.faults >= self.rcfg.max_node_faults:
-                why = why or f"{node.faults} faults blamed on it (resilience.max_node_faults)"
-            if why:
-                self._evict(node, why)
-
-    def _evict(self, node: Node, why: str) -> None:
-        log.error("evicting %s (%s): %s", node.node_id, node.address, why)
-        shared = any(n.address == node.address and n.role != EVICTED and n is not node
-                     for n in self.state.nodes.values())
-        node.role, node.slot = EVICTED, -1
-        if not shared and node.address not in self.state.blocked:
-            self.state.blocked.append(node.address)  # addresses shared (local mode) stay open
-        self._send(node.node_id, "exit")
-        self.store.event("evict", {"node": node.node_id, "address": node.address, "reason": why})
-        self._save()
-
-    def _restart(self, now: float, check: dict[str, Any] | None = None, reason: str = "") -> None:
-        """Restart every rank (the path that always works): attempt k+1 on the nodes left."""
-        s = self.state
-        if s.restarts >= s.restart_budget:
-            return self._finish(FAILED, f"restart budget of {s.restart_budget} used up")
-        reason = reason or (self.current_fault or {}).get("path_reason") or "every rank restarts"
-        self.store.event("decide", {"attempt": s.attempt, "path": RESTART, "reason": reason, "selfcheck": check}, now)
-        log.info("recovery path: %s (%s)", RESTART, reason)
-        active = s.role(ACTIVE)
-        spares = s.role(SPARE)
-        while len(active) < s.nodes_wanted and spares:
-            spare = spares.pop(0)
-            spare.role = ACTIVE
-            active.append(spare)
-            self.store.event("replace", {"node": spare.node_id, "attempt": s.attempt + 1})
-        count = usable_nodes(self.cfg, len(active), s.nodes_wanted, s.ranks_per_node)
-        if count == 0:
-            return self._finish(FAILED, f"no layout fits the {len(active)} node(s) left")
-        for extra in active[count:]:
-            extra.role, extra.slot = SPARE, -1
-        for slot, node in enumerate(active[:count]):
-            node.slot = slot
-        s.restarts += 1
-        s.attempt += 1
-        self._start_attempt(now)
-
-    def _start_attempt(self, now: float) -> None:
+    def _start_attempt(self, now: float, keep: dict[str, list[int]] | None = None) -> None:
+        """Attempt k's `start` to every active node; `keep`: per node, the paused ranks that rejoin."""
         s = self.state
         active = s.role(ACTIVE)
         try:
@@ -484,7 +366,8 @@ class Driver:
         password = self.cfg.parallel.redis_password() if self.cfg.parallel.store == "redis" else None
         for node in active:
             self._send(node.node_id, "start", attempt=s.attempt, ranks=slot_ranks(node.slot, s.ranks_per_node),
-                       env=env, plan_env=self.plan_env, config=config, redis_password=password)
+                       env=env, plan_env=self.plan_env, config=config, redis_password=password,
+                       keep=(keep or {}).get(node.node_id, []))
         s.phase, s.attempt_started = RUNNING, now
         self.hang.reset(now)
         self.slow.reset()

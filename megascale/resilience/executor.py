@@ -3,21 +3,23 @@
 It registers with the driver, then a heartbeat thread sends the node's report (address, host,
 hardware, each rank's process status and last step, new log lines that match the error
 keywords, interface traffic counters) and receives commands in the reply: `start` an attempt's
-ranks, `stop` them, run the `selfcheck`, `exit`. Commands run in their own thread so that the
-heartbeat never stops while a self-check or a stop is in progress. If the driver is gone, the
-ranks keep training and the executor keeps knocking: a restarted driver picks it up.
+ranks (paused ranks named in `keep` rejoin), `pause` them (the fast path: failed ranks killed,
+the others drop their process groups and wait), `stop` them, run the `selfcheck`, `exit`.
+Commands run in their own thread so that the heartbeat never stops while a self-check or a stop
+is in progress. If the driver is gone, the ranks keep training and the executor keeps knocking:
+a restarted driver picks it up.
 
 It trusts only a driver that holds the job's certificate (`api.py`), and even then runs only
-commands its schemas accept (`protocol.py`): `megascale train` with a config file, never a
-command line or an environment the driver makes up. Its work directory and every file in it
-are private (0700/0600, opened without following links); ranks get the executor's environment
-minus secrets, plus the path of a 0600 file for the one secret they need (the Redis password).
+commands its schemas accept (`protocol.py`). Ranks are warm standby processes with a fixed
+command line (`ranks.py`) given their rank over their stdin: a config file and an environment
+the schema bounds, never a command line the driver makes up. Its work directory and every file
+in it are private (0700/0600, opened without following links); ranks get the executor's
+environment minus secrets, plus the path of a 0600 file for the one secret they need.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -39,7 +41,6 @@ from pydantic import ValidationError
 
 from megascale.config.handoff import write_rank_files
 from megascale.config.private_files import open_private, private_dir
-from megascale.config.schema import REDIS_PASSWORD_ENV
 from megascale.resilience.api import ApiClient, ApiError, UntrustedDriver
 from megascale.resilience.protocol import (
     COMMAND,
@@ -47,29 +48,19 @@ from megascale.resilience.protocol import (
     MAX_ERROR_LINES,
     CommandResult,
     HeartbeatReply,
+    PauseCommand,
     RankReport,
     RegisterReply,
     SelfcheckCommand,
     StartCommand,
     first_error,
 )
+from megascale.resilience.ranks import RankProcess, StandbyPool, rank_environment, signal_group
 from megascale.resilience.rankstatus import STATUS_DIR_ENV, read_status
 
 log = logging.getLogger("megascale.executor")
 KILL_GRACE_S = 1.0
-SECRET_ENV = (REDIS_PASSWORD_ENV,)  # never passed on to ranks or self-checks
 UNTRUSTED_LOG_EVERY_S = 30.0
-
-
-@dataclass
-class RankProcess:
-    rank: int
-    local_rank: int
-    proc: subprocess.Popen
-    log_path: Path
-    offset: int = 0  # how far the log has been scanned for keywords
-    partial: bytes = b""
-    exited_at: float | None = None  # set by `_note_exit`
 
 
 @dataclass
@@ -92,12 +83,14 @@ class Executor:
         self.done: dict[str, Any] = {}  # finished command id -> result, until acknowledged
         self.busy: str | None = None
         self.exit_requested = threading.Event()
+        self._report_now = threading.Event()  # a command finished: its result goes out at once
         self._lock = threading.Lock()
         self._seq = 0
         self._gpus = _gpu_inventory()
         self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self._seen: set[str] = set()
         self._untrusted_logged = -UNTRUSTED_LOG_EVERY_S
+        self.standbys = StandbyPool(self.workdir)
         threading.Thread(target=self._command_loop, name="executor-commands", daemon=True).start()
 
     # ------------------------------------------------------------------ registration, heartbeats
@@ -120,6 +113,7 @@ class Executor:
                 time.sleep(0.5)
         self.keywords = reply.keywords
         self.heartbeat_s = reply.heartbeat_s
+        self.standbys.wanted = reply.standby
         log.info("%s registered with %s as %s", self.node_id, self.client.url, reply.role)
 
     def run(self) -> int:
@@ -130,6 +124,8 @@ class Executor:
             try:
                 reply = HeartbeatReply.model_validate(self.client.call("POST", "/v1/heartbeat", self.report()))
                 self._acknowledge(reply.ack)
+                if reply.standby is not None:
+                    self.standbys.wanted = reply.standby
                 for command in reply.commands:
                     self._dispatch(command)
             except UntrustedDriver as exc:
@@ -144,9 +140,10 @@ class Executor:
                 log.warning("heartbeat rejected: %s", exc)
             except OSError as exc:
                 log.warning("driver unreachable (%s); ranks keep running", exc)
-            self.exit_requested.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
+            self._report_now.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
+            self._report_now.clear()
         self.stop_ranks()
-        return 0
+        return 0  # the standbys end with this process (PR_SET_PDEATHSIG)
 
     def _untrusted(self, exc: UntrustedDriver) -> None:
         """Refused and logged (every 30 s while it lasts); the real driver may come back."""
@@ -182,7 +179,7 @@ class Executor:
             status = read_status(attempt.status_dir, rp.rank) or {}
             report = {**process, "step": status.get("step"), "step_time": status.get("step_time"),
                       "recent": status.get("recent", []), "status_time": status.get("time"),
-                      "start": status.get("start")}
+                      "start": status.get("start"), "phase": status.get("phase")}
             try:  # what the driver will accept; a garbled status file costs the progress, not the node
                 RankReport.model_validate_json(json.dumps(report))
             except (ValidationError, TypeError, ValueError):
@@ -226,13 +223,26 @@ class Executor:
                     self.done[command_id] = {"ok": False, "error": f"refused by the executor: {first_error(exc)}"}
 
     def _command_loop(self) -> None:
-        """One long-lived thread runs the commands in order: the ranks it starts are tied to it
-        (PR_SET_PDEATHSIG fires when the forking *thread* ends), and heartbeats go on meanwhile."""
-        handlers = {"start": self._start, "stop": self._stop, "selfcheck": self._selfcheck,
-                    "exit": self._exit}
+        """One long-lived thread runs the commands in order and keeps the standbys topped up: the
+        processes it starts are tied to it (PR_SET_PDEATHSIG fires when the forking *thread*
+        ends), and heartbeats go on meanwhile."""
+        handlers = {"start": self._start, "pause": self._pause, "stop": self._stop,
+                    "selfcheck": self._selfcheck, "exit": self._exit}
         while True:
-            command = self._commands.get()
+            try:
+                command = self._commands.get(timeout=0.5)
+            except queue.Empty:
+                self._top_up()
+                continue
             self._run_command(handlers[command.kind], command)
+
+    def _top_up(self) -> None:
+        if self.exit_requested.is_set():
+            return
+        try:
+            self.standbys.top_up()
+        except OSError as exc:  # a full process table, a work directory gone: try again later
+            log.error("cannot start a standby rank process: %s", exc)
 
     def _run_command(self, handler, command) -> None:
         with self._lock:
@@ -250,35 +260,77 @@ class Executor:
         with self._lock:
             self.done[command.id] = result
             self.busy = None
+        self._report_now.set()  # a recovery waits on this result: no need to wait for the next beat
 
     def _start(self, command: StartCommand) -> dict[str, Any]:
-        self.stop_ranks()
+        """Attempt N's ranks: paused ranks named in `keep` rejoin, the others are standbys given
+        their rank (a new process when no standby is ready)."""
+        with self._lock:
+            previous = self.attempt
+        kept = {rp.rank: rp for rp in (previous.ranks if previous else [])
+                if rp.rank in command.keep and rp.exited_at is None}
+        self.stop_ranks(spare=set(kept))
         base = private_dir(self.workdir / f"attempt{command.attempt}")
         attempt = Attempt(command.attempt, private_dir(base / "status"))
         config, secret_env = write_rank_files(base / "rank", command.config, command.redis_password)
-        logs = {rank: base / f"rank{rank:05d}.log" for rank in command.ranks}
-        outs = {}
-        try:  # every log opened (never through a planted link) before any rank starts
-            for rank, path in logs.items():
-                outs[rank] = open_private(path)
+        try:
+            logs = {}  # every log made (never through a planted link) before any rank is assigned
+            for rank in command.ranks:
+                if rank not in kept:
+                    logs[rank] = base / f"rank{rank:05d}.log"
+                    os.close(open_private(logs[rank]))
             for local, rank in enumerate(command.ranks):
-                # the planner's communication settings are defaults: this node's own environment wins
-                env = {**command.plan_env, **_rank_environment(), **command.env, **secret_env, "RANK": str(rank),
-                       "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(command.ranks)),
-                       STATUS_DIR_ENV: str(attempt.status_dir)}
-                env.setdefault("OMP_NUM_THREADS", "1")
-                argv = [sys.executable, "-m", "megascale.cli", "train", "--config", str(config)]
-                proc = subprocess.Popen(argv, env=env, stdout=outs[rank], stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
-                attempt.ranks.append(RankProcess(rank, local, proc, logs[rank]))
-                threading.Thread(target=_note_exit, args=(attempt.ranks[-1],), daemon=True).start()
+                env = self.rank_env(command, local, attempt.status_dir, secret_env)
+                if rank in kept:
+                    rp = kept[rank]
+                    rp.local_rank = local
+                    rp.send({"kind": "rejoin", "config": str(config), "env": env})
+                else:
+                    rp = RankProcess(rank, local, self.standbys.take(), logs[rank])
+                    rp.watch_exit()
+                    rp.send({"kind": "assign", "config": str(config), "env": env, "log": str(logs[rank])})
+                attempt.ranks.append(rp)
         finally:
-            for fd in outs.values():
-                os.close(fd)
             with self._lock:
                 self.attempt = attempt  # the ranks started so far are stopped with the attempt
         return {"ok": True, "pids": [rp.proc.pid for rp in attempt.ranks]}
+
+    @staticmethod
+    def rank_env(command: StartCommand, local: int, status_dir: Path, secret_env: dict[str, str]) -> dict[str, str]:
+        """What a rank adds to the environment it was started with (the executor's, less secrets):
+        the attempt's variables, the planner's where the node sets none, its place, its files."""
+        own = rank_environment()
+        return {**{k: v for k, v in command.plan_env.items() if k not in own}, **command.env, **secret_env,
+                "RANK": str(command.ranks[local]), "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(len(command.ranks)), STATUS_DIR_ENV: str(status_dir)}
+
+    def _pause(self, command: PauseCommand) -> dict[str, Any]:
+        """The fast path's stop: kill the failed ranks, tell the others to drop their process
+        groups, and wait until each says it is paused (or is gone; one that is neither by the
+        deadline is killed: the driver then replaces it too)."""
+        with self._lock:
+            attempt = self.attempt
+        if attempt is None or attempt.number != command.attempt:
+            return {"ok": True, "paused": [], "dead": []}
+        for rp in attempt.ranks:
+            if rp.rank in command.kill:
+                signal_group(rp.proc.pid, signal.SIGKILL)
+            else:
+                rp.send({"kind": "abort"})
+        deadline = time.monotonic() + command.timeout_s
+        waiting = [rp for rp in attempt.ranks if rp.rank not in command.kill]
+        while waiting and time.monotonic() < deadline:
+            waiting = [rp for rp in waiting if rp.proc.poll() is None
+                       and (read_status(attempt.status_dir, rp.rank) or {}).get("phase") != "paused"]
+            time.sleep(0.02)
+        for rp in waiting:
+            log.error("rank %d did not pause within %.0f s: killing it", rp.rank, command.timeout_s)
+            signal_group(rp.proc.pid, signal.SIGKILL)
+        for rp in attempt.ranks:
+            if rp.rank in command.kill or rp in waiting:
+                rp.proc.wait()
+        paused = [rp.rank for rp in attempt.ranks if rp.proc.poll() is None]
+        return {"ok": True, "paused": paused, "dead": [rp.rank for rp in attempt.ranks if rp.rank not in paused]}
 
     def _stop(self, command) -> dict[str, Any]:
         return {"ok": True, "stopped": self.stop_ranks()}
@@ -286,6 +338,7 @@ class Executor:
     def _exit(self, command) -> dict[str, Any]:
         self.stop_ranks()
         self.exit_requested.set()
+        self._report_now.set()
         return {"ok": True}
 
     def _selfcheck(self, command: SelfcheckCommand) -> dict[str, Any]:
@@ -293,38 +346,33 @@ class Executor:
         argv = [sys.executable, "-m", "megascale.cli", "selfcheck", "--json", "--node-id", self.node_id,
                 "--address", self.address, "--plan", command.plan.model_dump_json()]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=command.timeout_s,
-                             env={**_rank_environment(), "OMP_NUM_THREADS": "1"})
+                             env={**rank_environment(), "OMP_NUM_THREADS": "1"})
         try:
             return {"ok": True, "report": json.loads(out.stdout.strip().splitlines()[-1])}
         except (ValueError, IndexError):
             return {"ok": False, "error": f"selfcheck exit {out.returncode}: {out.stderr[-2000:]}"}
 
-    def stop_ranks(self) -> int:
-        """SIGTERM, then SIGKILL the ranks' process groups (a SIGSTOPped rank only dies by KILL)."""
+    def stop_ranks(self, spare: set[int] = frozenset()) -> int:
+        """SIGTERM, then SIGKILL the ranks' process groups (a SIGSTOPped rank only dies by KILL);
+        ranks in `spare` are left alone (they rejoin the next attempt)."""
         with self._lock:
             attempt = self.attempt
         if attempt is None:
             return 0
-        live = [rp for rp in attempt.ranks if rp.proc.poll() is None]
+        ranks = [rp for rp in attempt.ranks if rp.rank not in spare]
+        live = [rp for rp in ranks if rp.proc.poll() is None]
         for rp in live:
-            _signal_group(rp.proc.pid, signal.SIGTERM)
-            _signal_group(rp.proc.pid, signal.SIGCONT)
+            signal_group(rp.proc.pid, signal.SIGTERM)
+            signal_group(rp.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + KILL_GRACE_S
         for rp in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 rp.proc.wait(max(0.0, deadline - time.monotonic()))
-        for rp in attempt.ranks:
-            _signal_group(rp.proc.pid, signal.SIGKILL)  # also the group's leftovers (checkpoint
+        for rp in ranks:
+            signal_group(rp.proc.pid, signal.SIGKILL)  # also the group's leftovers (checkpoint
             # writers are in sessions of their own: they finish a commit, then end with their input)
             rp.proc.wait()
         return len(live)
-
-
-def _note_exit(rp: RankProcess) -> None:
-    """The moment a rank ended (heartbeats see it up to a second later): the driver blames the
-    first rank to die, and peers die within milliseconds of it."""
-    rp.proc.wait()
-    rp.exited_at = time.time()
 
 
 def _process_state(pid: int) -> str | None:
@@ -333,21 +381,6 @@ def _process_state(pid: int) -> str | None:
         return psutil.Process(pid).status()
     except psutil.Error:
         return None
-
-
-def _rank_environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-
-
-def _die_with_parent() -> None:
-    """A rank never outlives its executor (as on a real node that goes down with it)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
 
 
 def _gpu_inventory() -> list[dict[str, Any]]:

@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
+from megascale.config.schema import REDIS_PASSWORD_FILE_ENV
 from megascale.plan.env import communication_env
+from megascale.resilience.rankstatus import STATUS_DIR_ENV
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:%@-]*$")]
 Text = Annotated[str, StringConstraints(max_length=4096)]
@@ -75,6 +77,7 @@ class RankReport(Message):
     step_time: Seconds | None = None
     recent: Annotated[list[tuple[Count, Seconds]], Field(max_length=64)] = []
     status_time: Seconds | None = None
+    phase: Literal["training", "paused"] | None = None  # what the rank says it does
     state: Name | None = None  # the process's state as the kernel reports it (running, stopped, ...)
     start: RankStart | None = None
 
@@ -110,6 +113,8 @@ class CommandResult(Message):
     pids: Annotated[list[Count], Field(max_length=1024)] | None = None
     stopped: Count | None = None
     report: SelfcheckReport | None = None
+    paused: Annotated[list[Count], Field(max_length=1024)] | None = None  # ranks alive and waiting (pause)
+    dead: Annotated[list[Count], Field(max_length=1024)] | None = None  # ranks gone or killed (pause)
 
 
 class Heartbeat(Message):
@@ -140,11 +145,15 @@ class Stop(Message):
 
 
 # ---------------------------------------------------------------------- driver -> executor
+Standby = Annotated[int, Field(ge=0, le=64)]  # warm rank processes the node keeps
+
+
 class RegisterReply(Message):
     model_config = ConfigDict(extra="ignore")  # a newer driver may say more
     role: Name
     keywords: Annotated[list[Text], Field(max_length=256)] = []
     heartbeat_s: Annotated[float, Field(gt=0.0, le=600.0)] = 1.0
+    standby: Standby = 0
 
 
 class PairPlan(Message):
@@ -171,6 +180,18 @@ class StartCommand(Message):
     plan_env: dict[Literal[PLAN_ENV], Annotated[str, StringConstraints(max_length=4096)]] = {}
     config: Annotated[str, StringConstraints(max_length=1 << 20)]  # the rank's TOML, no secret in it
     redis_password: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    keep: Annotated[list[Count], Field(max_length=1024)] = []  # paused ranks that rejoin (the fast path)
+
+
+class PauseCommand(Message):
+    """The fast path's stop: kill `kill`, tell the node's other ranks to drop their process groups
+    and wait for the new attempt (their state stays in memory)."""
+
+    id: CommandId
+    kind: Literal["pause"]
+    attempt: Count
+    kill: Annotated[list[Count], Field(max_length=1024)] = []
+    timeout_s: Annotated[float, Field(gt=0.0, le=3600.0)] = 20.0
 
 
 class SelfcheckCommand(Message):
@@ -185,7 +206,7 @@ class StopCommand(Message):
     kind: Literal["stop", "exit"]
 
 
-Command = Annotated[StartCommand | SelfcheckCommand | StopCommand, Field(discriminator="kind")]
+Command = Annotated[StartCommand | PauseCommand | SelfcheckCommand | StopCommand, Field(discriminator="kind")]
 COMMAND = TypeAdapter(Command)
 
 
@@ -193,6 +214,41 @@ class HeartbeatReply(BaseModel):
     model_config = ConfigDict(extra="ignore")
     commands: Annotated[list[dict[str, Any]], Field(max_length=256)] = []  # checked one by one
     ack: Annotated[list[CommandId], Field(max_length=1024)] = []
+    standby: Standby | None = None
+
+
+# ---------------------------------------------------------------------- executor -> its rank (the rank's stdin)
+# What an executor may put in a rank's environment: what a driver's `start` may set, plus the
+# rank's place on the node and the private files the executor made for it.
+PIPE_ENV = (*RANK_ENV, *PLAN_ENV, "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", STATUS_DIR_ENV, REDIS_PASSWORD_FILE_ENV)
+PipeEnv = dict[Literal[PIPE_ENV], Annotated[str, StringConstraints(max_length=4096)]]
+Path = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+
+
+class Assign(Message):
+    """A standby process becomes a rank: its config file, environment and log."""
+
+    kind: Literal["assign"]
+    config: Path
+    env: PipeEnv
+    log: Path
+
+
+class Rejoin(Message):
+    """A paused rank joins the next attempt (same rank, new rendezvous)."""
+
+    kind: Literal["rejoin"]
+    config: Path
+    env: PipeEnv
+
+
+class Abort(Message):
+    """Drop the process groups now (a peer failed) and wait for `rejoin`."""
+
+    kind: Literal["abort"]
+
+
+RANK_MESSAGE = TypeAdapter(Annotated[Assign | Rejoin | Abort, Field(discriminator="kind")])
 
 
 def first_error(exc: ValidationError) -> str:

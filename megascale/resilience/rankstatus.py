@@ -29,6 +29,7 @@ class StatusWriter:
         self.path = status_path(directory, rank) if directory else None
         self.rank = rank
         self.recent: list[list[float]] = []
+        self.last: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "step": None}
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -37,8 +38,16 @@ class StatusWriter:
         if self.path is None:
             return
         self.recent = [*self.recent[-(RECENT - 1):], [step, step_time]]
-        data = {"rank": self.rank, "pid": os.getpid(), "step": step, "step_time": step_time,
-                "time": time.time(), "recent": self.recent, "start": start}
+        self.last = {"rank": self.rank, "pid": os.getpid(), "step": step, "step_time": step_time,
+                     "recent": self.recent, "start": start, "phase": "training"}
+        self._replace({**self.last, "time": time.time()})
+
+    def paused(self) -> None:
+        """The rank dropped its process groups after a peer failed and waits for the next attempt."""
+        if self.path is not None:
+            self._replace({**self.last, "phase": "paused", "time": time.time()})
+
+    def _replace(self, data: dict[str, Any]) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.path)

@@ -19,9 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ACTIVE, SPARE, EVICTED = "active", "spare", "evicted"
-# Job phases. RUNNING: ranks train; STOPPING -> CHECKING -> (RUNNING again) on a fault.
+# Node roles. SUSPECT: taken out by a fast recovery, its self-check running beside the job.
+ACTIVE, SPARE, EVICTED, SUSPECT = "active", "spare", "evicted", "suspect"
+# Job phases. RUNNING: ranks train; on a fault, RECOVERING (the fast path: survivors paused) or
+# STOPPING -> CHECKING (the restart path), then RUNNING again.
 STARTING, RUNNING, STOPPING, CHECKING = "starting", "running", "stopping", "checking"
+RECOVERING = "recovering"
 COMPLETE, FAILED, CANCELLED = "complete", "failed", "cancelled"
 FINISHED = (COMPLETE, FAILED, CANCELLED)
 

@@ -1,4 +1,5 @@
-"""`megascale train`: one process, under torchrun, or `--nproc N` local ranks.
+"""`megascale train`: one process, under torchrun, or `--nproc N` local ranks (`--standby`: a
+rank under an executor, train/worker.py).
 
 `--nproc N` re-launches this command under PyTorch's elastic launcher (`torch.distributed.run`,
 what `torchrun` is) with N processes on this machine, so a local multi-rank run and a cluster
@@ -30,10 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "megascale/config/default.toml, a small model on CPU)")
     parser.add_argument("--nproc", type=int, default=0,
                         help="start N local ranks (default: dp*tp*pp of the config when > 1)")
+    parser.add_argument("--standby", action="store_true",
+                        help="(executors) a warm rank: import everything, then take the assignment, config "
+                             "and environment from stdin, and stay alive through in-place recoveries")
     parser.epilog = "Override any config key with --section.key=value, e.g. --model.layers=8"
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.standby:
+        from megascale.train.worker import serve
+
+        return serve()
     path = args.config or default_config_path()
     under_launcher = "RANK" in os.environ
     if not under_launcher:  # ranks started by a launcher read the file it resolved: it said this

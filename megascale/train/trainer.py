@@ -122,6 +122,11 @@ class Trainer:
         )
 
     @property
+    def replicas(self) -> ReplicaStore | None:
+        """The peer copies this process keeps (fault tests corrupt one)."""
+        return self.checkpoints.replicas
+
+    @property
     def writer_pid(self) -> int | None:
         """The stage-2 checkpoint writer process (fault tests kill it)."""
         return self.checkpoints.writer_pid
@@ -266,6 +271,17 @@ class Trainer:
         parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in plan.as_dict().items()
                           if k not in ("total", "capacity", "reserved"))
         log.info("memory after step 1: %s; planner estimate %.1f MiB (%s MiB)", measured, plan.total / 2**20, parts)
+
+    def abandon(self) -> None:
+        """After a peer failed: free what this trainer holds without waiting for any collective
+        or commit (the process lives on and builds the next attempt's trainer)."""
+        self.watchdog.stop()
+        self.checkpoints.abandon()
+        self.train_loader.close()
+        self.metrics.close()
+        self.timers.close()
+        set_timers(Timers(rank=self.rank, coords={}, host="", out_dir=None, enabled=False))
+        self.mesh.abort()
 
     def close(self) -> None:
         self.watchdog.stop()

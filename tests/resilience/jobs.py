@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 # 2 nodes x 2 ranks, dp=4, a tiny model: seconds of training; start-up dominates on 2 cores.
 TRAIN = ["--parallel.dp=4", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
          "--model.seq_len=64", "--train.global_batch=8", "--train.micro_batch=2", "--train.steps=16",
-         "--checkpoint.every=4", "--train.tensorboard=false", "--train.eval_every=0",
+         "--checkpoint.every=4", "--checkpoint.peer_every=2", "--train.tensorboard=false", "--train.eval_every=0",
          "--diagnostics.flight_recorder=false"]
 RESILIENCE = ["--resilience.hang_floor_s=5", "--resilience.heartbeat_timeout_s=4",
               "--resilience.startup_timeout_s=120", "--resilience.restart_budget=3"]

@@ -35,10 +35,12 @@ KILLED = {"kind": "abnormal_exit", "node": "node0", "rank": 1, "detail": "rank 1
     ({"kind": "hang", "detail": "no step progress", "culprits": [{"node": "node1", "rank": 3, "state": "stopped"}]},
      0, False, "stopped or gone"),
     (KILLED, 2, True, "repeated faults"),
+    ({**KILLED, "limit": 10}, 2, False, "process fault"),  # with max_node_faults=10 only the 9th is "repeated"
+    ({**KILLED, "limit": 10}, 9, True, "repeated faults"),
     ({**KILLED, "also": [{"kind": "heartbeat_lost", "node": "node1", "detail": "..."}]}, 1, True, "heartbeats"),
 ])
 def test_selfcheck_runs_only_when_the_evidence_points_at_the_machine(fault, faults, runs, rule):
-    decision = selfcheck_decision(fault, faults, max_node_faults=2)
+    decision = selfcheck_decision(fault, faults, max_node_faults=fault.get("limit", 2))
     assert decision.run is runs and rule in decision.rule, decision
     assert decision.inputs["kind"] == fault["kind"] and decision.inputs["node_faults"] == faults
     assert ("runs" if runs else "skipped") in decision.describe()
@@ -49,7 +51,7 @@ SKIP = CheckDecision(False, "process fault")
 
 
 def path(fault, check=SKIP, spares=("node2",), live=("node0", "node1", "node2"), **kw):
-    args = {"enabled": True, "resumed_driver": False, "fault": fault, "check": check, "slots": NODES,
+    args = {"enabled": True, "fault": fault, "check": check, "slots": NODES,
             "spares": list(spares), "ranks_per_node": 2, "node_faults": {}, "max_node_faults": 2,
             "live": set(live)} | kw
     return recovery_path(**args)
@@ -81,7 +83,6 @@ def test_a_stopped_process_is_the_hang_s_culprit():
 
 @pytest.mark.parametrize(("kwargs", "why"), [
     ({"enabled": False}, "in_place is off"),
-    ({"resumed_driver": True}, "driver restarted"),
     ({"fault": {"kind": "hang", "node": None, "rank": None, "detail": ""}}, "no node is blamed"),
     ({"fault": {"kind": "heartbeat_lost", "node": "node1", "rank": None, "detail": ""}, "spares": ()},
      "layout would change"),
@@ -174,3 +175,95 @@ def _summary_file(tmp_path, driver: Driver):
     (tmp_path / "resilience").mkdir(exist_ok=True)
     (tmp_path / "resilience" / "summary.json").write_text(json.dumps(driver.summary(), default=str))
     return tmp_path
+
+
+def commands(driver: Driver, kind: str) -> dict[str, dict]:
+    return {node: c for node, box in driver.outbox.items() for c in box if c["kind"] == kind}
+
+
+def answer(driver: Driver, at: float, results: dict[str, dict]) -> None:
+    for node, result in results.items():
+        driver.on_heartbeat(heartbeat(node, at, [], done={driver.waiting_for[node]: result}))
+
+
+def fast_driver(tmp_path) -> tuple[Driver, float]:
+    driver, now = started_driver(tmp_path, "--resilience.in_place=true")
+    driver.on_register(via_api(protocol.Register, {"node_id": "node2", "address": "10.0.0.3", "host": "node2"}))
+    assert driver.state.nodes["node2"].role == "spare"
+    return driver, now
+
+
+def test_a_killed_rank_is_replaced_and_the_others_rejoin(tmp_path):
+    driver, now = fast_driver(tmp_path)
+    driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1, exitcode=-9, exited_at=now + 0.5)]))
+    driver.on_heartbeat(heartbeat("node1", now + 1, [rank(2), rank(3)]))
+    driver.tick(now + 1.1)
+    assert driver.state.phase == "recovering"
+    pauses = commands(driver, "pause")
+    assert (pauses["node0"]["kill"], pauses["node1"]["kill"]) == ([1], []) and "node2" not in pauses
+    # rank 3 died meanwhile: it is replaced too, where it was
+    answer(driver, now + 2, {"node0": {"ok": True, "paused": [0], "dead": [1]},
+                             "node1": {"ok": True, "paused": [2], "dead": [3]}})
+    driver.tick(now + 2.1)
+    assert driver.state.phase == "running" and driver.state.attempt == 1 and driver.state.restarts == 1
+    starts = commands(driver, "start")
+    assert (starts["node0"]["keep"], starts["node1"]["keep"]) == ([0], [2]) and "node2" not in starts
+    decided = driver.store.events("decide")[-1]
+    assert decided["path"] == IN_PLACE and decided["replaced"] == {"1": "node0", "3": "node1"}
+    assert driver.store.events("selfcheck") == []  # a killed process is no hardware symptom
+
+
+def test_a_lost_node_s_slot_goes_to_the_spare_and_a_silent_survivor_means_a_restart(tmp_path):
+    driver, now = fast_driver(tmp_path)
+    driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1)]))
+    driver.on_heartbeat(heartbeat("node2", now + 1, []))
+    driver.last_seen.update(node0=now + 5.5, node2=now + 5.5)  # heard from lately, on the test's clock
+    driver.tick(now + 6)  # node1 silent for longer than heartbeat_timeout_s
+    assert driver.state.phase == "recovering" and set(commands(driver, "pause")) == {"node0"}
+    answer(driver, now + 6.5, {"node0": {"ok": True, "paused": [0, 1], "dead": []}})
+    driver.tick(now + 6.6)
+    nodes = driver.state.nodes
+    assert (nodes["node2"].role, nodes["node2"].slot, nodes["node1"].role) == ("active", 1, "evicted")
+    starts = commands(driver, "start")
+    assert starts["node0"]["keep"] == [0, 1] and starts["node2"]["keep"] == [] and starts["node2"]["ranks"] == [2, 3]
+
+    driver2, now = fast_driver(tmp_path / "again")
+    driver2.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1, exitcode=-9, exited_at=now + 0.5)]))
+    driver2.on_heartbeat(heartbeat("node1", now + 1, [rank(2), rank(3)]))
+    driver2.tick(now + 1.1)
+    answer(driver2, now + 2, {"node0": {"ok": True, "paused": [0], "dead": [1]}})
+    driver2.tick(now + 30)  # node1 never answered its pause: its ranks' state is unknown
+    assert driver2.state.phase == "stopping"
+    assert "node1 did not answer the pause" in driver2.current_fault["path_reason"]
+
+
+def test_a_transport_error_takes_the_node_out_for_a_selfcheck_beside_the_job(tmp_path):
+    driver, now = fast_driver(tmp_path)
+    line = {"rank": 2, "text": "NCCL error in: ProcessGroupNCCL.cpp: unhandled system error"}
+    driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1)]))
+    driver.on_heartbeat(via_api(protocol.Heartbeat, {"node_id": "node1", "time": now + 1, "attempt": 0,
+                                                     "ranks": [rank(2), rank(3)], "errors": [line]}))
+    driver.on_heartbeat(heartbeat("node2", now + 1, []))
+    driver.tick(now + 1.5)
+    assert driver.state.phase == "recovering" and commands(driver, "pause")["node1"]["kill"] == [2, 3]
+    answer(driver, now + 2, {"node0": {"ok": True, "paused": [0, 1], "dead": []},
+                             "node1": {"ok": True, "paused": [], "dead": [2, 3]}})
+    driver.tick(now + 2.1)
+    assert driver.state.nodes["node1"].role == "suspect" and driver.state.nodes["node2"].role == "active"
+    check = commands(driver, "selfcheck")["node1"]
+    assert check["plan"]["pairs"] == []  # its local tests, while the job trains on
+    report = {"node": "node1", "host": "node1", "pid": 1, "passed": True, "tests": []}
+    driver.on_heartbeat(heartbeat("node1", now + 3, [], done={check["id"]: {"ok": True, "report": report}}))
+    driver.tick(now + 3.1)
+    assert driver.state.nodes["node1"].role == "spare"
+    assert driver.store.events("selfcheck")[-1]["background"] is True
+
+
+def test_a_driver_restarted_during_a_fast_recovery_restarts_every_rank(tmp_path):
+    driver, now = fast_driver(tmp_path)
+    driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1, exitcode=-9, exited_at=now + 0.5)]))
+    driver.on_heartbeat(heartbeat("node1", now + 1, [rank(2), rank(3)]))
+    driver.tick(now + 1.1)
+    assert driver.state.phase == "recovering"
+    again = Driver(driver.cfg, JobStore(tmp_path / "driver.sqlite").load(), driver.store)
+    assert again.state.phase == "stopping" and "driver restarted" in again.current_fault["path_reason"]

@@ -186,7 +186,8 @@ def test_files_are_private_and_hold_no_secret(driver):
 
 def test_ranks_get_a_config_text_and_the_password_apart_never_argv(driver):
     command = driver.node.start_command
-    assert set(command) == {"id", "kind", "attempt", "ranks", "env", "plan_env", "config", "redis_password"}
+    assert set(command) == {"id", "kind", "attempt", "ranks", "env", "plan_env", "config", "redis_password", "keep"}
+    assert command["keep"] == []  # the first attempt: no paused rank rejoins
     assert set(command["env"]) <= set(RANK_ENV) and set(command["plan_env"]) <= set(PLAN_ENV)
     assert command["redis_password"] == REDIS_PASSWORD  # inside TLS, to be written to a 0600 file
     assert REDIS_PASSWORD not in command["config"] and "redis://127.0.0.1:1/0" in command["config"]

@@ -21,6 +21,7 @@ from megascale.resilience.api import ApiClient
 from megascale.resilience.credentials import ensure_secret, load_secret, server_context
 from megascale.resilience.executor import Executor
 from megascale.resilience.executor_cli import default_workdir
+from megascale.resilience.protocol import StartCommand
 
 pytestmark = pytest.mark.timeout(60)
 PASSWORD = "redis-password-for-the-ranks-only"
@@ -120,13 +121,16 @@ def test_a_rank_sees_no_secret_in_its_argv_or_environment(tmp_path, secret, monk
         environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e)
     finally:
         executor.stop_ranks()
-    assert argv[:4] == [sys.executable.encode(), b"-m", b"megascale.cli", b"train"] and argv[4] == b"--config"
-    config = Path(argv[5].decode())
-    assert len(argv) == 6 and config.read_text() == "[train]\nsteps = 1\n"
+    # a fixed command line (a warm standby); its config and environment come through its stdin
+    assert argv == [sys.executable.encode(), b"-m", b"megascale.cli", b"train", b"--standby"]
     assert PASSWORD.encode() not in b" ".join(argv) + b" ".join(environ.values())
     assert REDIS_PASSWORD_ENV.encode() not in environ
-    password_file = Path(environ[REDIS_PASSWORD_FILE_ENV.encode()].decode())
-    assert password_file.read_text() == PASSWORD
+    private = tmp_path / "work" / "attempt0" / "rank"
+    config, password_file = private / "config.toml", private / "redis_password"
+    assert config.read_text() == "[train]\nsteps = 1\n" and password_file.read_text() == PASSWORD
+    given = Executor.rank_env(StartCommand.model_validate(start_command(redis_password=PASSWORD)), 0,
+                              executor.attempt.status_dir, {REDIS_PASSWORD_FILE_ENV: str(password_file)})
+    assert PASSWORD not in json.dumps(given) and given[REDIS_PASSWORD_FILE_ENV] == str(password_file)
     for path in (config, password_file, executor.attempt.ranks[0].log_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert stat.S_IMODE(config.parent.stat().st_mode) == 0o700

@@ -1,0 +1,118 @@
+"""A rank under an executor: a warm standby until assigned, then a trainer that outlives faults.
+
+`megascale train --standby` imports everything a rank needs (torch, the model, the trainer) and
+waits on its stdin for the executor's assignment (`resilience/rankctl.py`), so process start and
+imports are off the recovery's critical path. Once assigned it trains; when a peer fails (a
+collective's connection closes, or the executor says `abort`), it does not die: it drops its
+process groups without waiting for anything in flight, keeps the peer copies it holds
+(`checkpoint/replica.py`), says "paused" in its status file and waits for `rejoin`, which names
+the next attempt's rendezvous. It then builds a new trainer in the same process and restores its
+state from memory (its own copy, or a peer's over the network), or from storage when no complete
+set of copies exists. An error of its own (an exception that is not a peer's failure) ends the
+process as before: its executor replaces it.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import os
+import sys
+
+import torch
+
+from megascale.checkpoint.replica import ReplicaStore
+from megascale.config import ConfigError, load_config
+from megascale.config.private_files import open_private
+from megascale.data import corpus
+from megascale.data.shards import DataError
+from megascale.diagnostics.mfu import peak_flops
+from megascale.resilience.faults import StepHook, rank_step_hook
+from megascale.resilience.protocol import Assign, Rejoin
+from megascale.resilience.rankctl import RankControl, is_peer_failure
+from megascale.resilience.rankstatus import StatusWriter
+from megascale.train.trainer import Trainer
+
+log = logging.getLogger("megascale")
+PAUSED = None  # what `generation` returns when the rank waits for the next attempt
+
+
+def serve() -> int:
+    """Wait for an assignment, then train through every in-place recovery; the exit code."""
+    control = RankControl()
+    warm_up()
+    assignment = control.next()
+    if assignment is None:  # dismissed before it was needed
+        return 0
+    assert isinstance(assignment, Assign)
+    _output_to(assignment.log)
+    replicas = ReplicaStore()
+    message: Assign | Rejoin = assignment
+    while True:
+        os.environ.update(message.env)
+        code = generation(message.config, replicas, control)
+        if code is not PAUSED:
+            return code
+        message = control.next()
+        if message is None:
+            return 1  # the executor is gone: nothing will ever ask this rank back
+        log.info("rejoining as rank %s of attempt %s", message.env.get("RANK"),
+                 message.env.get("MEGASCALE_RESTART_ATTEMPT"))
+
+
+def warm_up() -> None:
+    """Pay now, while nobody waits, what a process's first trainer would: the imports torch does
+    lazily (the meta device's random init brings in torch._dynamo), the CPU's peak FLOP/s probe
+    and the default corpus's identity (both kept for the process)."""
+    importlib.import_module("torch._dynamo")
+    if not torch.cuda.is_available():
+        peak_flops(torch.device("cpu"), "fp32")
+    corpus.source()
+
+
+def generation(config: str, replicas: ReplicaStore, control: RankControl) -> int | None:
+    """One attempt of this rank: train to the end (an exit code) or until a peer fails (PAUSED)."""
+    try:
+        cfg = load_config(config, [])
+    except ConfigError as exc:
+        print(f"megascale train: config error: {exc}", file=sys.stderr)
+        return 2
+    trainer, failure = None, None
+    try:
+        trainer = Trainer(cfg, replicas)
+        hook = rank_step_hook(trainer.rank, facts=trainer)
+        if hook is not None:
+            trainer.step_hooks.append(hook)
+        trainer.fit()
+    except Exception as exc:
+        if not is_peer_failure(exc, control.aborted.is_set()):
+            if isinstance(exc, ConfigError | DataError):  # its message, not a traceback
+                print(f"megascale train: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 2
+            raise
+        failure = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    if failure is not None:  # outside the handler: the traceback no longer holds the trainer's frames
+        log.warning("a peer failed (%s): dropping the process groups, waiting for the next attempt", failure)
+        status = next((h.status for h in trainer.step_hooks if isinstance(h, StepHook)), None) if trainer else None
+        if trainer is not None:
+            trainer.abandon()
+        trainer = None
+        gc.collect()  # the groups' sockets close with their last reference
+        (status or StatusWriter(int(os.environ.get("RANK", 0)))).paused()
+        return PAUSED
+    trainer.close()
+    if not trainer.final_save.saved:
+        print(f"megascale train: {trainer.final_save.describe()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _output_to(path: str) -> None:
+    """From now on stdout and stderr go to the rank's log (opened as every rank log is)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = open_private(path)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
