@@ -438,14 +438,13 @@ class CheckpointManager:
         return None
 
     def abandon(self) -> None:
-        """A peer failed: cancel the in-flight commit (its other ranks may never write their part),
-        let the writer end, free the host buffer; wait for nothing that needs another rank."""
+        """A peer failed: let the writer finish what it writes (a commit whose every part gets
+        written still lands, as when a rank dies) and end, free the host buffer; wait for
+        nothing that needs another rank."""
         self._join_capture()  # a memory copy, no communication
         if self._writer is not None and self._writer.poll() is None:
-            if self._inflight is not None:
-                self._send({"abort": self._inflight})
             with contextlib.suppress(OSError):
-                self._writer.stdin.close()  # it ends after its current job (or its abort)
+                self._writer.stdin.close()  # it ends after its current job
         if self._buffer is not None:
             self._buffer.close()  # the writer keeps its own mapping until it is done
             self._buffer = None

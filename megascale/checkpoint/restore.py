@@ -3,7 +3,8 @@
 Every rank computes the same plan from the manifest and every rank's targets:
 - each data file gets exactly one reader (the rank that wrote it when it still exists), which
   reads it whole and checks its size and sha256 in the same pass;
-- each parameter gets one owner among the ranks that need it (the one that read most of it);
+- each parameter gets one owner among the ranks that need it (the one that read most of it;
+  ties, as under ZeRO where every dp rank read a shard, spread over the tied ranks);
 - phase A: readers send each stored piece to its parameter's owner (RNG arrays go straight to
   the rank they belong to); owners put the pieces together into whole tensors;
 - phase B: owners cut each rank's piece (`local_piece`, any tp/ZeRO layout) and send it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -135,8 +137,14 @@ class Plan:
         read: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         for rec in self.records:
             read[rec.param][self.reader[rec.file]] += rec.nbytes
-        return {param: max(sorted(ranks), key=lambda r: read[param][r])
-                for param, ranks in need.items()}
+        owners = {}
+        for param, ranks in need.items():
+            most = max(read[param][r] for r in ranks)
+            tied = sorted(r for r in ranks if read[param][r] == most)
+            # ties (ZeRO: every dp rank read its shard) spread over the tied ranks, the same on every
+            # rank: one rank owning every parameter would send each whole tensor dp-1 times alone
+            owners[param] = tied[zlib.crc32(param.encode()) % len(tied)]
+        return owners
 
     def destination(self, rec: Record) -> int | None:
         if rec.rng_rank is not None:

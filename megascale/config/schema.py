@@ -340,7 +340,7 @@ class CheckpointConfig:
     commit_timeout_s: float = opt(600.0, "rank 0 gives up on a save whose other ranks never finish")
     save_on_signal: bool = opt(True, "SIGTERM/Ctrl-C: every rank stops after the same step and saves")
     fsync: bool = opt(True, "sync files and directories around each commit (false: scratch storage only)")
-    peer_every: int = opt(5, "steps between copies of each rank's state into a peer node's memory, used to "
+    peer_every: int = opt(10, "steps between copies of each rank's state into a peer node's memory, used to "
                              "recover under megascale launch (0 = no copies)")
     peer_stride: int = opt(1, "a node's copies go to the node this many places on along the ring; at scale, the "
                               "nodes behind one switch, so that one switch failure never takes a rank and its copy")

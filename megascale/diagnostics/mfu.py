@@ -59,23 +59,23 @@ class Peak:
 
     def refresh(self) -> None:
         if self.measured:
-            self.value = _best_cpu_peak(measure_cpu_gemm_flops(seconds=0.3))
-
-
-_cpu_peak: dict[int, float] = {}  # threads -> best probe in this process (a rank that lives on keeps it)
-
-
-def _best_cpu_peak(measured: float) -> float:
-    threads = torch.get_num_threads()
-    _cpu_peak[threads] = max(_cpu_peak.get(threads, 0.0), measured)
-    return _cpu_peak[threads]
+            self.value = _remember(max(self.value or 0.0, measure_cpu_gemm_flops(seconds=0.3)))
 
     def observe(self, achieved_flops: float) -> bool:
         """Raise a measured peak that training exceeded; True when it did."""
         if not self.measured or achieved_flops <= (self.value or 0.0):
             return False
-        self.value = achieved_flops
+        self.value = _remember(achieved_flops)
         return True
+
+
+_cpu_peak: dict[int, float] = {}  # threads -> best figure in this process (a rank that lives on keeps it)
+
+
+def _remember(value: float) -> float:
+    threads = torch.get_num_threads()
+    _cpu_peak[threads] = max(_cpu_peak.get(threads, 0.0), value)
+    return value
 
 
 def peak_flops(device: torch.device, dtype: str) -> Peak:
@@ -84,8 +84,8 @@ def peak_flops(device: torch.device, dtype: str) -> Peak:
         peak = device_peak_flops(name, dtype)
         return Peak(peak, f"table:{name}" if peak else f"unknown device {name!r}: no MFU")
     if device.type == "cpu" and dtype == "fp32":
-        known = _cpu_peak.get(torch.get_num_threads())
-        value = known if known is not None else _best_cpu_peak(measure_cpu_gemm_flops())
+        known = _cpu_peak.get(torch.get_num_threads())  # a later trainer of this process: no new probe
+        value = known if known is not None else _remember(measure_cpu_gemm_flops())
         return Peak(value, "measured CPU GEMM probe, best so far", measured=True)
     return Peak(None, f"no known peak for {device.type}/{dtype}: no MFU")
 
