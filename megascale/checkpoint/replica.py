@@ -242,16 +242,12 @@ class PeerReplicator:
         self.successor = (rank + offset) % world
         self.predecessor = (rank - offset) % world
         self._thread: threading.Thread | None = None
-        self.last_capture_s = 0.0
-        self.last_copy_s = 0.0
 
     def after_step(self, state: CheckpointState) -> None:
         if self.every <= 0 or state.step % self.every:
             return
         self.wait()  # rounds never overlap: every rank sends and receives them in the same order
-        start = time.perf_counter()
         copy = capture(state, self.rank, self.attempt, self.world, self.layout)
-        self.last_capture_s = time.perf_counter() - start
         self._thread = threading.Thread(target=self._round, args=(copy,), daemon=True,
                                         name=f"megascale-peer-copy-{self.rank}")
         self._thread.start()
@@ -262,7 +258,6 @@ class PeerReplicator:
             self._thread = None
 
     def _round(self, copy: Copy) -> None:
-        start = time.perf_counter()
         own = sealed(copy)
         self.store.keep(own, mine=True)
         try:
@@ -273,7 +268,6 @@ class PeerReplicator:
                         own.header["step"], exc, self.predecessor)
             return
         self.store.keep(held, mine=False)
-        self.last_copy_s = time.perf_counter() - start
 
     def _exchange(self, header: bytes, data: bytearray) -> tuple[bytes, bytearray]:
         sizes = torch.tensor([len(header), len(data)], dtype=torch.int64)

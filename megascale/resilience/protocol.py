@@ -222,23 +222,23 @@ class HeartbeatReply(BaseModel):
 # rank's place on the node and the private files the executor made for it.
 PIPE_ENV = (*RANK_ENV, *PLAN_ENV, "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", STATUS_DIR_ENV, REDIS_PASSWORD_FILE_ENV)
 PipeEnv = dict[Literal[PIPE_ENV], Annotated[str, StringConstraints(max_length=4096)]]
-Path = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+FilePath = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 
 
 class Assign(Message):
     """A standby process becomes a rank: its config file, environment and log."""
 
     kind: Literal["assign"]
-    config: Path
+    config: FilePath
     env: PipeEnv
-    log: Path
+    log: FilePath
 
 
 class Rejoin(Message):
     """A paused rank joins the next attempt (same rank, new rendezvous)."""
 
     kind: Literal["rejoin"]
-    config: Path
+    config: FilePath
     env: PipeEnv
 
 

@@ -45,7 +45,9 @@ def serve() -> int:
     assignment = control.next()
     if assignment is None:  # dismissed before it was needed
         return 0
-    assert isinstance(assignment, Assign)
+    if not isinstance(assignment, Assign):
+        print("megascale train --standby: the executor's first message must be an assignment", file=sys.stderr)
+        return 2
     _output_to(assignment.log)
     replicas = ReplicaStore()
     message: Assign | Rejoin = assignment

@@ -140,9 +140,7 @@ def answer_phase(driver: Driver, at: float, result: dict) -> None:
 
 def test_a_killed_process_restarts_without_a_selfcheck_and_the_phases_are_recorded(tmp_path):
     driver, now = started_driver(tmp_path, "--resilience.in_place=false")
-    driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1, exitcode=-9, exited_at=now + 0.5)]))
-    driver.on_heartbeat(heartbeat("node1", now + 1, [rank(2), rank(3)]))
-    driver.tick(now + 1.1)
+    rank_1_killed(driver, now)
     assert driver.state.phase == "stopping"
     answer_phase(driver, now + 2, {"ok": True, "stopped": 2})
     driver.tick(now + 2.1)
@@ -193,11 +191,16 @@ def fast_driver(tmp_path) -> tuple[Driver, float]:
     return driver, now
 
 
-def test_a_killed_rank_is_replaced_and_the_others_rejoin(tmp_path):
-    driver, now = fast_driver(tmp_path)
+def rank_1_killed(driver: Driver, now: float) -> None:
+    """Rank 1 (node 0) dies by SIGKILL; both nodes report it; the driver acts on it."""
     driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1, exitcode=-9, exited_at=now + 0.5)]))
     driver.on_heartbeat(heartbeat("node1", now + 1, [rank(2), rank(3)]))
     driver.tick(now + 1.1)
+
+
+def test_a_killed_rank_is_replaced_and_the_others_rejoin(tmp_path):
+    driver, now = fast_driver(tmp_path)
+    rank_1_killed(driver, now)
     assert driver.state.phase == "recovering"
     pauses = commands(driver, "pause")
     assert (pauses["node0"]["kill"], pauses["node1"]["kill"]) == ([1], []) and "node2" not in pauses
@@ -228,9 +231,7 @@ def test_a_lost_node_s_slot_goes_to_the_spare_and_a_silent_survivor_means_a_rest
     assert starts["node0"]["keep"] == [0, 1] and starts["node2"]["keep"] == [] and starts["node2"]["ranks"] == [2, 3]
 
     driver2, now = fast_driver(tmp_path / "again")
-    driver2.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1, exitcode=-9, exited_at=now + 0.5)]))
-    driver2.on_heartbeat(heartbeat("node1", now + 1, [rank(2), rank(3)]))
-    driver2.tick(now + 1.1)
+    rank_1_killed(driver2, now)
     answer(driver2, now + 2, {"node0": {"ok": True, "paused": [0], "dead": [1]}})
     driver2.tick(now + 30)  # node1 never answered its pause: its ranks' state is unknown
     assert driver2.state.phase == "stopping"
@@ -261,9 +262,7 @@ def test_a_transport_error_takes_the_node_out_for_a_selfcheck_beside_the_job(tmp
 
 def test_a_driver_restarted_during_a_fast_recovery_restarts_every_rank(tmp_path):
     driver, now = fast_driver(tmp_path)
-    driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1, exitcode=-9, exited_at=now + 0.5)]))
-    driver.on_heartbeat(heartbeat("node1", now + 1, [rank(2), rank(3)]))
-    driver.tick(now + 1.1)
+    rank_1_killed(driver, now)
     assert driver.state.phase == "recovering"
     again = Driver(driver.cfg, JobStore(tmp_path / "driver.sqlite").load(), driver.store)
     assert again.state.phase == "stopping" and "driver restarted" in again.current_fault["path_reason"]
