@@ -2,14 +2,15 @@
 at random times, once per recovery path with the same seed, plus the cost of the peer copies.
 
 A local job of 2 nodes x 2 ranks + 1 spare trains a tiny model with no end in sight; every
-10-30 s (random, seeded) one fault is injected from outside: a rank SIGKILLed, a rank SIGSTOPped
-(a hang), or (once, while a spare is left) a whole executor SIGKILLed. At the end the job is
+10-30 s (random, seeded) one fault is injected from outside, up to `--faults` of them: a rank
+SIGKILLed, a rank SIGSTOPped (a hang), or (once, while a spare is left) a whole executor
+SIGKILLed. At the end the job is
 stopped through the API and the driver's record is matched against the injections. The same
 schedule runs twice: `restart` (resilience.in_place=false: every rank restarts from storage)
 and `in_place` (healthy ranks stay, replacements restore from peer memory). Then `overhead`
 runs the same job without faults with and without peer copies (A/B/A/B) and compares step times.
 
-    python bench/soak.py [--minutes 4] [--seed 1] [--paths restart,in_place] [--overhead-steps 300]
+    python bench/soak.py [--minutes 4] [--seed 1] [--faults 3] [--paths restart,in_place] [--overhead-steps 300]
 
 Targets on this machine (issue 20, for in_place): median recovery <= 5 s, worst <= 15 s, ETTR >=
 0.85 over 4 minutes with 3 faults, peer copies < 2% of step time. Recovery is counted from the
@@ -101,7 +102,8 @@ class Soak:
 
 
 def inject(kind: str, status: dict, rng: random.Random) -> str:
-    active = sorted(n for n in status["nodes"].items() if n[1]["role"] == "active")
+    # by slot, not by name: which node registered first differs between runs, the ranks do not
+    active = sorted((n for n in status["nodes"].items() if n[1]["role"] == "active"), key=lambda n: n[1]["slot"])
     name, node = rng.choice(active)
     if kind == "executor":
         os.kill(node["pid"], signal.SIGKILL)
@@ -111,8 +113,9 @@ def inject(kind: str, status: dict, rng: random.Random) -> str:
     return f"rank {rank['rank']} on {name}"
 
 
-def soak(path: str, minutes: float, seed: int, work: Path) -> dict:
-    """One path's run: the schedule of faults drawn from `seed`, the driver's record of each."""
+def soak(path: str, minutes: float, seed: int, faults: int, work: Path) -> dict:
+    """One path's run: up to `faults` faults drawn from `seed` (the same kinds, targets and gaps on
+    either path), the driver's record of each."""
     rng = random.Random(seed)
     job = Soak(work / path, [*TRAIN, *PATHS[path]])
     start = time.time()
@@ -121,7 +124,7 @@ def soak(path: str, minutes: float, seed: int, work: Path) -> dict:
     executor_killed = False
     try:
         job.training()
-        while time.time() + 90 < end:  # room to recover before the end
+        while len(injected) < faults and time.time() + 90 < end:  # room to recover before the end
             time.sleep(rng.uniform(10, 30))
             status = job.training()
             kind = rng.choice(["kill", "stop"] + ([] if executor_killed else ["executor"]))
@@ -187,15 +190,16 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--paths", default="restart,in_place", help="which recovery paths to soak, in order")
+    parser.add_argument("--faults", type=int, default=3, help="faults injected per path (at most)")
     parser.add_argument("--overhead-steps", type=int, default=300, help="steps per overhead run (0: skip)")
     parser.add_argument("--peer-every", type=int, default=10, help="checkpoint.peer_every of the overhead runs")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="megascale-soak-"))
     load = [os.getloadavg()[0]]
-    result: dict = {"minutes": args.minutes, "seed": args.seed, "paths": {}}
+    result: dict = {"minutes": args.minutes, "seed": args.seed, "faults": args.faults, "paths": {}}
     for path in args.paths.split(","):
-        result["paths"][path] = soak(path, args.minutes, args.seed, work)
+        result["paths"][path] = soak(path, args.minutes, args.seed, args.faults, work)
         load.append(os.getloadavg()[0])
     if args.overhead_steps:
         result["overhead"] = overhead(args.overhead_steps, args.peer_every, work)

@@ -183,10 +183,6 @@ class ReplicaStore:
         with self._lock:
             return {c.name: c for kept in (self.own, self.held) for g, c in kept.items() if g == generation}
 
-    def newest_held(self) -> Copy | None:
-        with self._lock:
-            return self.held[max(self.held)] if self.held else None
-
 
 def choose(holdings: list[list[dict[str, Any]]], world: int, grid_layout: dict[str, int],
            skip: set[Generation] = frozenset()) -> tuple[Generation, dict[str, int]] | None:

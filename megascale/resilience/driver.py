@@ -30,7 +30,7 @@ from megascale.resilience.attribution import Verdict, attribute
 from megascale.resilience.ettr import job_summary
 from megascale.resilience.paths import RecoveryPaths
 from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
-from megascale.resilience.recovery import start_marks
+from megascale.resilience.recovery import recovery_phases, start_marks
 from megascale.resilience.rules import (
     Finding,
     TrafficRule,
@@ -147,19 +147,29 @@ class Driver(RecoveryPaths):
             commands = self.outbox[node_id]
             # `exit` is never acknowledged (the executor is gone): delivered once is enough
             self.outbox[node_id] = [c for c in commands if c["kind"] != "exit"]
-            return 200, {"commands": commands, "ack": list(body.get("done", {})), "standby": self._standby_for(node)}
+            return 200, {"commands": commands, "ack": list(body.get("done", {})), "standby": self._standby_for(node),
+                         "heartbeat_s": self._heartbeat_for()}
 
     def _standby_for(self, node: Node) -> int:
-        """Warm rank processes a node keeps: a spare (or any node before the first start) one per
-        rank it would run, an active node `resilience.standby`."""
-        if node.role == SPARE or (node.role == ACTIVE and self.state.phase == STARTING):
-            return self.state.ranks_per_node
-        return self.rcfg.standby if node.role == ACTIVE else 0
+        """Warm rank processes a node keeps: an active node one per rank before the first start
+        (the first ranks are standbys too), `resilience.standby` after; a spare one per rank once
+        the job trains (before, their imports would only slow the job's start)."""
+        if node.role == ACTIVE:
+            return self.state.ranks_per_node if self.state.phase == STARTING else self.rcfg.standby
+        started = self.state.attempt > 0 or self.hang.last_step > 0
+        return self.state.ranks_per_node if node.role == SPARE and started else 0
+
+    def _heartbeat_for(self) -> float:
+        """While a recovery runs (until the new attempt's first step), executors beat 5x faster:
+        each command and result of the recovery waits for a heartbeat."""
+        recovering = self.state.phase in (RECOVERING, STOPPING, CHECKING) or self.resumed_pending is not None
+        return self.rcfg.heartbeat_s / 5 if recovering else self.rcfg.heartbeat_s
 
     def on_status(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
             s = self.state
             now = time.time()
+            events = self.store.events()
             return 200, {
                 "job_id": s.job_id, "phase": s.phase, "attempt": s.attempt, "restarts": s.restarts,
                 "restart_budget": s.restart_budget, "layout": s.layout, "reason": s.reason,
@@ -170,7 +180,8 @@ class Driver(RecoveryPaths):
                                       "ranks": self.reports.get(n.node_id, {}).get("ranks", [])}
                           for n in s.nodes.values()},
                 "evicted": s.evicted, "blocked": s.blocked, "step": self.hang.last_step,
-                "faults": self.store.events("fault"), "alerts": self.store.events("alert"),
+                "faults": [{**f, **recovery_phases(f, events)} for f in events if f["event"] == "fault"],
+                "alerts": [e for e in events if e["event"] == "alert"],
                 "master": s.master,
             }
 

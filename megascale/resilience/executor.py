@@ -126,6 +126,8 @@ class Executor:
                 self._acknowledge(reply.ack)
                 if reply.standby is not None:
                     self.standbys.wanted = reply.standby
+                if reply.heartbeat_s is not None:
+                    self.heartbeat_s = reply.heartbeat_s
                 for command in reply.commands:
                     self._dispatch(command)
             except UntrustedDriver as exc:

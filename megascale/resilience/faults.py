@@ -10,7 +10,7 @@ attempt 0 (torchft's `fail_at(rank, step)` idea). Several faults are separated b
 - `kill` SIGKILL, `stop` SIGSTOP (a hang), `raise` an exception, `exit` exit code 3,
   `term` SIGTERM (a preemption notice that reaches this rank only), `killwriter` SIGKILL to
   the rank's stage-2 checkpoint writer process (the rank trains on), `corrupt` a bit flipped
-  in the newest peer copy the rank holds (checkpoint/replica.py);
+  in each peer copy the rank holds (checkpoint/replica.py);
 - `sleep:...:seconds=S` a slow step (the status write is delayed too);
 - `throttle:...:stop=S:period=P` an outside process stops the rank for S of every P seconds
   (real SIGSTOP/SIGCONT, a CPU-throttled node) until the rank ends.
@@ -119,9 +119,9 @@ def inject(fault: Fault, facts: RankFacts | None = None) -> None:
     elif fault.kind == "killwriter" and facts is not None and facts.writer_pid:
         os.kill(facts.writer_pid, signal.SIGKILL)
     elif fault.kind == "corrupt" and facts is not None and facts.replicas is not None:
-        held = facts.replicas.newest_held()  # a bit flips in the peer copy this rank keeps
-        if held is not None and held.data:
-            held.data[len(held.data) // 2] ^= 0x01
+        for held in list(facts.replicas.held.values()):  # a bit flips in each peer copy this rank keeps
+            if held.data:
+                held.data[len(held.data) // 2] ^= 0x01
     elif fault.kind == "throttle":
         subprocess.Popen([sys.executable, "-m", "megascale.resilience.faults", "throttle",
                           str(os.getpid()), str(fault.params.get("stop", 0.2)),

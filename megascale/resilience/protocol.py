@@ -215,6 +215,7 @@ class HeartbeatReply(BaseModel):
     commands: Annotated[list[dict[str, Any]], Field(max_length=256)] = []  # checked one by one
     ack: Annotated[list[CommandId], Field(max_length=1024)] = []
     standby: Standby | None = None
+    heartbeat_s: Annotated[float, Field(gt=0.0, le=600.0)] | None = None  # faster while a recovery runs
 
 
 # ---------------------------------------------------------------------- executor -> its rank (the rank's stdin)

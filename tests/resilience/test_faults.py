@@ -59,7 +59,7 @@ def test_rank_sigkill_restarts_every_rank_when_in_place_is_off(job_factory, refe
 
 # Five faults, one after the other (each keyed by the attempt it fires in): a SIGKILLed rank, an
 # exception, a SIGSTOPped rank (a hang), two ranks on two nodes at once with the checkpoint writer
-# of a third rank, and a bit flipped in a peer copy just before the rank it belongs to dies.
+# of a third rank, and a bit flipped in the peer copies of a rank just before it dies.
 SEQUENCE = ("kill:rank=1:step=3; raise:rank=2:step=5:attempt=1; stop:rank=3:step=7:attempt=2; "
             "kill:rank=0:step=10:attempt=3; kill:rank=3:step=10:attempt=3; killwriter:rank=2:step=10:attempt=3; "
             "corrupt:rank=3:step=13:attempt=4; kill:rank=1:step=13:attempt=4")
@@ -77,7 +77,7 @@ def test_rank_faults_in_sequence_recover_in_place(job_factory, reference):
     assert len(faults) == 5 and all(f["path"] == "in_place" and f["recovery_s"] is not None for f in faults), faults
     assert faults[2]["selfcheck"]["run"] is False and faults[2]["selfcheck"]["inputs"]["culprits"][0]["rank"] == 3
     assert {f["rank"] for f in [faults[3], *faults[3]["also"]]} == {0, 3}  # both ranks, two nodes
-    assert [f["restore_source"] for f in faults[:4]] == ["memory"] * 4
+    assert [f["restore_source"] for f in faults] == ["memory"] * 4 + ["storage"]  # rank 1's copies flipped
     assert summary["evicted"] == [] and summary["ettr"]["steps"] == 16
     logs = "".join(p.read_text() for p in job.run_dir.glob("rank0000*.log"))
     assert "rank-00001.bin: sha256 mismatch" in logs  # the flipped copy was refused, never loaded

@@ -200,8 +200,13 @@ def rank_1_killed(driver: Driver, now: float) -> None:
 
 def test_a_killed_rank_is_replaced_and_the_others_rejoin(tmp_path):
     driver, now = fast_driver(tmp_path)
+    spare = driver.on_heartbeat(heartbeat("node2", now, []))[1]
+    assert (spare["standby"], spare["heartbeat_s"]) == (0, 1.0)  # no imports beside the job's start
+    driver.on_heartbeat(heartbeat("node0", now + 0.5, [rank(0), rank(1)]))
+    assert driver.on_heartbeat(heartbeat("node2", now, []))[1]["standby"] == 2  # trains: one warm rank per rank
     rank_1_killed(driver, now)
     assert driver.state.phase == "recovering"
+    assert driver.on_heartbeat(heartbeat("node1", now + 1.2, [rank(2), rank(3)]))[1]["heartbeat_s"] == 0.2
     pauses = commands(driver, "pause")
     assert (pauses["node0"]["kill"], pauses["node1"]["kill"]) == ([1], []) and "node2" not in pauses
     # rank 3 died meanwhile: it is replaced too, where it was
@@ -214,6 +219,8 @@ def test_a_killed_rank_is_replaced_and_the_others_rejoin(tmp_path):
     decided = driver.store.events("decide")[-1]
     assert decided["path"] == IN_PLACE and decided["replaced"] == {"1": "node0", "3": "node1"}
     assert driver.store.events("selfcheck") == []  # a killed process is no hardware symptom
+    shown = driver.on_status({})[1]["faults"][0]  # the API shows the recovery as it goes
+    assert shown["path"] == IN_PLACE and shown["stop_s"] == pytest.approx(1.0) and shown["resumed"] is None
 
 
 def test_a_lost_node_s_slot_goes_to_the_spare_and_a_silent_survivor_means_a_restart(tmp_path):
