@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from megascale.checkpoint import cli as export_cli
 from megascale.checkpoint.export import whole_tensors
 from megascale.checkpoint.manifest import check_manifest, seal
 from megascale.checkpoint.storage import CheckpointError, open_root
+from megascale.interop import export_cli
 from tests.checkpoint.conftest import assert_same_params, train
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,7 +101,8 @@ def test_symlink_out_of_the_checkpoint_is_refused(root, tmp_path):
 def test_export_of_only_crafted_checkpoints_is_a_clear_error(root, tmp_path, capsys):
     for name in (STEP5, STEP10):
         edit(root / name, lambda m: first_record(m, dtype="nn"))
-    args = argparse.Namespace(checkpoint=str(root), out=str(tmp_path / "out"), dtype=None)
+    args = argparse.Namespace(checkpoint=str(root), out=str(tmp_path / "out"), dtype=None,
+                              tokenizer=None, max_shard_gb=5.0)
     assert export_cli.run(args) == 1
     assert "no valid checkpoint" in capsys.readouterr().err
 
