@@ -194,6 +194,9 @@ class Trainer:
         resumed = self.checkpoints.resume()
         source = self.checkpoints.last_restore["source"] if resumed else "none"
         self.start_record.update(restored_at=time.time(), source=source, step=self.step)
+        if self.step >= cfg.steps:  # resumed at the end: say so, or a watcher waits for a step forever
+            for hook in self.step_hooks:
+                hook(self.step, 0.0)
         losses: list[float] = []
         gc.collect()
         gc.disable()

@@ -107,3 +107,23 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, override, message):
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_run_resumed_at_its_last_step_still_reports_the_step(tmp_path):
+    """The driver learns a rank's step from its step hook: a rank that resumes at the final step
+    runs no step, and without this report it looked like a rank that exited before training."""
+    extra = ("--train.steps=2", "--checkpoint.every=2", "--checkpoint.resume=auto",
+             f"--checkpoint.dir={tmp_path / 'ckpt'}")
+    first = _trainer(tmp_path, *extra)
+    try:
+        first.fit()
+    finally:
+        first.close()
+    again = _trainer(tmp_path, *extra)
+    reported = []
+    again.step_hooks.append(lambda step, seconds: reported.append((step, seconds)))
+    try:
+        assert again.fit() == []
+    finally:
+        again.close()
+    assert reported == [(2, 0.0)]
