@@ -15,8 +15,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli_w
 
+from megascale.config.fields import ConfigError
 from megascale.config.private_files import write_private
-from megascale.config.schema import ConfigError, JobConfig, redacted_url
+from megascale.config.schema import JobConfig, redacted_url
 
 if sys.version_info >= (3, 11):
     import tomllib

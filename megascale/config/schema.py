@@ -3,17 +3,20 @@
 Every component is built from one section of `JobConfig`. The sections are plain dataclasses
 so that the planner, the trainer and the driver read the same description of a job. Values are
 checked in `validate()`; the loader (`loader.py`) turns TOML and command-line overrides into
-these objects and names the offending key on any error.
+these objects and names the offending key on any error. The sections that run a job
+(checkpoints, diagnostics, the driver) are in `operations.py`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
+
+from megascale.config.fields import ConfigError, divisors, opt, positive
+from megascale.config.operations import CheckpointConfig, DiagnosticsConfig, ResilienceConfig
 
 # The Redis store's password: from this variable rather than the URL, it stays out of command
 # lines, RUN_DIR/config.toml and checkpoint manifests. Ranks get the path of a 0600 file instead
@@ -31,18 +34,6 @@ def redacted_url(url: str, mask: str | None = "***") -> str:
     user = parts.username or ""
     keep = f"{user}:{mask}@" if mask is not None else (f"{user}@" if user else "")
     return urlunsplit(parts._replace(netloc=parts.netloc.replace(f"{user}:{parts.password}@", keep, 1)))
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or impossible. Names the key."""
-
-
-def opt(default: Any = MISSING, doc: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
-    """A config field and its one-line description: the one source `megascale train --help`
-    and the documentation check read."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass
@@ -125,18 +116,18 @@ class ModelConfig:
         return int(self.head_dim * self.rotary_fraction)
 
     def validate(self) -> None:
-        _positive(self, "model", ["vocab_size", "seq_len", "layers", "hidden", "heads"])
+        positive(self, "model", ["vocab_size", "seq_len", "layers", "hidden", "heads"])
         if self.ffn_hidden < 0:
             raise ConfigError(f"model.ffn_hidden must be >= 0 (0 = 4*hidden), got {self.ffn_hidden}")
         if self.hidden % self.heads:
             raise ConfigError(
                 f"model.heads={self.heads} must divide model.hidden={self.hidden} "
-                f"(allowed heads: {_divisors(self.hidden)})"
+                f"(allowed heads: {divisors(self.hidden)})"
             )
         if self.kv_heads < 0 or self.heads % self.kv_groups:
             raise ConfigError(
                 f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads} (0 = heads; "
-                f"allowed: {_divisors(self.heads)})"
+                f"allowed: {divisors(self.heads)})"
             )
         if self.positions == "rotary":
             if not 0 < self.rotary_fraction <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
@@ -227,7 +218,7 @@ class ParallelConfig:
         return os.environ.get(REDIS_PASSWORD_ENV) or None
 
     def validate(self) -> None:
-        _positive(self, "parallel", ["dp", "tp", "pp", "vpp", "tp_overlap_chunks"])
+        positive(self, "parallel", ["dp", "tp", "pp", "vpp", "tp_overlap_chunks"])
         if self.dp_bucket_mb <= 0:
             raise ConfigError(f"parallel.dp_bucket_mb must be > 0, got {self.dp_bucket_mb}")
         if self.vpp > 1 and self.pp == 1:
@@ -317,134 +308,10 @@ class TrainConfig:
         "online", "online, or offline: written under run_dir for a later `wandb sync`")
 
     def validate(self) -> None:
-        _positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every"])
+        positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every"])
         for key in ("eval_every", "eval_batches", "gc_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
-
-
-@dataclass
-class CheckpointConfig:
-    """Two-stage checkpoints: where, how often, how many, and resume."""
-
-    dir: str = opt("", "\"\" = <run_dir>/checkpoints; any fsspec URL is accepted")
-    every: int = opt(100, "save every N steps; 0 disables periodic saves")
-    keep: int = opt(3, "valid checkpoints kept")
-    resume: str = opt("auto", "auto (the newest valid one), none, or a checkpoint path")
-    init_from: str = opt("", "weights only, fresh optimizer: a Hugging Face checkpoint directory (megascale "
-                             "import); read when there is no checkpoint to resume from")
-    async_save: bool = opt(True, "stage 2 (persisting) in a background writer while training goes on")
-    when_busy: Literal["wait", "skip"] = opt(
-        "wait", "a save due while the previous one is still writing: wait, or skip it")
-    write_mb_per_s: float = opt(0.0, "cap on stage-2 write bandwidth per rank; 0 = unlimited")
-    commit_timeout_s: float = opt(600.0, "rank 0 gives up on a save whose other ranks never finish")
-    save_on_signal: bool = opt(True, "SIGTERM/Ctrl-C: every rank stops after the same step and saves")
-    fsync: bool = opt(True, "sync files and directories around each commit (false: scratch storage only)")
-    peer_every: int = opt(10, "steps between copies of each rank's state into a peer node's memory, used to "
-                             "recover under megascale launch (0 = no copies)")
-    peer_stride: int = opt(1, "a node's copies go to the node this many places on along the ring; at scale, the "
-                              "nodes behind one switch, so that one switch failure never takes a rank and its copy")
-
-    def validate(self) -> None:
-        if self.every < 0 or self.keep < 1:
-            raise ConfigError(
-                f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every}, {self.keep}"
-            )
-        if self.write_mb_per_s < 0:
-            raise ConfigError(f"checkpoint.write_mb_per_s must be >= 0, got {self.write_mb_per_s}")
-        if self.commit_timeout_s <= 0:
-            raise ConfigError(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
-        if self.peer_every < 0:
-            raise ConfigError(f"checkpoint.peer_every must be >= 0 (0 = no peer copies), got {self.peer_every}")
-        if self.peer_stride < 1:
-            raise ConfigError(f"checkpoint.peer_stride must be >= 1 (nodes along the ring), got {self.peer_stride}")
-
-
-@dataclass
-class DiagnosticsConfig:
-    """Always-on timers, hang dumps, the Flight Recorder and straggler detection."""
-
-    timers: bool = opt(True, "always-on per-rank timers (compute apart from communication waits)")
-    hang_timeout_s: float = opt(300.0, "a rank stuck this long dumps where it is (hang analysis)")
-    flight_recorder: bool = opt(True, "PyTorch's Flight Recorder of collectives (feeds hang analysis)")
-    straggler_threshold: float = opt(1.10, "a rank slower than its peers' median by this factor ...")
-    straggler_min_fraction: float = opt(0.5, "... in at least this share of the analysed steps is a straggler")
-    straggler_warmup_steps: int = opt(1, "first steps left out of straggler statistics")
-
-    def validate(self) -> None:
-        if self.hang_timeout_s <= 0 or self.straggler_threshold <= 1:
-            raise ConfigError(
-                "diagnostics.hang_timeout_s must be > 0 and diagnostics.straggler_threshold > 1"
-            )
-        if not 0 < self.straggler_min_fraction <= 1:
-            raise ConfigError(
-                f"diagnostics.straggler_min_fraction must be in (0, 1], "
-                f"got {self.straggler_min_fraction}"
-            )
-        if self.straggler_warmup_steps < 0:
-            raise ConfigError(
-                "diagnostics.straggler_warmup_steps must be >= 0, "
-                f"got {self.straggler_warmup_steps}"
-            )
-
-
-@dataclass
-class ResilienceConfig:
-    """The fault-tolerant driver (`megascale launch`) and its executors."""
-
-    heartbeat_s: float = opt(1.0, "executor -> driver heartbeat period")
-    heartbeat_timeout_s: float = opt(5.0, "no heartbeat for this long: the node is lost")
-    startup_timeout_s: float = opt(120.0, "start -> first step; covers a slow first step")
-    hang_floor_s: float = opt(10.0, "no step progress for max(floor, factor * max step time): hang")
-    hang_factor: float = opt(5.0, "see hang_floor_s")
-    warmup_steps: int = opt(2, "steps before the hang window and the slowdown baseline are learned")
-    slow_factor: float = opt(3.0, "recent step time above factor x baseline: a slowdown alert")
-    traffic_window_s: float = opt(5.0, "traffic at zero this long while ranks run: a fault")
-    traffic_fall_ratio: float = opt(0.2, "traffic below ratio x its baseline: an alert")
-    traffic_interfaces: list[str] = opt(factory=list, doc="network interfaces watched; [] = every interface but lo")
-    error_keywords: list[str] = opt(doc="log lines containing any of these are faults", factory=lambda: [
-        "Traceback (most recent call last)", "CUDA error", "NCCL error", "ncclInternalError",
-        "Segmentation fault", "illegal memory access", "uncorrectable ECC"])
-    restart_budget: int = opt(10, "restarts allowed over the whole job")
-    max_node_faults: int = opt(2, "faults blamed on one node before it is evicted anyway")
-    spares: int = opt(0, "spare nodes that replace evicted ones")
-    stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")
-    selfcheck_timeout_s: float = opt(60.0, "limit on the self-check diagnostics after a fault")
-    selfcheck_expected: str = opt("", "JSON file of expected figures; \"\" = built-in floors")
-    api_host: str = opt("127.0.0.1", "the driver's API address (127.0.0.1 unless executors run elsewhere)")
-    api_port: int = opt(0, "0 = any free port (written to the state dir)")
-    api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
-    secret_dir: str = opt("", "token + TLS certificate and key; \"\" = <run_dir>/resilience/secret, made if missing")
-    rendezvous_port: int = opt(0, "0 = a free port per attempt; else base + attempt")
-    in_place: bool = opt(True, "recover by replacing only the failed ranks (the healthy ones stay alive, state "
-                               "from peer memory); false: every fault restarts every rank")
-    standby: int = opt(1, "warm rank processes (torch imported) an active node keeps for replacements; "
-                          "spares keep one per rank")
-
-    def validate(self) -> None:
-        for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",
-                    "traffic_window_s", "stop_timeout_s", "selfcheck_timeout_s", "api_request_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"resilience.{key} must be > 0, got {getattr(self, key)}")
-        if self.heartbeat_timeout_s <= self.heartbeat_s:
-            raise ConfigError(
-                f"resilience.heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
-                f"resilience.heartbeat_s={self.heartbeat_s}"
-            )
-        if self.hang_factor < 1 or self.slow_factor <= 1:
-            raise ConfigError("resilience.hang_factor must be >= 1 and resilience.slow_factor > 1")
-        if not 0 < self.traffic_fall_ratio < 1:
-            raise ConfigError(
-                f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
-            )
-        for key in ("warmup_steps", "restart_budget", "spares", "standby"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
-        if self.max_node_faults < 1:
-            raise ConfigError(f"resilience.max_node_faults must be >= 1, got {self.max_node_faults}")
-        for key in ("api_port", "rendezvous_port"):
-            if not 0 <= getattr(self, key) < 65536:
-                raise ConfigError(f"resilience.{key} must be a port in [0, 65535]")
 
 
 @dataclass
@@ -496,11 +363,11 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
     parallelism, equal sequence slices. Checked by `validate()` and again by tensor parallelism
     against the mesh it is given, before any collective."""
     if m.heads % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide model.heads={m.heads} (allowed tp: {_divisors(m.heads)})")
+        raise ConfigError(f"parallel.tp={tp} must divide model.heads={m.heads} (allowed tp: {divisors(m.heads)})")
     if m.kv_groups % tp:
         raise ConfigError(
             f"parallel.tp={tp} must divide model.kv_heads={m.kv_groups}: each tp rank holds whole "
-            f"key/value heads (allowed tp: {_divisors(m.kv_groups)})"
+            f"key/value heads (allowed tp: {divisors(m.kv_groups)})"
         )
     if m.ffn % tp:
         raise ConfigError(f"parallel.tp={tp} must divide the MLP width {m.ffn}")
@@ -523,14 +390,3 @@ def check_pipeline_split(layers: int, pp: int, vpp: int, split: str | list[int])
             f"parallel.pp_split={split} must list {chunks} (pp * vpp) chunks of >= 1 layer each, "
             f"in chunk order, adding up to model.layers={layers}"
         )
-
-
-def _positive(section: object, name: str, keys: list[str]) -> None:
-    for key in keys:
-        value = getattr(section, key)
-        if value < 1:
-            raise ConfigError(f"{name}.{key} must be >= 1, got {value}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

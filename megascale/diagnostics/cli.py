@@ -14,7 +14,7 @@ import sqlite3
 from pathlib import Path
 
 from megascale.config import load_config
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 from megascale.diagnostics.report import build_report
 from megascale.diagnostics.store import Collector
 from megascale.layout.grid import RankGrid

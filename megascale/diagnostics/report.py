@@ -16,7 +16,7 @@ from typing import Any
 
 import jinja2
 
-from megascale.config.schema import DiagnosticsConfig
+from megascale.config.operations import DiagnosticsConfig
 from megascale.diagnostics import hang, straggler, timeline
 from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.store import Collector, query

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megascale.config.schema import ConfigError, ModelConfig, RopeScaling
+from megascale.config.fields import ConfigError
+from megascale.config.schema import ModelConfig, RopeScaling
 from megascale.interop.hf_files import InteropError
 from megascale.interop.rules import Rule, copies, fused_qkv_conv1d, gate_up, same, separate_qkv, transposed
 

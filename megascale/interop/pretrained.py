@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from megascale.config.fields import ConfigError
 from megascale.config.loader import from_dict
-from megascale.config.schema import ConfigError, JobConfig, ModelConfig
+from megascale.config.schema import JobConfig, ModelConfig
 from megascale.interop.architectures import architecture_of
 from megascale.interop.hf_files import HFDirectory, InteropError
 from megascale.interop.rules import Rule, same

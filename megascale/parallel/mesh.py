@@ -21,7 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megascale.config.schema import ConfigError, ParallelConfig
+from megascale.config.fields import ConfigError
+from megascale.config.schema import ParallelConfig
 from megascale.layout.grid import DIMS, Coords, Dim, RankGrid
 from megascale.parallel.store import CountingStore, StartupStats, StoreAddress, create_store
 

@@ -25,7 +25,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megascale.config.schema import ConfigError, ParallelConfig
+from megascale.config.fields import ConfigError
+from megascale.config.schema import ParallelConfig
 
 # Key that PyTorch's store-based barrier (init/new_group barrier) adds to; one add per barrier.
 _BARRIER_KEY = "store_based_barrier_key"

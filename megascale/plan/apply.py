@@ -24,7 +24,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 from megascale.plan.layout import Layout
 from megascale.plan.placement import Host, place, read_hosts
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 from megascale.diagnostics.mfu import PEAK_FLOPS
 from megascale.plan.stragglers import SlowHosts
 

@@ -14,14 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from megascale.config.schema import (
-    ConfigError,
-    JobConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-)
+from megascale.config.fields import ConfigError
+from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.plan.stragglers import Jitter
 
 Recompute = Literal["none", "selective", "full"]

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.layout import Layout
 

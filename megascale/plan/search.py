@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.cost import StepEstimate, estimate
 from megascale.plan.layout import Features, Layout, Workload

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 
 
 @lru_cache(maxsize=1)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 from megascale.plan.cluster import find_preset, read_preset
 from megascale.plan.layout import Effects, Features, Implementation, Workload
 from megascale.plan.stragglers import Jitter

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megascale.config.schema import ResilienceConfig
+from megascale.config.operations import ResilienceConfig
 
 
 @dataclass(frozen=True)

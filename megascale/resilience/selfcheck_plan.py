@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megascale.config.schema import ResilienceConfig
+from megascale.config.operations import ResilienceConfig
 from megascale.resilience.placement import rendezvous_port
 from megascale.resilience.state import Node
 

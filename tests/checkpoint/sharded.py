@@ -17,7 +17,8 @@ from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
 from megascale.checkpoint.stateful import CheckpointState, RNGState, TrainState
-from megascale.config.schema import CheckpointConfig, JobConfig, ParallelConfig
+from megascale.config.operations import CheckpointConfig
+from megascale.config.schema import JobConfig, ParallelConfig
 from megascale.layout.shard import ShardSpec, local_piece, set_shard_spec, shard_spec
 
 # name -> (shape, tp dimension or None); "bias" has 9 elements so ZeRO pads it

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 from megascale.parallel.pipeline.schedule import (
     COMPUTE,
     RECVS,

@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
+from megascale.config.fields import ConfigError
 from megascale.config.schema import (
-    ConfigError,
     JobConfig,
     ModelConfig,
     OptimConfig,

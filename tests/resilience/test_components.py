@@ -52,7 +52,7 @@ def test_judge_does_not_guess_between_two_nodes():
 
 
 def test_plan_pairs_each_node_with_its_neighbours():
-    from megascale.config.schema import ResilienceConfig
+    from megascale.config.operations import ResilienceConfig
 
     nodes = [Node(f"n{i}", f"10.0.0.{i}", "h", ACTIVE, i) for i in range(3)]
     plans = build(nodes, 2, ResilienceConfig(rendezvous_port=30000))

@@ -1,6 +1,6 @@
 """Each detection rule on synthetic timelines (explicit `now`, no sleeping)."""
 
-from megascale.config.schema import ResilienceConfig
+from megascale.config.operations import ResilienceConfig
 from megascale.resilience.rules import (
     HangRule,
     SlowRule,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from megascale.config.schema import ConfigError
+from megascale.config.fields import ConfigError
 
 
 class Op(str, Enum):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megascale.config.schema import ConfigError, ModelConfig, check_pipeline_split
+from megascale.config.fields import ConfigError
+from megascale.config.schema import ModelConfig, check_pipeline_split
 from megascale.model.flops import flops_per_token
 from megascale.model.gpt import GPT
 

@@ -1,0 +1,133 @@
+"""The sections that run a job rather than define its mathematics: checkpoints, diagnostics
+and the fault-tolerant driver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megascale.config.fields import ConfigError, opt
+
+
+@dataclass
+class CheckpointConfig:
+    """Two-stage checkpoints: where, how often, how many, and resume."""
+
+    dir: str = opt("", "\"\" = <run_dir>/checkpoints; any fsspec URL is accepted")
+    every: int = opt(100, "save every N steps; 0 disables periodic saves")
+    keep: int = opt(3, "valid checkpoints kept")
+    resume: str = opt("auto", "auto (the newest valid one), none, or a checkpoint path")
+    init_from: str = opt("", "weights only, fresh optimizer: a Hugging Face checkpoint directory (megascale "
+                             "import); read when there is no checkpoint to resume from")
+    async_save: bool = opt(True, "stage 2 (persisting) in a background writer while training goes on")
+    when_busy: Literal["wait", "skip"] = opt(
+        "wait", "a save due while the previous one is still writing: wait, or skip it")
+    write_mb_per_s: float = opt(0.0, "cap on stage-2 write bandwidth per rank; 0 = unlimited")
+    commit_timeout_s: float = opt(600.0, "rank 0 gives up on a save whose other ranks never finish")
+    save_on_signal: bool = opt(True, "SIGTERM/Ctrl-C: every rank stops after the same step and saves")
+    fsync: bool = opt(True, "sync files and directories around each commit (false: scratch storage only)")
+    peer_every: int = opt(10, "steps between copies of each rank's state into a peer node's memory, used to "
+                             "recover under megascale launch (0 = no copies)")
+    peer_stride: int = opt(1, "a node's copies go to the node this many places on along the ring; at scale, the "
+                              "nodes behind one switch, so that one switch failure never takes a rank and its copy")
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError(
+                f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every}, {self.keep}"
+            )
+        if self.write_mb_per_s < 0:
+            raise ConfigError(f"checkpoint.write_mb_per_s must be >= 0, got {self.write_mb_per_s}")
+        if self.commit_timeout_s <= 0:
+            raise ConfigError(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        if self.peer_every < 0:
+            raise ConfigError(f"checkpoint.peer_every must be >= 0 (0 = no peer copies), got {self.peer_every}")
+        if self.peer_stride < 1:
+            raise ConfigError(f"checkpoint.peer_stride must be >= 1 (nodes along the ring), got {self.peer_stride}")
+
+
+@dataclass
+class DiagnosticsConfig:
+    """Always-on timers, hang dumps, the Flight Recorder and straggler detection."""
+
+    timers: bool = opt(True, "always-on per-rank timers (compute apart from communication waits)")
+    hang_timeout_s: float = opt(300.0, "a rank stuck this long dumps where it is (hang analysis)")
+    flight_recorder: bool = opt(True, "PyTorch's Flight Recorder of collectives (feeds hang analysis)")
+    straggler_threshold: float = opt(1.10, "a rank slower than its peers' median by this factor ...")
+    straggler_min_fraction: float = opt(0.5, "... in at least this share of the analysed steps is a straggler")
+    straggler_warmup_steps: int = opt(1, "first steps left out of straggler statistics")
+
+    def validate(self) -> None:
+        if self.hang_timeout_s <= 0 or self.straggler_threshold <= 1:
+            raise ConfigError(
+                "diagnostics.hang_timeout_s must be > 0 and diagnostics.straggler_threshold > 1"
+            )
+        if not 0 < self.straggler_min_fraction <= 1:
+            raise ConfigError(
+                f"diagnostics.straggler_min_fraction must be in (0, 1], "
+                f"got {self.straggler_min_fraction}"
+            )
+        if self.straggler_warmup_steps < 0:
+            raise ConfigError(
+                "diagnostics.straggler_warmup_steps must be >= 0, "
+                f"got {self.straggler_warmup_steps}"
+            )
+
+
+@dataclass
+class ResilienceConfig:
+    """The fault-tolerant driver (`megascale launch`) and its executors."""
+
+    heartbeat_s: float = opt(1.0, "executor -> driver heartbeat period")
+    heartbeat_timeout_s: float = opt(5.0, "no heartbeat for this long: the node is lost")
+    startup_timeout_s: float = opt(120.0, "start -> first step; covers a slow first step")
+    hang_floor_s: float = opt(10.0, "no step progress for max(floor, factor * max step time): hang")
+    hang_factor: float = opt(5.0, "see hang_floor_s")
+    warmup_steps: int = opt(2, "steps before the hang window and the slowdown baseline are learned")
+    slow_factor: float = opt(3.0, "recent step time above factor x baseline: a slowdown alert")
+    traffic_window_s: float = opt(5.0, "traffic at zero this long while ranks run: a fault")
+    traffic_fall_ratio: float = opt(0.2, "traffic below ratio x its baseline: an alert")
+    traffic_interfaces: list[str] = opt(factory=list, doc="network interfaces watched; [] = every interface but lo")
+    error_keywords: list[str] = opt(doc="log lines containing any of these are faults", factory=lambda: [
+        "Traceback (most recent call last)", "CUDA error", "NCCL error", "ncclInternalError",
+        "Segmentation fault", "illegal memory access", "uncorrectable ECC"])
+    restart_budget: int = opt(10, "restarts allowed over the whole job")
+    max_node_faults: int = opt(2, "faults blamed on one node before it is evicted anyway")
+    spares: int = opt(0, "spare nodes that replace evicted ones")
+    stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")
+    selfcheck_timeout_s: float = opt(60.0, "limit on the self-check diagnostics after a fault")
+    selfcheck_expected: str = opt("", "JSON file of expected figures; \"\" = built-in floors")
+    api_host: str = opt("127.0.0.1", "the driver's API address (127.0.0.1 unless executors run elsewhere)")
+    api_port: int = opt(0, "0 = any free port (written to the state dir)")
+    api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
+    secret_dir: str = opt("", "token + TLS certificate and key; \"\" = <run_dir>/resilience/secret, made if missing")
+    rendezvous_port: int = opt(0, "0 = a free port per attempt; else base + attempt")
+    in_place: bool = opt(True, "recover by replacing only the failed ranks (the healthy ones stay alive, state "
+                               "from peer memory); false: every fault restarts every rank")
+    standby: int = opt(1, "warm rank processes (torch imported) an active node keeps for replacements; "
+                          "spares keep one per rank")
+
+    def validate(self) -> None:
+        for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",
+                    "traffic_window_s", "stop_timeout_s", "selfcheck_timeout_s", "api_request_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"resilience.{key} must be > 0, got {getattr(self, key)}")
+        if self.heartbeat_timeout_s <= self.heartbeat_s:
+            raise ConfigError(
+                f"resilience.heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
+                f"resilience.heartbeat_s={self.heartbeat_s}"
+            )
+        if self.hang_factor < 1 or self.slow_factor <= 1:
+            raise ConfigError("resilience.hang_factor must be >= 1 and resilience.slow_factor > 1")
+        if not 0 < self.traffic_fall_ratio < 1:
+            raise ConfigError(
+                f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
+            )
+        for key in ("warmup_steps", "restart_budget", "spares", "standby"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
+        if self.max_node_faults < 1:
+            raise ConfigError(f"resilience.max_node_faults must be >= 1, got {self.max_node_faults}")
+        for key in ("api_port", "rendezvous_port"):
+            if not 0 <= getattr(self, key) < 65536:
+                raise ConfigError(f"resilience.{key} must be a port in [0, 65535]")
