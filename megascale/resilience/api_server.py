@@ -86,6 +86,7 @@ class ApiServer:
         self.host, self.port = self._sock.getsockname()[:2]
         self.conns: dict[_Connection, None] = {}  # oldest first: the first idle one is evicted
         self.refusals = _RateLimitedLog(per_s=10)
+        self.at_cap = _RateLimitedLog(per_s=2)  # apart: a flood of bad requests never hides the cap
         self._loop = asyncio.new_event_loop()
         self._pool = ThreadPoolExecutor(limits.handler_threads, thread_name_prefix="api-handler")
         self._thread = threading.Thread(target=self._run, name="driver-api", daemon=True)
@@ -129,7 +130,7 @@ class ApiServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of descriptors after all: shed one, pause, never spin
-                self.refusals.note("api: accept failed (%s); closing the oldest idle connection", exc)
+                self.at_cap.note("api: accept failed (%s); closing the oldest idle connection", exc)
                 self.evict_idle()
                 fd = self._sock.fileno()
                 self._loop.remove_reader(fd)
@@ -137,7 +138,7 @@ class ApiServer:
                 return
             sock.setblocking(False)
             if len(self.conns) >= self.cap and not self.evict_idle():
-                self.refusals.note("api: connection from %s refused: %d connections, all busy", _peer(peer), self.cap)
+                self.at_cap.note("api: connection from %s refused: %d connections, all busy", _peer(peer), self.cap)
                 sock.close()
                 continue
             conn = _Connection(self, sock, _peer(peer))
@@ -147,7 +148,7 @@ class ApiServer:
     def evict_idle(self) -> bool:
         victim = next((c for c in self.conns if not c.busy), None)
         if victim is not None:
-            self.refusals.note("api: at the cap of %d connections: closed the oldest idle one, from %s",
+            self.at_cap.note("api: at the cap of %d connections: closed the oldest idle one, from %s",
                                self.cap, victim.peer)
             victim.abort()
         return victim is not None

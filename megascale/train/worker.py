@@ -28,6 +28,7 @@ from megascale.config.private_files import open_private
 from megascale.data import corpus
 from megascale.data.shards import DataError
 from megascale.diagnostics.mfu import peak_flops
+from megascale.plan.env import format_applied
 from megascale.resilience.faults import StepHook, rank_step_hook
 from megascale.resilience.protocol import Assign, Rejoin
 from megascale.resilience.rankctl import RankControl, is_peer_failure
@@ -36,6 +37,7 @@ from megascale.train.trainer import Trainer
 
 log = logging.getLogger("megascale")
 PAUSED = None  # what `generation` returns when the rank waits for the next attempt
+COMMUNICATION_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_")
 
 
 def serve() -> int:
@@ -52,7 +54,7 @@ def serve() -> int:
     replicas = ReplicaStore()
     message: Assign | Rejoin = assignment
     while True:
-        os.environ.update(message.env)
+        os.environ.update(message.env)  # not in /proc/PID/environ: the log line below says it
         code = generation(message.config, replicas, control)
         if code is not PAUSED:
             return code
@@ -83,6 +85,7 @@ def generation(config: str, replicas: ReplicaStore, control: RankControl) -> int
     trainer, failure = None, None
     try:
         trainer = Trainer(cfg, replicas)
+        log.info("%s", format_applied({k: v for k, v in os.environ.items() if k.startswith(COMMUNICATION_PREFIXES)}))
         hook = rank_step_hook(trainer.rank, facts=trainer)
         if hook is not None:
             trainer.step_hooks.append(hook)
