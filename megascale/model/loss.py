@@ -46,24 +46,26 @@ class _ChunkedLinearCrossEntropy(Function):
                 local = lc - vocab_start
                 inside = (local >= 0) & (local < local_vocab)
                 index = local.clamp(0, local_vocab - 1).unsqueeze(-1)
-                lse = torch.logsumexp(logits, -1)
                 target = logits.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
-                if combine is not None:
-                    lse_all, target = combine(lse, target)
-                else:
-                    lse_all = lse
+                top = logits.amax(-1)
+                exp = logits.sub_(top.unsqueeze(-1)).exp_()  # in place: one chunk-sized buffer
+                lse = exp.sum(-1).log_().add_(top)
+                lse_all, target = (lse, target) if combine is None else combine(lse, target)
                 valid = lc != IGNORE_INDEX
                 total += (lse_all - target).masked_fill(~valid, 0.0).sum()
                 if not (want_x or want_w):
                     continue
-                grad = logits.sub_(lse_all.unsqueeze(-1)).exp_()  # softmax, in place of the logits
-                grad.scatter_add_(-1, index, -inside.unsqueeze(-1).to(grad.dtype))
-                grad = grad.mul_(valid.unsqueeze(-1)).to(x.dtype)
+                # softmax over the whole vocabulary, minus the one-hot target, for valid tokens
+                scale = (top - lse_all).exp_().masked_fill_(~valid, 0.0)
+                grad = exp.mul_(scale.unsqueeze(-1))
+                grad.scatter_add_(-1, index, -(inside & valid).unsqueeze(-1).to(grad.dtype))
+                grad = grad.to(x.dtype)
                 if want_x:
                     torch.mm(grad, weight, out=grad_x[start:start + chunk])
-                if want_w:
-                    part = grad.t() @ xc
-                    grad_w += part
+                if want_w and grad_w.dtype == grad.dtype:
+                    grad_w.addmm_(grad.t(), xc)
+                elif want_w:  # bf16 GEMM, fp32 sum over chunks
+                    grad_w += grad.t() @ xc
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -71,8 +73,9 @@ class _ChunkedLinearCrossEntropy(Function):
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        gx = None if grad_x is None else grad_x * grad_total.to(grad_x.dtype)
-        gw = None if grad_w is None else (grad_w * grad_total).to(ctx.weight_dtype)
+        # in place: the forward's buffers are not needed again (a second backward is refused)
+        gx = None if grad_x is None else grad_x.mul_(grad_total.to(grad_x.dtype))
+        gw = None if grad_w is None else grad_w.mul_(grad_total).to(ctx.weight_dtype)
         return gx, gw, None, None, None, None, None
 
 
