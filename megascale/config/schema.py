@@ -299,7 +299,9 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile each block (fuses LayerNorm, GeLU, residual adds)")
     fuse_input_gemm: bool = opt(
         False, "parallel block: QKV and MLP up-projection as one GEMM (tensor parallel always does)")
-    attention: Literal["auto", "sdpa", "flex"] = opt("auto", "attention kernel: auto, sdpa, or flex (CUDA only)")
+    attention: Literal["auto", "sdpa", "flex", "sliding"] = opt(
+        "auto", "attention kernel: auto, sdpa (SWA band-masked: O(s^2)), flex (CUDA only), or sliding "
+        "(SWA in query blocks, O(s*w), any device; auto's choice off CUDA)")
     loss_chunk: int = opt(DEFAULT_LOSS_CHUNK, "tokens per chunk of the head and loss: whole logits never exist "
                           "(a chunk's are loss_chunk x vocab/tp fp32 values)")
     eval_every: int = opt(50, "evaluate every N steps; 0 = never")

@@ -30,42 +30,50 @@ IGNORE_INDEX = -100
 Combine = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _chunk(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+           combine: Combine | None, grad_x: torch.Tensor | None, grad_w: torch.Tensor | None) -> torch.Tensor:
+    """The summed loss of one chunk of tokens; its gradients written into `grad_x` (this chunk's
+    rows) and added to `grad_w`. Its logits die when it returns (one chunk alive at a time)."""
+    local_vocab = weight.shape[0]
+    logits = (x @ weight.t()).float()
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < local_vocab)
+    index = local.clamp(0, local_vocab - 1).unsqueeze(-1)
+    target = logits.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
+    top = logits.amax(-1)
+    exp = logits.sub_(top.unsqueeze(-1)).exp_()  # in place: one chunk-sized buffer
+    lse = exp.sum(-1).log_().add_(top)
+    lse_all, target = (lse, target) if combine is None else combine(lse, target)
+    valid = labels != IGNORE_INDEX
+    loss = (lse_all - target).masked_fill(~valid, 0.0).sum()
+    if grad_x is None and grad_w is None:
+        return loss
+    # softmax over the whole vocabulary, minus the one-hot target, for valid tokens
+    grad = exp.mul_((top - lse_all).exp_().masked_fill_(~valid, 0.0).unsqueeze(-1))
+    grad.scatter_add_(-1, index, -(inside & valid).unsqueeze(-1).to(grad.dtype))
+    grad = grad.to(x.dtype)
+    if grad_x is not None:
+        torch.mm(grad, weight, out=grad_x)
+    if grad_w is not None and grad_w.dtype == grad.dtype:
+        grad_w.addmm_(grad.t(), x)
+    elif grad_w is not None:  # bf16 GEMM, fp32 sum over chunks
+        grad_w += grad.t() @ x
+    return loss
+
+
 class _ChunkedLinearCrossEntropy(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
                 vocab_start: int, combine: Combine | None, grads: bool) -> torch.Tensor:
         want_x, want_w = (grads and ctx.needs_input_grad[0]), (grads and ctx.needs_input_grad[1])
-        local_vocab = weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if want_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         with torch.autocast(x.device.type, enabled=False):  # the caller chose the GEMM dtype
             for start in range(0, x.shape[0], chunk):
-                xc, lc = x[start:start + chunk], labels[start:start + chunk]
-                logits = (xc @ weight.t()).float()
-                local = lc - vocab_start
-                inside = (local >= 0) & (local < local_vocab)
-                index = local.clamp(0, local_vocab - 1).unsqueeze(-1)
-                target = logits.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
-                top = logits.amax(-1)
-                exp = logits.sub_(top.unsqueeze(-1)).exp_()  # in place: one chunk-sized buffer
-                lse = exp.sum(-1).log_().add_(top)
-                lse_all, target = (lse, target) if combine is None else combine(lse, target)
-                valid = lc != IGNORE_INDEX
-                total += (lse_all - target).masked_fill(~valid, 0.0).sum()
-                if not (want_x or want_w):
-                    continue
-                # softmax over the whole vocabulary, minus the one-hot target, for valid tokens
-                scale = (top - lse_all).exp_().masked_fill_(~valid, 0.0)
-                grad = exp.mul_(scale.unsqueeze(-1))
-                grad.scatter_add_(-1, index, -(inside & valid).unsqueeze(-1).to(grad.dtype))
-                grad = grad.to(x.dtype)
-                if want_x:
-                    torch.mm(grad, weight, out=grad_x[start:start + chunk])
-                if want_w and grad_w.dtype == grad.dtype:
-                    grad_w.addmm_(grad.t(), xc)
-                elif want_w:  # bf16 GEMM, fp32 sum over chunks
-                    grad_w += grad.t() @ xc
+                rows = slice(start, start + chunk)
+                total += _chunk(x[rows], weight, labels[rows], vocab_start, combine,
+                                None if grad_x is None else grad_x[rows], grad_w)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return total

@@ -66,7 +66,7 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         if cfg.train.attention == "flex" and self.device.type != "cuda":
             raise ConfigError("train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
-                              "use 'auto' (band-masked SDPA on CPU) or 'sdpa'")
+                              "use 'auto' (the sliding-chunks kernel for SWA off CUDA) or 'sliding'")
         if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
             os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         self.mesh = init_mesh(cfg.parallel, device=self.device.type)
