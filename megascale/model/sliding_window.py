@@ -8,7 +8,8 @@ ceil((w - 1) / block) blocks cover the window, so the scores of one block are `b
 block are a strided view (`unfold`) of the keys padded with p blocks in front; the
 band (i - w < j <= i) and the padding are masked inside each block. Forward and backward are
 batched GEMMs over all blocks at once; the backward is written out (the softmax is kept from the
-forward, O(s*w) memory) and adds each block's key/value gradients back into place.
+forward, O(s*w) memory; the softmax's row sums come from the output, as FlashAttention's) and
+adds each block's key/value gradients back into place.
 
 Semantics are the band-masked reference's (`attention.sdpa_attention`): query i attends to keys
 i - w + 1 .. i; w >= s is full causal attention; grouped-query attention (each key/value head
@@ -70,21 +71,23 @@ class _SlidingWindowAttention(Function):
         masked = work.view(b, groups, n, per, block, span)
         masked[:, :, previous:] += bias[previous]
         masked[:, :, :previous] += bias[:previous].unsqueeze(1)
-        probs = work.softmax(-1).to(q.dtype)
+        top = work.amax(-1, keepdim=True)  # softmax in place: one score-sized buffer
+        probs = work.sub_(top).exp_()
+        probs = probs.div_(probs.sum(-1, keepdim=True)).to(q.dtype)
         out = probs @ _windows(vp, span, block)  # [b, groups, n, per*block, d]
-        ctx.save_for_backward(qb, kp, vp, probs)
+        ctx.save_for_backward(qb, kp, vp, probs, out)
         ctx.shape = (b, heads, s, d, groups, per, n, block, span, previous)
         return _unblock(out, ctx.shape)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        qb, kp, vp, probs = ctx.saved_tensors
+        qb, kp, vp, probs, out = ctx.saved_tensors
         b, heads, s, d, groups, per, n, block, span, previous = ctx.shape
         go = F.pad(grad_out, (0, 0, 0, n * block - s)).view(b, groups, per, n, block, d)
         go = go.transpose(2, 3).reshape(b, groups, n, per * block, d)
         grad_probs = go @ _windows(vp, span, block).transpose(-1, -2)
-        # softmax backward: dS = P * (dP - rowsum(dP * P))
-        grad_scores = grad_probs.sub_((grad_probs * probs).sum(-1, keepdim=True)).mul_(probs)
+        # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O)
+        grad_scores = grad_probs.sub_((go * out).sum(-1, keepdim=True)).mul_(probs)
         grad_q = (grad_scores @ _windows(kp, span, block)) * (1.0 / math.sqrt(d))
         grad_kw = grad_scores.transpose(-1, -2) @ qb  # [b, groups, n, span, d]
         grad_vw = probs.transpose(-1, -2) @ go
