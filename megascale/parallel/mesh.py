@@ -159,7 +159,7 @@ class ParallelMesh:
 def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
     """Join the job (torchrun-style environment) and create this rank's process groups."""
     start = time.perf_counter()
-    grid = RankGrid(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
+    grid = RankGrid.of(cfg)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world != grid.world_size:
         raise ConfigError(

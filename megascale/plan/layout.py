@@ -16,6 +16,7 @@ from typing import Literal
 
 from megascale.config.fields import ConfigError
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megascale.layout.grid import RankGrid
 from megascale.plan.stragglers import Jitter
 
 Recompute = Literal["none", "selective", "full"]
@@ -63,7 +64,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return RankGrid.of(self).world_size
 
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)

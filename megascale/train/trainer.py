@@ -30,7 +30,7 @@ from megascale.config.help import non_defaults
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
-from megascale.diagnostics.watchdog import Watchdog
+from megascale.diagnostics.watchdog import Watchdog, enable_flight_recorder
 from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
@@ -68,7 +68,7 @@ class Trainer:
             raise ConfigError("train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
                               "use 'auto' (band-masked SDPA on CPU) or 'sdpa'")
         if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+            enable_flight_recorder()
         self.mesh = init_mesh(cfg.parallel, device=self.device.type)
         # when this rank joined and had its state back: the driver's recovery phases read it
         self.start_record: dict = {"joined_at": time.time(), "restored_at": None, "source": None, "step": None}

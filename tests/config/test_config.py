@@ -109,3 +109,28 @@ def test_the_packaged_default_is_used_from_any_directory(tmp_path, monkeypatch):
     assert f"config {default_config_path()} (packaged default) with 1 override(s)" in done.stderr
     assert "config error: train.steps must be >= 1" in done.stderr
     assert load_config(default_config_path()).model.window == 128  # not the built-in full attention
+
+
+def test_the_packaged_default_holds_only_what_differs_from_the_schema():
+    """default.toml repeats no schema default, and the generated reference (in the doc and in
+    --help) states exactly what `megascale train` runs differently from the keys it lists."""
+    from pathlib import Path
+
+    from megascale.config.help import _flatten, keys, markdown_reference, packaged_default_line
+    from megascale.config.loader import tomllib  # tomli before Python 3.11
+
+    written = _flatten(tomllib.loads(default_config_path().read_text()))
+    defaults = {k.name: k.default for k in keys()}
+    repeated = [k for k, v in written.items() if defaults[k] == v]
+    assert not repeated, f"default.toml repeats the schema's defaults of {repeated}: drop them"
+    line = packaged_default_line()
+    assert all(f"`{k} = " in line for k in written) and line.count(" = ") == len(written)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    assert markdown_reference() in doc, "docs/configuration.md is stale: run python -m megascale.config.help"
+
+
+def test_one_checkpoint_root(tmp_path):
+    from megascale.config.operations import CheckpointConfig, checkpoint_root
+
+    assert checkpoint_root(CheckpointConfig(), tmp_path / "run") == str(tmp_path / "run" / "checkpoints")
+    assert checkpoint_root(CheckpointConfig(dir="s3://bucket/ck"), tmp_path) == "s3://bucket/ck"
