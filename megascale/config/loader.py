@@ -33,15 +33,21 @@ def default_config_path() -> Path:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Build a validated config from the built-in defaults, an optional TOML file over them, then
     `--a.b=v` overrides."""
-    raw: dict[str, Any] = {}
+    text = ""
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        text = path.read_text()
+    return config_from_toml(text, f"config file {path}", overrides)
+
+
+def config_from_toml(text: str, source: str, overrides: list[str] | None = None) -> JobConfig:
+    """A validated config from TOML text (`source` names it in errors), then `--a.b=v` overrides."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from exc
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
@@ -174,4 +180,4 @@ def dump_config(cfg: JobConfig, path: str | Path) -> None:
     write_private(path, tomli_w.dumps(to_dict(cfg)))
 
 
-__all__ = ["load_config", "dump_config", "to_dict", "parse_override"]
+__all__ = ["load_config", "config_from_toml", "dump_config", "to_dict", "parse_override"]

@@ -134,3 +134,18 @@ def test_one_checkpoint_root(tmp_path):
 
     assert checkpoint_root(CheckpointConfig(), tmp_path / "run") == str(tmp_path / "run" / "checkpoints")
     assert checkpoint_root(CheckpointConfig(dir="s3://bucket/ck"), tmp_path) == "s3://bucket/ck"
+
+
+def test_the_driver_edits_a_typed_validated_config():
+    """An attempt's config is the job's, changed as a JobConfig and checked: a dp the job's batch
+    cannot take fails in the driver, naming the key, instead of reaching the ranks as text."""
+    from megascale.config.handoff import attempt_config, config_text
+    from megascale.config.loader import config_from_toml
+
+    job = load_config(None, ["--train.global_batch=8", "--train.micro_batch=2", "--parallel.redis_url=redis://:pw@h:1/0"])
+    cfg = config_from_toml(attempt_config(config_text(job), dp=2, run_dir="/r"), "attempt")
+    assert (cfg.parallel.dp, cfg.train.run_dir, cfg.checkpoint.resume, cfg.checkpoint.save_on_signal) == (
+        2, "/r", "auto", False)
+    assert cfg.model == job.model and "pw" not in cfg.parallel.redis_url
+    with pytest.raises(ConfigError, match=r"train.global_batch=8 must be a multiple of .* parallel.dp"):
+        attempt_config(config_text(job), dp=3, run_dir="/r")
