@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import posixpath
 import queue
 import secrets
@@ -89,7 +88,7 @@ class CheckpointManager:
         self.replicator = self._replicator(replicas)
 
     def _replicator(self, replicas: ReplicaStore | None) -> PeerReplicator | None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        local_world = self.mesh.launch.local_world_size or self.world
         if replicas is None or self.cfg.peer_every <= 0 or local_world >= self.world:
             return None  # nobody to recover from the copies, or no other node to keep them
         nodes = self.world // local_world

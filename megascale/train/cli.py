@@ -25,6 +25,7 @@ from megascale.config.handoff import config_text, write_rank_files
 from megascale.config.operations import checkpoint_root
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.layout.grid import RankGrid
+from megascale.layout.launch import LaunchEnv
 from megascale.plan.env import format_applied, launch_env, with_defaults
 
 
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
         return serve()
     path = args.config or default_config_path()
-    under_launcher = "RANK" in os.environ
+    under_launcher = LaunchEnv.from_env().launched
     if not under_launcher:  # ranks started by a launcher read the file it resolved: it said this
         print(f"megascale train: config {path}{'' if args.config else ' (packaged default)'} "
               f"with {len(args.overrides)} override(s); the log lists what differs from the built-in defaults",
