@@ -32,7 +32,7 @@ def keys(cls: type = JobConfig, prefix: str = "") -> Iterator[Key]:
     instance = cls()
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from keys(tp, f"{prefix}{f.name}.")
             continue
         yield Key(f"{prefix}{f.name}", describe_type(tp), getattr(instance, f.name), f.metadata.get("doc", ""))

@@ -85,7 +85,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, prefix=f"{key}.")
     origin = get_origin(tp)
     if origin is Literal:

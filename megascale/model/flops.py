@@ -27,7 +27,7 @@ def mean_attention_span(seq_len: int, window: int | None) -> float:
     return total / seq_len
 
 
-def attention_flops(span: float, hidden: int) -> float:
+def attention_flops(span: float, hidden: float) -> float:
     """Forward FLOPs of one layer's attention for one query over `span` keys: QK^T and scores x V,
     each `span * hidden` multiply-adds of 2 FLOPs (the one formula the model and planner use)."""
     return 2 * 2 * span * hidden

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_layout(text: str, base: Layout, gpus: int | None = None) -> tuple[Layout, bool]:
     """(layout, whether rc was given). dp may be left out when `gpus` is known."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue

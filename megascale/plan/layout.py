@@ -12,7 +12,7 @@ Layout validity reuses the job config's own checks, so the planner never propose
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from megascale.config.fields import ConfigError
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -48,7 +48,7 @@ class Workload:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
 
-    def with_model(self, **changes: object) -> Workload:
+    def with_model(self, **changes: Any) -> Workload:
         return replace(self, model=replace(self.model, **changes))
 
 
