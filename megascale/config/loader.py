@@ -44,6 +44,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_from_toml(text: str, source: str, overrides: list[str] | None = None) -> JobConfig:
     """A validated config from TOML text (`source` names it in errors), then `--a.b=v` overrides."""
+    cfg = typed_config(text, source, overrides)
+    cfg.validate()
+    return cfg
+
+
+def typed_config(text: str, source: str, overrides: list[str] | None = None) -> JobConfig:
+    """As `config_from_toml`, with every key and type checked but the values not validated yet
+    (for a caller that changes the config first)."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -51,9 +59,7 @@ def config_from_toml(text: str, source: str, overrides: list[str] | None = None)
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
-    cfg = from_dict(JobConfig, raw, prefix="")
-    cfg.validate()
-    return cfg
+    return from_dict(JobConfig, raw, prefix="")
 
 
 def parse_override(item: str) -> tuple[str, Any]:

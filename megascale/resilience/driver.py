@@ -366,7 +366,8 @@ class Driver(RecoveryPaths):
             s.layout = layout_for(self.cfg, len(active), s.ranks_per_node)
             # ranks of a failed attempt must die on SIGTERM, not wait for peers to agree on a save:
             # the driver stops them itself and restarts from the last committed checkpoint
-            config = attempt_config(s.train_config, dp=s.layout["dp"], run_dir=s.run_dir)
+            password = self.cfg.parallel.redis_password() if self.cfg.parallel.store == "redis" else None
+            config = attempt_config(s.train_config, dp=s.layout["dp"], run_dir=s.run_dir, redis_password=password)
         except (PlacementError, ConfigError) as exc:
             return self._finish(FAILED, str(exc))
         active = self._in_planned_order(active)
@@ -374,7 +375,6 @@ class Driver(RecoveryPaths):
         env = {"WORLD_SIZE": str(len(active) * s.ranks_per_node), "MASTER_ADDR": s.master["addr"],
                "MASTER_PORT": str(s.master["port"]), "MEGASCALE_JOB_ID": s.job_id,
                "MEGASCALE_RESTART_ATTEMPT": str(s.attempt)}
-        password = self.cfg.parallel.redis_password() if self.cfg.parallel.store == "redis" else None
         for node in active:
             self._send(node.node_id, "start", attempt=s.attempt, ranks=slot_ranks(node.slot, s.ranks_per_node),
                        env=env, plan_env=self.plan_env, config=config, redis_password=password,

@@ -149,3 +149,18 @@ def test_the_driver_edits_a_typed_validated_config():
     assert cfg.model == job.model and "pw" not in cfg.parallel.redis_url
     with pytest.raises(ConfigError, match=r"train.global_batch=8 must be a multiple of .* parallel.dp"):
         attempt_config(config_text(job), dp=3, run_dir="/r")
+
+
+def test_an_attempt_is_checked_with_the_password_the_ranks_get_apart(monkeypatch):
+    """The ranks' text has no Redis password (it travels as a file): the driver's check of an
+    attempt counts the one it hands them, as the ranks' own check will."""
+    from megascale.config.handoff import attempt_config, config_text
+
+    for name in ("MEGASCALE_REDIS_PASSWORD", "MEGASCALE_REDIS_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    job = load_config(None, ["--parallel.store=redis", "--parallel.redis_start=true",
+                             "--parallel.redis_url=redis://:s3cret@10.0.0.1:6380/0"])
+    text = config_text(job)
+    assert "s3cret" not in attempt_config(text, dp=1, run_dir="/r", redis_password="s3cret")
+    with pytest.raises(ConfigError, match="without a password"):
+        attempt_config(text, dp=1, run_dir="/r")
