@@ -8,8 +8,9 @@ ceil((w - 1) / block) blocks cover the window, so the scores of one block are `b
 block are a strided view (`unfold`) of the keys padded with p blocks in front; the
 band (i - w < j <= i) and the padding are masked inside each block. Forward and backward are
 batched GEMMs over all blocks at once; the backward is written out (the softmax is kept from the
-forward, O(s*w) memory; the softmax's row sums come from the output, as FlashAttention's) and
-adds each block's key/value gradients back into place.
+forward, O(s*w) memory, its division by the row sums applied to the [.., d] output and output
+gradient; the softmax backward's row sums come from dO * O, as FlashAttention's) and adds
+each block's key/value gradients back into place.
 
 Semantics are the band-masked reference's (`attention.sdpa_attention`): query i attends to keys
 i - w + 1 .. i; w >= s is full causal attention; grouped-query attention (each key/value head
@@ -69,28 +70,35 @@ class _SlidingWindowAttention(Function):
         work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         bias = _band_bias(window, block, previous, q.device, work.dtype)
         masked = work.view(b, groups, n, per, block, span)
-        masked[:, :, previous:] += bias[previous]
+        # from block `previous` on, only the first span - w columns (the window's far edge) and
+        # those after previous * block (the diagonal block's future) hold masked entries
+        low, high = max(0, span - window), previous * block + 1
+        masked[:, :, previous:, :, :, :low] += bias[previous, :, :low]
+        masked[:, :, previous:, :, :, high:] += bias[previous, :, high:]
         masked[:, :, :previous] += bias[:previous].unsqueeze(1)
-        top = work.amax(-1, keepdim=True)  # softmax in place: one score-sized buffer
-        probs = work.sub_(top).exp_()
-        probs = probs.div_(probs.sum(-1, keepdim=True)).to(q.dtype)
-        out = probs @ _windows(vp, span, block)  # [b, groups, n, per*block, d]
-        ctx.save_for_backward(qb, kp, vp, probs, out)
+        # softmax numerators in place (one score-sized buffer); the division by the row sums is
+        # applied to the [.., d] output, and in the backward to the [.., d] output gradient
+        exp = work.sub_(work.amax(-1, keepdim=True)).exp_()
+        sums = exp.sum(-1, keepdim=True)
+        exp = exp.to(q.dtype)
+        out = (exp @ _windows(vp, span, block)).div_(sums.to(q.dtype))  # [b, groups, n, per*block, d]
+        ctx.save_for_backward(qb, kp, vp, exp, sums, out)
         ctx.shape = (b, heads, s, d, groups, per, n, block, span, previous)
         return _unblock(out, ctx.shape)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        qb, kp, vp, probs, out = ctx.saved_tensors
+        qb, kp, vp, exp, sums, out = ctx.saved_tensors
         b, heads, s, d, groups, per, n, block, span, previous = ctx.shape
         go = F.pad(grad_out, (0, 0, 0, n * block - s)).view(b, groups, per, n, block, d)
-        go = go.transpose(2, 3).reshape(b, groups, n, per * block, d)
-        grad_probs = go @ _windows(vp, span, block).transpose(-1, -2)
-        # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O)
-        grad_scores = grad_probs.sub_((go * out).sum(-1, keepdim=True)).mul_(probs)
+        go = go.transpose(2, 3).reshape(b, groups, n, per * block, d).div(sums.to(grad_out.dtype))
+        # with P = exp / sums: dS = P * (dP - rowsum(dP * P)), rowsum(dP * P) = rowsum(dO * O);
+        # both terms divided by sums (in go) leave exp as the factor
+        grad_scores = go @ _windows(vp, span, block).transpose(-1, -2)
+        grad_scores = grad_scores.sub_((go * out).sum(-1, keepdim=True)).mul_(exp)
         grad_q = (grad_scores @ _windows(kp, span, block)) * (1.0 / math.sqrt(d))
         grad_kw = grad_scores.transpose(-1, -2) @ qb  # [b, groups, n, span, d]
-        grad_vw = probs.transpose(-1, -2) @ go
+        grad_vw = exp.transpose(-1, -2) @ go
         return (_unblock(grad_q, ctx.shape), _fold(grad_kw, ctx.shape), _fold(grad_vw, ctx.shape), None, None)
 
 
