@@ -353,6 +353,31 @@ class CheckpointManager:
                 self.replicas.discard_after(self.state.step)
             return True
 
+    def rollback(self) -> int | None:
+        """Restore the newest valid checkpoint of this run in place (a loss spike): wait for the
+        save in flight, load it into the live state; its step, or None when there is none."""
+        self._wait()
+        fs, root = open_root(self.root)
+        candidates = catalog.candidates(fs, root) if self.rank == 0 else []
+        while True:
+            choice = self.comm.broadcast(candidates.pop(0) if candidates else None)
+            if choice is None:
+                return None
+            try:
+                self._load(fs, *choice)
+            except CheckpointError as exc:
+                log.warning("checkpoint %s cannot be used: %s -- trying the previous one", choice[0], exc)
+                continue
+            if self.replicas is not None:
+                self.replicas.discard_after(self.state.step)
+            return self.state.step
+
+    def last_good(self) -> str:
+        """The newest checkpoint this rank knows committed, said for an error message."""
+        if self.committed is not None:
+            return f"step {self.committed[0]} in {self.committed[1]}"
+        return "none committed by this run" if self.rank == 0 else "named in rank 0's log"
+
     def _resume_from_memory(self, storage_step: int | None) -> bool:
         """Restore from the newest generation of peer copies that covers every rank, when it is at
         least as new as storage's newest checkpoint; a generation that fails a check is skipped."""
