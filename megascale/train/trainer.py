@@ -101,10 +101,7 @@ class Trainer:
         if cfg.diagnostics.timers:  # it reads the open timer spans to say where a hang is
             self.watchdog.start()
         self.train_state = TrainState()
-        self.nonfinite = NonFiniteGuard(cfg.train.max_skipped_steps)
-        self.spikes = SpikeDetector(cfg.train.spike_window, cfg.train.spike_threshold)
-        self.data_skips = DataSkips()
-        self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
+        self.init_numerics()
         self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir, CheckpointState(
             model=self.runner, optimizer=self.optimizer, loader=self.train_loader, train=self.train_state,
             rng=RNGState(self.device)), replicas)
@@ -125,6 +122,13 @@ class Trainer:
             cfg.parallel.tp, cfg.parallel.vpp, cfg.micro_batches,
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
+
+    def init_numerics(self) -> None:
+        """The guards of `train_step` (subclasses that build a trainer in part call it too)."""
+        self.nonfinite = NonFiniteGuard(self.cfg.train.max_skipped_steps)
+        self.spikes = SpikeDetector(self.cfg.train.spike_window, self.cfg.train.spike_threshold)
+        self.data_skips = DataSkips()
+        self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
 
     @property
     def replicas(self) -> ReplicaStore | None:
@@ -187,7 +191,8 @@ class Trainer:
         if not np.isfinite(record["grad_norm"]):
             origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.coords._asdict(), self.rank,
                                       self.mesh.world_size)
-            self.nonfinite.skipped(step, record["grad_norm"], origin, self.checkpoints.last_good())
+            last_good = self.checkpoints.last_good() if getattr(self, "checkpoints", None) else "none (no checkpoints)"
+            self.nonfinite.skipped(step, record["grad_norm"], origin, last_good)
             return {"skipped": 1, "skip_reason": "nonfinite", "skipped_total": self.nonfinite.total,
                     "nonfinite_ranks": [o["rank"] for o in origin]}
         self.nonfinite.ok()
