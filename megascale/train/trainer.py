@@ -294,9 +294,10 @@ class Trainer:
                 log.info("batch %d of the data order skipped (a rollback chose so)", self.train_loader.position)
                 self.train_loader.next_batch()
             batch = self.train_loader.next_batch()
+        attempt = self.step + 1
         record = self.train_step(batch)
         if "skipped" in record:  # the batch is used up, the step is not: its number comes again
-            self.metrics.write(self.step + 1, record)
+            self.metrics.write(attempt, record)
             return record
         self.step += 1
         if cfg.eval_every and self.step % cfg.eval_every == 0:
