@@ -189,7 +189,7 @@ class Trainer:
         """{} for a good step; else why it is skipped (and, after a rollback, where to)."""
         step = self.step + 1
         if not np.isfinite(record["grad_norm"]):
-            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.coords._asdict(), self.rank,
+            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.coords._asdict(), self.mesh.rank,
                                       self.mesh.world_size)
             last_good = self.checkpoints.last_good() if getattr(self, "checkpoints", None) else "none (no checkpoints)"
             self.nonfinite.skipped(step, record["grad_norm"], origin, last_good)

@@ -6,16 +6,21 @@ parity harness's model with `train.dtype = train.param_dtype = "bf16"` through t
 the optimizer steps on and its moments are fp32, and so is every tensor the checkpoint's save
 path writes; one step at lr 1e-5 moves (nearly) every element of every master (bf16's spacing is 2^-8
 relative, so such a step rounds away in bf16: the one-process bug of #28); and four steps at lr
-1e-2 report the one-process bf16 losses within `BF16_LOSS_RTOL`.
+1e-2 report the one-process bf16 losses within `BF16_LOSS_RTOL`. An inf/nan in one gradient
+on one rank (of one dp group, of one pipeline stage) makes every rank skip that optimizer step.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import replace
 
 import pytest
-from layout_parity import Case, run_cases, train
+import torch
+from layout_parity import Case, StepTrainer, global_batches, job_config, rank_batch, run_cases, train
 
+from megascale.parallel.mesh import init_mesh
 from megascale.parallel.store import free_port
 from megascale.testing.launch import run_local
 
@@ -76,8 +81,59 @@ def test_one_process_keeps_fp32_masters(one_process):
         check_precision(bf16(Case(), lr), [run])
 
 
+@pytest.mark.slow
 def test_dp2_tp2_pp2_keep_fp32_masters(one_process):
     check_layouts(2, [Case(dp=2), Case(tp=2), Case(pp=2)], one_process)
+
+
+def guarded(cases: list[Case], ports: list[int], bad_rank: int) -> list[dict]:
+    """Rank entry point: three steps of each case; in the second, one element of one gradient
+    on `bad_rank` only is inf (dp case) or nan (pp case: a rank of the last stage)."""
+    out = []
+    for case, port in zip(cases, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        cfg = job_config(case, 3)
+        mesh = init_mesh(cfg.parallel, device="cpu")
+        try:
+            trainer = StepTrainer(cfg, mesh)
+            finish = trainer.runner.finish_grads
+            bad = math.inf if case.dp > 1 else math.nan
+
+            calls = iter(range(3))
+
+            def finish_grads(finish=finish, trainer=trainer, bad=bad, rank=mesh.rank, calls=calls):
+                finish()
+                if next(calls) == 1 and rank == bad_rank:  # the second step run
+                    trainer.runner.optimizer_tensors()[-1][1].grad.view(-1)[0] = bad
+
+            trainer.runner.finish_grads = finish_grads
+            records, moved = [], []
+            for inputs, labels in global_batches(cfg, 3):
+                before = [t.detach().clone() for _, t in trainer.runner.optimizer_tensors()]
+                record = trainer.train_step(rank_batch(inputs, labels, cfg, mesh.dp_rank))
+                trainer.step += "skipped" not in record
+                records.append(record)
+                moved.append(any(not torch.equal(b, t) for b, (_, t) in
+                                 zip(before, trainer.runner.optimizer_tensors(), strict=True)))
+            trainer.runner.grad_sync.wait_params()
+            finite = all(torch.isfinite(p).all() for _, p in trainer.runner.named_parameters())
+            out.append({"skipped": [r.get("skipped", 0) for r in records], "moved": moved, "finite": finite,
+                        "ranks": records[1].get("nonfinite_ranks"), "step": trainer.step})
+        finally:
+            mesh.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank():
+    cases = [Case(dp=2), Case(pp=2)]  # rank 1: the other dp rank of the stage; the last stage
+    results = run_local(guarded, 2, args=(cases, [free_port() for _ in cases], 1), timeout_s=300)
+    for i, case in enumerate(cases):
+        for rank in results:
+            run = rank[i]
+            # the skipped step's number comes again: steps 1, (2 skipped), 2
+            assert run["skipped"] == [0, 1, 0] and run["moved"] == [True, False, True], (case, run)
+            assert run["ranks"] == [1] and run["finite"] and run["step"] == 2, (case, run)
 
 
 @pytest.mark.slow
