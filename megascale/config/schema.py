@@ -287,7 +287,7 @@ class TrainConfig:
     micro_batch: int = opt(4, "sequences per forward/backward on one rank")
     seed: int = opt(1234, "seed of the initial weights and of every rank's RNG")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto (CUDA when available), cpu or cuda")
-    dtype: str = opt("fp32", "compute dtype: fp32, or bf16 (autocast)")
+    dtype: str = opt("fp32", "compute dtype: fp32, or bf16 (autocast); fp16 is refused (no loss scaler)")
     param_dtype: str = opt(
         "fp32", "parameters and their gradients in fp32 or bf16 (fp32 master weights and optimizer state either way)")
     reduce_dtype: str = opt(
@@ -299,7 +299,7 @@ class TrainConfig:
     spike_window: int = opt(50, "loss spikes: steps of recent losses the median and MAD are taken over")
     spike_threshold: float = opt(6.0, "a spike: loss above median + this many robust deviations (1.4826 MAD)")
     spike_skip_batches: int = opt(1, "rollback: batches skipped, ending with the spike's")
-    max_rollbacks: int = opt(3, "stop after this many rollbacks without a good checkpoint in between")
+    max_rollbacks: int = opt(3, "stop when a spike would roll back to the same checkpoint more than this many times")
     recompute: Literal["none", "full", "selective"] = opt(
         "none", "activation recomputation: none, selective (attention core) or full (whole blocks)")
     compile: bool = opt(False, "torch.compile each block (fuses LayerNorm, GeLU, residual adds)")
