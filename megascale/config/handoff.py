@@ -8,6 +8,8 @@ it ($MEGASCALE_REDIS_PASSWORD_FILE, read by `ParallelConfig.redis_password`).
 
 from __future__ import annotations
 
+import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import tomli_w
 
 from megascale.config.loader import set_dotted, to_dict
-from megascale.config.private_files import private_dir, write_private
+from megascale.config.private_files import UnsafePathError, private_dir, read_secret, write_private
 from megascale.config.schema import REDIS_PASSWORD_FILE_ENV, JobConfig, redacted_url
 
 if sys.version_info >= (3, 11):
@@ -47,3 +49,15 @@ def write_rank_files(directory: str | Path, text: str, password: str | None) -> 
     if not password:
         return path, {}
     return path, {REDIS_PASSWORD_FILE_ENV: str(write_private(directory / "redis_password", password))}
+
+
+def job_password_file(path: str | Path) -> Path:
+    """A generated password for the job's own redis-server, kept in `path` (0600): made once,
+    read again by a restarted launcher. No job's Redis runs without a password: on loopback too,
+    every local user could otherwise read and rewrite the rendezvous keys."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        write_private(path, secrets.token_urlsafe(32))
+    elif len(read_secret(path, "the job's Redis password").strip()) < 16:
+        raise UnsafePathError(f"{path} holds no usable Redis password; remove it to make a new one")
+    return path

@@ -49,7 +49,7 @@ def test_an_unsafe_secret_stops_the_driver_before_it_listens(tmp_path, part, con
 def test_a_missing_token_file_is_an_error_not_an_open_door(tmp_path):
     secret_dir = ensure_secret(tmp_path / "secret")
     (secret_dir / TOKEN).unlink()
-    with pytest.raises(SecretError, match="the driver token"):
+    with pytest.raises(SecretError, match="the join token"):
         load_secret(secret_dir, need_key=False)
 
 
