@@ -13,6 +13,7 @@ import secrets
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import tomli_w
 
@@ -51,13 +52,21 @@ def write_rank_files(directory: str | Path, text: str, password: str | None) -> 
     return path, {REDIS_PASSWORD_FILE_ENV: str(write_private(directory / "redis_password", password))}
 
 
-def job_password_file(path: str | Path) -> Path:
-    """A generated password for the job's own redis-server, kept in `path` (0600): made once,
-    read again by a restarted launcher. No job's Redis runs without a password: on loopback too,
-    every local user could otherwise read and rewrite the rendezvous keys."""
-    path = Path(path)
-    if not os.path.lexists(path):
-        write_private(path, secrets.token_urlsafe(32))
-    elif len(read_secret(path, "the job's Redis password").strip()) < 16:
-        raise UnsafePathError(f"{path} holds no usable Redis password; remove it to make a new one")
-    return path
+
+def with_generated_password(url: str, keep: str | Path | None = None) -> str:
+    """`url` (a job's own redis-server, `parallel.redis_start`, configured without a password)
+    with a generated password in it: no job's Redis runs without one, as on loopback too every
+    local user could otherwise read and rewrite the rendezvous keys. With `keep`, the password
+    is made once into that 0600 file and read again from it (a restarted driver adopts the
+    server). Ranks never see the URL's password (`config_text` strips it)."""
+    if keep is None:
+        password = secrets.token_urlsafe(32)
+    else:
+        keep = Path(keep)
+        if not os.path.lexists(keep):
+            write_private(keep, secrets.token_urlsafe(32))
+        password = read_secret(keep, "the job's Redis password").decode(errors="replace").strip()
+        if len(password) < 16 or not password.replace("-", "").replace("_", "").isalnum():
+            raise UnsafePathError(f"{keep} holds no usable Redis password; remove it to make a new one")
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f":{password}@{parts.netloc.rpartition('@')[2]}"))

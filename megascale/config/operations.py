@@ -97,7 +97,7 @@ class ResilienceConfig:
     spare_pool: int = opt(4, "node ids admitted beyond nodes + spares over the job's life (replacement "
                              "nodes); any further new id is refused")
     max_step_rate: float = opt(1000.0, "a rank's reported step may advance at most this many steps per "
-                                       "second since its previous report (or the job's start); more is refused")
+                                       "second since it last advanced (or since the job started); more is refused")
     stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")
     selfcheck_timeout_s: float = opt(60.0, "limit on the self-check diagnostics after a fault")
     selfcheck_expected: str = opt("", "JSON file of expected figures; \"\" = built-in floors")

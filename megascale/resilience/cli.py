@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megascale.config import ConfigError, JobConfig, load_config
-from megascale.config.handoff import config_text, job_password_file
+from megascale.config.handoff import config_text, with_generated_password
 from megascale.config.private_files import UnsafePathError, private_dir, write_private
-from megascale.config.schema import REDIS_PASSWORD_FILE_ENV, redacted_url
+from megascale.config.schema import redacted_url
 from megascale.resilience import protocol
 from megascale.resilience.api_server import ApiServer, Limits, Route
 from megascale.resilience.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
@@ -194,8 +194,8 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool, state_dir: Pat
     starting a second on the same port."""
     if not cfg.parallel.redis_start:  # checked here: the import below brings in torch
         return None
-    if not cfg.parallel.redis_password():  # what the driver, its `start`s and the server read from now on
-        os.environ[REDIS_PASSWORD_FILE_ENV] = str(job_password_file(state_dir / "redis_password"))
+    if not cfg.parallel.redis_password():  # the driver, its `start`s and the server read it from the URL
+        cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url, state_dir / "redis_password")
     from megascale.resilience.redis_server import RedisServer
 
     server = RedisServer.for_job(cfg.parallel)

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -22,8 +21,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig, default_config_path, load_config
-from megascale.config.handoff import config_text, write_rank_files
-from megascale.config.schema import REDIS_PASSWORD_ENV, REDIS_PASSWORD_FILE_ENV, redacted_url
+from megascale.config.handoff import config_text, with_generated_password, write_rank_files
+from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.plan.env import format_applied, launch_env, with_defaults
 
 
@@ -108,12 +107,9 @@ def launch_local(nproc: int, cfg: JobConfig) -> int:
 
     with ExitStack() as job:
         private = job.enter_context(tempfile.TemporaryDirectory(prefix="megascale-train-"))
-        password = cfg.parallel.redis_password()
-        generated = cfg.parallel.redis_start and not password  # the job's own Redis never runs without one
-        config, secret_env = write_rank_files(private, config_text(cfg), secrets.token_urlsafe(32) if generated
-                                              else password)
-        if generated:  # RedisServer.for_job reads it from the ranks' 0600 file, as they do
-            os.environ[REDIS_PASSWORD_FILE_ENV] = secret_env[REDIS_PASSWORD_FILE_ENV]
+        if cfg.parallel.redis_start and not cfg.parallel.redis_password():  # the job's own Redis never runs
+            cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url)  # without one
+        config, secret_env = write_rank_files(private, config_text(cfg), cfg.parallel.redis_password())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "megascale.cli", "train", "--config", str(config)]
         planned = launch_env(cfg.train.run_dir, cfg.diagnostics.flight_recorder)
