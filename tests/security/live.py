@@ -98,20 +98,24 @@ class LiveDriver:
 
 
 class SimulatedNode(threading.Thread):
-    """An executor's side of the protocol without ranks: one rank 'trains' a step per heartbeat."""
+    """An executor's side of the protocol without ranks: one rank 'trains' a step per heartbeat
+    once the driver sent it a `start` (a spare never gets one)."""
 
-    def __init__(self, client: ApiClient) -> None:
-        super().__init__(name="simulated-node", daemon=True)
+    def __init__(self, client: ApiClient, node_id: str = NODE, address: str = "127.0.0.1") -> None:
+        super().__init__(name=f"simulated-{node_id}", daemon=True)
         self.client, self.step, self.done = client, 0, threading.Event()
+        self.node_id, self.address = node_id, address
+        self.registered = threading.Event()
         self.start_command: dict[str, Any] | None = None
         self.results: dict[str, Any] = {}
         self.refused: list[str] = []  # heartbeats the driver answered with an error
         self.credential = ""
 
     def run(self) -> None:
-        reply = self.client.call("POST", "/v1/register", {"node_id": NODE, "address": "127.0.0.1",
+        reply = self.client.call("POST", "/v1/register", {"node_id": self.node_id, "address": self.address,
                                                           "host": "simulated", "pid": os.getpid()})
         self.client.token = self.credential = reply["credential"]  # as the executor does
+        self.registered.set()
         while not self.done.wait(0.5):
             try:
                 reply = self.client.call("POST", "/v1/heartbeat", self.heartbeat())
@@ -131,7 +135,7 @@ class SimulatedNode(threading.Thread):
         self.step += 1
         rank = {"rank": 0, "local_rank": 0, "pid": os.getpid(), "alive": True, "step": self.step,
                 "step_time": 0.1, "recent": [[self.step, 0.1]]}
-        return {"node_id": NODE, "seq": self.step, "time": time.time(), "address": "127.0.0.1",
+        return {"node_id": self.node_id, "seq": self.step, "time": time.time(), "address": self.address,
                 "host": "simulated", "attempt": 0 if self.start_command else None,
                 "ranks": [rank] if self.start_command else [], "net_shared": True, "done": dict(self.results)}
 
