@@ -107,7 +107,8 @@ def test_a_key_that_does_not_match_the_certificate_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run" / "resilience" / "driver.json").exists()
 
 
-@pytest.mark.parametrize(("mode", "refused"), [(0o777, True), (0o770, True), (0o1777, False), (0o700, False)])
+@pytest.mark.parametrize(("mode", "refused"), [(0o777, True), (0o770, True), (0o1777, False), (0o700, False)],
+                         ids=["0777", "0770", "1777", "0700"])
 def test_a_secret_directory_others_can_write_is_refused(tmp_path, mode, refused):
     secret_dir = ensure_secret(tmp_path / "secret")
     secret_dir.chmod(mode)  # 1777: how Kubernetes mounts a Secret volume (others cannot swap our files)
