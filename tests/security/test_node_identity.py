@@ -114,21 +114,23 @@ def test_a_node_cannot_report_impossible_progress_of_its_own(driver):
     driver.wait_for(lambda s: (s["step"] or 0) >= 4)
     node = driver.as_node()
 
-    def beat(**rank) -> dict:
+    def beat(**rank) -> dict:  # a step ahead of what the node's own next beat will say
         body = driver.node.heartbeat()
-        body["ranks"] = [{**body["ranks"][0], **rank}]
+        ahead = body["ranks"][0]["step"] + 2
+        body["ranks"] = [{**body["ranks"][0], "step": ahead, "recent": [[ahead, 0.1]], **rank}]
         return body
 
-    lies = {
-        "beyond train.steps=1000000": beat(step=2**62),
-        "jumped from step": beat(step=1_000_000, alive=False, exitcode=0, recent=[]),  # "all ranks finished"
-        "after step": beat(step=1, recent=[]),
-        "is not a rank of node node-a": beat(rank=1),
-        "reports a step time for a step after": beat(recent=[[10**5, 0.1]]),
-        "attempt 3 has not started": {**beat(), "attempt": 3},
+    lies = {  # each made when it is sent: the node's step goes on meanwhile
+        "beyond train.steps=1000000": lambda: beat(step=2**62),
+        "jumped from step": lambda: beat(step=1_000_000, alive=False, exitcode=0, recent=[]),  # "all finished"
+        "after step": lambda: beat(step=1, recent=[]),
+        "is not a rank of node node-a": lambda: beat(rank=1),
+        "reports a step time for a step after": lambda: beat(recent=[[10**5, 0.1]]),
+        "attempt 3 has not started": lambda: {**beat(), "attempt": 3},
     }
+    time.sleep(1.1)  # a new second of the refusal log's rate limit (10 lines a second)
     for expected, body in lies.items():
-        err = refused(node, "POST", "/v1/heartbeat", body)
+        err = refused(node, "POST", "/v1/heartbeat", body())
         assert err.status == 422 and expected in str(err), (expected, err)
     driver.untouched()
     status = driver.status()
@@ -156,6 +158,13 @@ def test_an_executor_keeps_its_credential_across_a_restart(driver, tmp_path):
     with pytest.raises(ApiError, match="only it may register again") as err:
         executor(tmp_path / "elsewhere").register(10)  # the same id with the join token only
     assert err.value.status == 403
+    stale = tmp_path / "stale"  # a work directory kept from another job: its credential is refused (401)
+    stale.mkdir(mode=0o700)
+    (stale / "credential").write_text(f"node.ZXhlYy1ub2Rl.{'0' * 64}")
+    (stale / "credential").chmod(0o600)
+    with pytest.raises(ApiError, match="only it may register again"):  # so it fell back to the join token
+        executor(stale).register(10)
+    assert not (stale / "credential").exists()
 
 
 def test_reasons_cannot_forge_log_lines(driver):
