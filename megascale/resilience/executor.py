@@ -12,8 +12,8 @@ a restarted driver picks it up.
 It trusts only a driver that holds the job's certificate (`api.py`), and even then runs only
 commands its schemas accept (`protocol.py`). It registers with the join token and sends every
 later request with the credential the driver gave its node (`identity.py`), kept in its work
-directory so that a restarted executor is still that node. Ranks are warm standby processes with a fixed
-command line (`ranks.py`) given their rank over their stdin: a config file and an environment
+directory so that a restarted executor is still that node. Ranks are warm standby processes
+with a fixed command line (`ranks.py`) given their rank over their stdin: a config file and an environment
 the schema bounds, never a command line the driver makes up. Its work directory and every file
 in it are private (0700/0600, opened without following links); ranks get the executor's
 environment minus secrets, plus the path of a 0600 file for the one secret they need.

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megascale.config.schema import REDIS_PASSWORD_ENV, REDIS_PASSWORD_FILE_ENV
+from megascale.config.schema import REDIS_PASSWORD_ENV
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,7 @@ def spawn_executor(index: int, driver_url: str, secret_dir: Path, workdir: Path,
     node_id = f"node{index}"
     cmd = [sys.executable, "-m", "megascale.cli", "executor", "--driver", driver_url,
            "--secret-dir", str(secret_dir), "--node-id", node_id, "--workdir", str(workdir / node_id)]
-    env = {k: v for k, v in os.environ.items()  # the password comes with `start`
-           if k not in (REDIS_PASSWORD_ENV, REDIS_PASSWORD_FILE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV}  # it comes with `start`
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns.name(index), *cmd, "--address", netns.address(index)]
         env["GLOO_SOCKET_IFNAME"] = "eth0"
