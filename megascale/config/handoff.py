@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import tomli_w
 
-from megascale.config.loader import set_dotted, to_dict
+from megascale.config.loader import to_dict, typed_config
 from megascale.config.private_files import UnsafePathError, private_dir, read_secret, write_private
 from megascale.config.schema import REDIS_PASSWORD_FILE_ENV, JobConfig, redacted_url
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 def config_text(cfg: JobConfig) -> str:
@@ -34,12 +28,45 @@ def config_text(cfg: JobConfig) -> str:
     return tomli_w.dumps(raw)
 
 
-def with_overrides(text: str, values: dict[str, Any]) -> str:
-    """`text` with dotted keys set, e.g. {"parallel.dp": 2} (the driver's per-attempt layout)."""
-    raw = tomllib.loads(text)
-    for key, value in values.items():
-        set_dotted(raw, key, value)
-    return tomli_w.dumps(raw)
+def attempt_config(text: str, *, dp: int, run_dir: str, redis_password: str | None = None) -> str:
+    """The ranks' config of one driver attempt: the job's (`text`, from `config_text`) with the
+    attempt's dp degree and run directory, resuming from the newest valid checkpoint, and no save
+    on SIGTERM (the driver stops a failed attempt's ranks itself and restarts from the last
+    commit). Edited as a typed `JobConfig` and validated as a rank will validate it (with the
+    Redis password the ranks get apart, which the text lacks), so a layout the ranks would
+    reject is a `ConfigError` naming the key in the driver, not at every rank."""
+    cfg = typed_config(text, "the job's config")
+    cfg = replace(cfg, parallel=replace(cfg.parallel, dp=dp), train=replace(cfg.train, run_dir=run_dir),
+                  checkpoint=replace(cfg.checkpoint, resume="auto", save_on_signal=False))
+    url = cfg.parallel.redis_url
+    as_ranks_see_it = replace(cfg, parallel=replace(cfg.parallel, redis_url=_with_password(url, redis_password)))
+    as_ranks_see_it.validate()
+    return config_text(cfg)
+
+
+def _with_password(url: str, password: str | None) -> str:
+    if not password:
+        return url
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{quote(password, safe='')}@{host}"))
+
+
+def with_generated_password(url: str, keep: str | Path | None = None) -> str:
+    """`url` (a job's own redis-server, `parallel.redis_start`, configured without a password)
+    with a generated password in it: no job's Redis runs without one, as on loopback too every
+    local user could otherwise read and rewrite the rendezvous keys. With `keep`, the password
+    is made once into that 0600 file and read again from it (a restarted driver adopts the
+    server). Ranks never see the URL's password (`config_text` strips it)."""
+    if keep is None:
+        return _with_password(url, secrets.token_urlsafe(32))
+    keep = Path(keep)
+    if not os.path.lexists(keep):
+        write_private(keep, secrets.token_urlsafe(32))
+    password = read_secret(keep, "the job's Redis password").decode(errors="replace").strip()
+    if len(password) < 16:
+        raise UnsafePathError(f"{keep} holds no usable Redis password; remove it to make a new one")
+    return _with_password(url, password)
 
 
 def write_rank_files(directory: str | Path, text: str, password: str | None) -> tuple[Path, dict[str, str]]:
@@ -50,23 +77,3 @@ def write_rank_files(directory: str | Path, text: str, password: str | None) -> 
     if not password:
         return path, {}
     return path, {REDIS_PASSWORD_FILE_ENV: str(write_private(directory / "redis_password", password))}
-
-
-
-def with_generated_password(url: str, keep: str | Path | None = None) -> str:
-    """`url` (a job's own redis-server, `parallel.redis_start`, configured without a password)
-    with a generated password in it: no job's Redis runs without one, as on loopback too every
-    local user could otherwise read and rewrite the rendezvous keys. With `keep`, the password
-    is made once into that 0600 file and read again from it (a restarted driver adopts the
-    server). Ranks never see the URL's password (`config_text` strips it)."""
-    if keep is None:
-        password = secrets.token_urlsafe(32)
-    else:
-        keep = Path(keep)
-        if not os.path.lexists(keep):
-            write_private(keep, secrets.token_urlsafe(32))
-        password = read_secret(keep, "the job's Redis password").decode(errors="replace").strip()
-        if len(password) < 16 or not password.replace("-", "").replace("_", "").isalnum():
-            raise UnsafePathError(f"{keep} holds no usable Redis password; remove it to make a new one")
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=f":{password}@{parts.netloc.rpartition('@')[2]}"))
