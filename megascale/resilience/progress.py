@@ -44,23 +44,30 @@ class ProgressCheck:
         own = set(slot_ranks(node.slot, state.ranks_per_node)) if node.role == ACTIVE and node.slot >= 0 else set()
         seen: dict[int, tuple[int, float]] = {}
         for r in body["ranks"]:
-            rank, step = r["rank"], r.get("step")
-            if rank not in own:
-                return f"rank {rank} is not a rank of node {node.node_id} in attempt {attempt}"
-            if step is None:
-                continue
-            if step > self.total_steps:
-                return f"rank {rank} at step {step}, beyond train.steps={self.total_steps}"
-            before, since = self.last.get(rank, (0, state.created))
-            if step < before:
-                return f"rank {rank} at step {step} after step {before} in the same attempt"
-            allowed = self.max_step_rate * max(1.0, now - since)
-            if step - before > allowed:
-                return (f"rank {rank} jumped from step {before} to {step} in {now - since:.1f} s (at most "
-                        f"{allowed:.0f} at resilience.max_step_rate={self.max_step_rate:g} a second)")
-            if any(s > step for s, _ in r.get("recent", [])):
-                return f"rank {rank} reports a step time for a step after its step {step}"
-            if step > before or rank not in self.last:
+            if r["rank"] not in own:
+                return f"rank {r['rank']} is not a rank of node {node.node_id} in attempt {attempt}"
+            why = self._implausible_step(r, state.created, now)
+            if why is not None:
+                return why
+            step, rank = r.get("step"), r["rank"]
+            if step is not None and (rank not in self.last or step > self.last[rank][0]):
                 seen[rank] = (step, now)
         self.last.update(seen)
+        return None
+
+    def _implausible_step(self, r: dict[str, Any], created: float, now: float) -> str | None:
+        rank, step = r["rank"], r.get("step")
+        if step is None:
+            return None
+        if step > self.total_steps:
+            return f"rank {rank} at step {step}, beyond train.steps={self.total_steps}"
+        before, since = self.last.get(rank, (0, created))
+        if step < before:
+            return f"rank {rank} at step {step} after step {before} in the same attempt"
+        allowed = self.max_step_rate * max(1.0, now - since)
+        if step - before > allowed:
+            return (f"rank {rank} jumped from step {before} to {step} in {now - since:.1f} s (at most "
+                    f"{allowed:.0f} at resilience.max_step_rate={self.max_step_rate:g} a second)")
+        if any(s > step for s, _ in r.get("recent", [])):
+            return f"rank {rank} reports a step time for a step after its step {step}"
         return None
