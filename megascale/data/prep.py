@@ -39,6 +39,8 @@ class Options:
     field: str = "text"
     on_error: str = "stop"  # stop | skip: what a bad record does
     replace_invalid: bool = False  # invalid UTF-8 and lone surrogates become U+FFFD (counted)
+    eod_token: str | None = None  # --eod-token: end documents with this token (None: the tokenizer's own)
+    bos: str | None = None  # --bos: this token, or "none", before every document (None: the tokenizer's own)
 
 
 def auto_workers(total: int) -> int:
@@ -71,12 +73,12 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     spill = tempfile.mkdtemp(prefix=f".{out.name}-spill-", dir=out.parent)
-    job = Job(tokenizer, options.field, options.replace_invalid)
+    job = Job(tokenizer, options.field, options.replace_invalid, options.eod_token, options.bos)
     try:
         if train_vocab:
             job = replace(job, tokenizer=str(train_tokenizer(plan(found.files, options.field, chunk, spill),
                                                              job, train_vocab, tmp)))
-        tok = load_tokenizer(job.tokenizer)
+        tok = load_tokenizer(job.tokenizer, job.eod_token, job.bos)
         for note in tok.notes:
             say(f"megascale prep: note: {note}")
         writer = ShardWriter(tmp, dtype_for_vocab(tok.vocab_size), tok.eod, shard_tokens)
@@ -130,7 +132,7 @@ def train_tokenizer(tasks: Iterator[Task], job: Job, vocab_size: int, out: Path)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    reader = Encoder(replace(job, tokenizer="bytes"))
+    reader = Encoder(replace(job, tokenizer="bytes", eod_token=None, bos=None))
 
     def texts() -> Iterator[str]:
         for task in tasks:

@@ -42,6 +42,8 @@ class Job:
     tokenizer: str
     field: str = "text"
     replace_invalid: bool = False  # invalid UTF-8 / lone surrogates -> U+FFFD (counted) instead of a reject
+    eod_token: str | None = None  # the user's end-of-document token (None: the tokenizer's own)
+    bos: str | None = None  # the user's BOS token, or "none" (None: the tokenizer's own)
 
 
 @dataclass
@@ -61,7 +63,7 @@ class TaskResult:
     no_tokens: int = 0  # documents with text that the tokenizer turned into no tokens
     replaced: int = 0  # invalid bytes or lone surrogates replaced by U+FFFD
     eod_inside: int = 0  # end-of-document ids the tokenizer produced inside documents
-    tokens_in: int = 0  # tokens the tokenizer produced for the written documents
+    tokens_in: int = 0  # tokens the tokenizer produced for the written documents, BOS included
     packed: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint16))
     lengths: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # EOD included
     rejects: list[Reject] = field(default_factory=list)
@@ -73,7 +75,7 @@ class Encoder:
     def __init__(self, job: Job):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; workers are the parallelism
         self.job = job
-        self.tok: ByteTokenizer | HFTokenizer = load_tokenizer(job.tokenizer)
+        self.tok: ByteTokenizer | HFTokenizer = load_tokenizer(job.tokenizer, job.eod_token, job.bos)
         self.dtype = dtype_for_vocab(self.tok.vocab_size)
 
     def __call__(self, task: Task) -> TaskResult:
@@ -220,12 +222,13 @@ class Encoder:
         if not ids_parts:
             return
         ids, lengths = np.concatenate(ids_parts), np.concatenate(length_parts)
-        result.tokens_in = len(ids)
         result.eod_inside = int(np.count_nonzero(ids == self.tok.eod)) if self.tok.takes_text else 0
         result.no_tokens = int(np.count_nonzero(lengths == 0))
         lengths = lengths[lengths > 0]
-        result.packed = with_eod(ids, lengths, self.tok.eod, self.dtype)
-        result.lengths = lengths + 1
+        bos = self.tok.bos
+        result.tokens_in = len(ids) + (0 if bos is None else len(lengths))
+        result.packed = with_eod(ids, lengths, self.tok.eod, self.dtype, bos)
+        result.lengths = lengths + (1 if bos is None else 2)
 
     def _encode_batch(self, docs: list, units: list[int], result: TaskResult) -> tuple[np.ndarray, np.ndarray]:
         try:

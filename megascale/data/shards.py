@@ -39,13 +39,18 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     raise DataError(f"vocabulary of {vocab_size} tokens does not fit in 32 bits")
 
 
-def with_eod(ids: np.ndarray, lengths: np.ndarray, eod: int, dtype: np.dtype) -> np.ndarray:
-    """Documents laid end to end (`ids`, `lengths` tokens each) with `eod` after each one."""
-    ends = np.cumsum(lengths)
-    out = np.empty(len(ids) + len(lengths), dtype=dtype)
-    eod_at = ends + np.arange(len(lengths))
+def with_eod(ids: np.ndarray, lengths: np.ndarray, eod: int, dtype: np.dtype, bos: int | None = None) -> np.ndarray:
+    """Documents laid end to end (`ids`, `lengths` tokens each) with `eod` after each one (and
+    `bos` before each one, unless None)."""
+    extra = 1 if bos is None else 2
+    starts = np.cumsum(lengths) - lengths + np.arange(len(lengths)) * extra
+    eod_at = starts + lengths + extra - 1
+    out = np.empty(len(ids) + len(lengths) * extra, dtype=dtype)
     mask = np.ones(len(out), dtype=bool)
     mask[eod_at] = False
+    if bos is not None:
+        mask[starts] = False
+        out[starts] = bos
     out[mask] = ids
     out[eod_at] = eod
     return out
