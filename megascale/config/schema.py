@@ -160,8 +160,8 @@ class OptimConfig:
     grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if self.lr < 0:
+            raise ConfigError(f"optim.lr must be >= 0 (0 leaves the weights as they are), got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for key in ("beta1", "beta2"):
@@ -352,9 +352,12 @@ class JobConfig:
                 f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"
             )
         if p.pp > 1 and m.tie_embeddings:
+            fix = ("this checkpoint's head is its embedding (checkpoint.init_from), so keep parallel.pp=1 and "
+                   "use parallel.tp or parallel.dp" if self.checkpoint.init_from else
+                   "set model.tie_embeddings=false or parallel.pp=1")
             raise ConfigError(
                 "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live "
-                "on different pipeline stages); set model.tie_embeddings=false"
+                f"on different pipeline stages); {fix}"
             )
 
 
