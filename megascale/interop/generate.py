@@ -76,7 +76,7 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: fl
                 attached = _detach_caches(model)
             if attached:
                 start = 0 if step == 0 else len(ids) - 1  # the prompt once, then the newest token
-                logits = _last_logits(model, torch.tensor([ids[start:]], device=device), start)
+                logits = last_logits(model, torch.tensor([ids[start:]], device=device), start)
             else:
                 window = ids if context is None else ids[-context:]
                 logits = model(torch.tensor([window], device=device))[0, -1]
@@ -90,7 +90,7 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: fl
     return new
 
 
-def _last_logits(model: GPT, tokens: torch.Tensor, offset: int) -> torch.Tensor:
+def last_logits(model: GPT, tokens: torch.Tensor, offset: int) -> torch.Tensor:
     h = model.embed(tokens, offset)
     for block in model.blocks:
         h = block(h)
