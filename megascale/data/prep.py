@@ -72,6 +72,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
     chunk = chunk_bytes or chunk_size(total, workers)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: the output is shared as any new directory is
     spill = tempfile.mkdtemp(prefix=f".{out.name}-spill-", dir=out.parent)
     job = Job(tokenizer, options.field, options.replace_invalid, options.eod_token, options.bos)
     try:
@@ -119,6 +120,12 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     return manifest
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def train_tokenizer(tasks: Iterator[Task], job: Job, vocab_size: int, out: Path) -> Path:

@@ -82,7 +82,7 @@ class Encoder:
         result = TaskResult(task.size)
         if task.failure is not None:
             result.documents_in = 1  # the unreadable rest of the file counts as one record
-            result.rejects.append(Reject(0, "unreadable", task.failure))
+            result.rejects.append(Reject(0, task.failure_kind, task.failure))
             return result
         _replaced[0] = 0
         docs: list = []
@@ -168,7 +168,10 @@ class Encoder:
         unit = 0
         try:
             for batch in _row_batches(task, self.job.field):
-                column = batch.column(batch.schema.get_field_index(self.job.field)).cast(pa.large_binary())
+                column = batch.column(batch.schema.get_field_index(self.job.field))
+                if pa.types.is_dictionary(column.type):  # a Categorical column: its values, row by row
+                    column = column.dictionary_decode()
+                column = column.cast(pa.large_binary())
                 for value in column.to_pylist():
                     result.documents_in += 1
                     if value is None:

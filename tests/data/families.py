@@ -26,8 +26,8 @@ FAMILIES = ("llama3", "mistral", "qwen2", "deepseek")
 
 
 def corpus(n: int = 200) -> list[str]:
-    words = ("the model reads tokens and writes text über café 東京 naïve 2024 it's we'll "
-             "data shards prep train export generate").split()
+    words = ["the", "model", "reads", "tokens", "and", "writes", "text", "über", "café", "東京", "naïve", "2024",
+             "it's", "we'll", "data", "shards", "prep", "train", "export", "generate"]
     return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 23)) + ("\n" if i % 4 else "")
             for i in range(n)]
 

@@ -61,8 +61,8 @@ def test_export_of_a_model_trained_from_scratch_names_its_bos(tmp_path):
     from megascale.interop.export import write_export
     from megascale.model import GPT
 
-    cfg = ModelConfig(vocab_size=257, layers=1, hidden=32, heads=4, seq_len=16, positions="learned", bias=True, block="serial",
-                      norm="layernorm", mlp="gelu")
+    cfg = ModelConfig(vocab_size=257, layers=1, hidden=32, heads=4, seq_len=16, positions="learned", bias=True,
+                      block="serial", norm="layernorm", mlp="gelu")
     weights = dict(GPT(cfg, seed=0).state_dict())
     write_export(cfg, weights, tmp_path / "bytes", "bytes", step=0)
     got = transformers.AutoConfig.from_pretrained(tmp_path / "bytes")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megascale.config import ModelConfig
-from megascale.interop.generate import last_logits, generate
+from megascale.interop.generate import generate, last_logits
 from megascale.model import GPT
 from megascale.model.attention import KVCache
 
