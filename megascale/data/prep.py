@@ -91,7 +91,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
                 if previous is not None and previous.index != task.index:
                     _drop_spill(previous.file, spill)
                 ledger.add(task, result)
-                writer.add_packed(result.packed, result.lengths)
+                if result.continues:
+                    writer.add_open(result.packed)
+                else:
+                    writer.add_packed(result.packed, result.lengths)
                 previous = task
         finally:
             ledger.close()

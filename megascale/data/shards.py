@@ -107,6 +107,17 @@ class ShardWriter:
                 self._close_shard()
             pos, doc = stop, last + 1
 
+    def add_open(self, packed: np.ndarray) -> None:
+        """Write the first tokens of a document that goes on in the next call (a long document's
+        pieces): the shard cannot end inside it."""
+        if self._file is None:
+            self._open_shard()
+        view = memoryview(np.ascontiguousarray(packed, dtype=self.dtype)).cast("B")
+        self._file.write(view)
+        self._hash.update(view)
+        self._tokens += len(packed)
+        self.tokens_written += len(packed)
+
     @property
     def pending_tokens(self) -> int:
         """Tokens in the shard being written."""

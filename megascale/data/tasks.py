@@ -1,7 +1,8 @@
 """Input files cut into tasks that workers tokenise independently, so one file feeds every core.
 
 A local uncompressed file is cut without reading it: line-aligned byte ranges of JSON lines or
-text lines, groups of Parquet row groups, groups of Arrow record batches. A compressed or remote
+text lines, groups of Parquet row groups, groups of Arrow record batches, and a long text
+document into pieces that workers cut at safe boundaries (pieces.py). A compressed or remote
 file cannot be entered in the middle, so the parent reads it once as a stream and hands out its
 decompressed text in line-aligned chunks; a compressed or remote Parquet or Arrow file is first
 copied (decompressed) into a local spill file. Each task also carries the share of the stored
@@ -19,6 +20,7 @@ from megascale.data.inputs import InputFile
 from megascale.data.shards import DataError
 
 READ_BLOCK = 1 << 20
+PIECE_MAX = 1 << 20  # bytes of a long text document tokenised at a time (pieces.py)
 TEXT_TYPES = ("string", "large_string", "binary", "large_binary", "string_view", "binary_view")
 
 
@@ -32,6 +34,7 @@ class Task:
     payload: bytes | None = None  # the text itself, read by the parent (compressed or remote input)
     failure: str | None = None  # the input could not be read from here on: why
     failure_kind: str = "unreadable"  # the count's key: unreadable | truncated | UTF-16
+    piece: int = 0  # > 0: this task is bytes start..stop of one long text document cut in pieces of this size
 
 
 def plan(files: list[InputFile], field: str, chunk: int, spill_dir: str) -> Iterator[Task]:
@@ -41,6 +44,9 @@ def plan(files: list[InputFile], field: str, chunk: int, spill_dir: str) -> Iter
             yield from _tabular(file, index, field, chunk, spill_dir)
         elif file.splittable and (utf16 := utf16_failure(file, _head(file))):
             yield Task(file, index, file.size, failure=utf16, failure_kind="UTF-16")
+        elif file.splittable and file.kind == "text" and file.size > (piece := min(chunk, PIECE_MAX)):
+            yield from (Task(file, index, min(start + piece, file.size) - start, start,
+                             min(start + piece, file.size), piece=piece) for start in range(0, file.size, piece))
         elif file.splittable and file.kind == "text":
             yield Task(file, index, file.size, 0, file.size)
         elif file.splittable:
