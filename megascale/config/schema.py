@@ -149,7 +149,7 @@ class OptimConfig:
     """LAMB or AdamW, the learning-rate schedule and gradient clipping."""
 
     name: Literal["lamb", "adamw"] = opt("lamb", "lamb (layer-wise trust ratio, large batches) or adamw")
-    lr: float = opt(2e-3, "peak learning rate")
+    lr: float = opt(2e-3, "peak learning rate (0 keeps the weights as they are: an evaluation run)")
     min_lr_ratio: float = opt(0.1, "cosine decays to lr * min_lr_ratio")
     warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
     decay_steps: int = opt(0, "cosine decay length in steps; 0 = train.steps")
