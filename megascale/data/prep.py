@@ -28,7 +28,7 @@ from megascale.data.ledger import REJECTED, Ledger
 from megascale.data.records import Encoder, Job, TaskResult
 from megascale.data.shards import DataError, ShardWriter, dtype_for_vocab
 from megascale.data.tasks import Task, plan
-from megascale.data.tokenizer import load_tokenizer
+from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 CHUNK_MIN, CHUNK_MAX = 256 << 10, 4 << 20  # bytes of input per task
 
@@ -87,7 +87,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
         try:
             previous: Task | None = None
             for task, result in run_tasks(plan(found.files, options.field, chunk, spill), job, workers,
-                                          total, progress):
+                                          total, progress, tok):
                 if previous is not None and previous.index != task.index:
                     _drop_spill(previous.file, spill)
                 ledger.add(task, result)
@@ -171,12 +171,13 @@ def _encode(task: Task) -> TaskResult:
     return _ENCODER(task)
 
 
-def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int,
-              progress: bool | object) -> Iterator[tuple[Task, TaskResult]]:
-    """(task, result) in task order; with workers > 1, at most 2 x workers tasks in flight."""
+def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int, progress: bool | object,
+              tok: ByteTokenizer | HFTokenizer | None = None) -> Iterator[tuple[Task, TaskResult]]:
+    """(task, result) in task order; with workers > 1, at most 2 x workers tasks in flight;
+    with one, in this process with `tok` (the job's tokenizer, if loaded already)."""
     with _progress_bar(total, progress) as advance:
         if workers <= 1:
-            encode = Encoder(job)
+            encode = Encoder(job, tok)
             for task in tasks:
                 result = encode(task)
                 advance(task.size)

@@ -74,10 +74,11 @@ class TaskResult:
 class Encoder:
     """Turns one task into a TaskResult with this process's tokenizer."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, tok: ByteTokenizer | HFTokenizer | None = None):
+        """`tok`: the job's tokenizer, already loaded (prep with one worker: not loaded twice)."""
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; workers are the parallelism
         self.job = job
-        self.tok: ByteTokenizer | HFTokenizer = load_tokenizer(job.tokenizer, job.eod_token, job.bos)
+        self.tok: ByteTokenizer | HFTokenizer = tok or load_tokenizer(job.tokenizer, job.eod_token, job.bos)
         self.dtype = dtype_for_vocab(self.tok.vocab_size)
 
     def __call__(self, task: Task) -> TaskResult:

@@ -12,7 +12,6 @@ matched against the tokenizer a model is configured with.
 from __future__ import annotations
 
 import hashlib
-import json
 from itertools import chain
 from pathlib import Path
 from typing import Protocol
@@ -119,7 +118,7 @@ class HFTokenizer:
         return self._tok.id_to_token(token_id)
 
     def identity(self) -> dict:
-        model = json.loads(self._tok.to_str()).get("model", {}).get("type") or "unknown"
+        model = type(self._tok.model).__name__  # BPE, WordPiece, Unigram, WordLevel (no re-serialising)
         return {"kind": "hf", "name": f"{self.path.resolve().parent.name}/{self.path.name}",
                 "path": str(self.path.resolve()), "model": model, "vocab_size": self.vocab_size,
                 "eod": self.eod, "eod_token": self.eod_token, "bos": self.bos, "bos_token": self.bos_token,
