@@ -204,6 +204,9 @@ def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int, progres
 @contextmanager
 def _progress_bar(total: int, progress: bool | object) -> Iterator[Callable[[int], None]]:
     """A bar over the stored bytes of all inputs (compressed size for compressed files)."""
+    if progress is False:  # no bar: rich is not even imported (0.1 s of a short run)
+        yield lambda n: None
+        return
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 

@@ -157,5 +157,5 @@ def manifest_tokenizer(identity: dict, spec: str | None = None) -> ByteTokenizer
     """The tokenizer a manifest's identity describes (or the file `spec` with the choices the user
     made for that data: --eod-token, --bos)."""
     spec = spec or ("bytes" if identity.get("kind") == "bytes" else str(identity["path"]))
-    chosen = identity.get("chosen") or {}
+    chosen = (identity.get("chosen") or {}) if spec not in ("", "bytes", "byte") else {}
     return load_tokenizer(spec, chosen.get("eod_token"), chosen.get("bos"))
