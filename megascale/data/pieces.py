@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-WINDOW = 4096  # bytes each side of a candidate cut that must encode the same apart as together
+WINDOW = 1024  # bytes each side of a candidate cut that must encode the same apart as together
 SEARCH = 64 << 10  # bytes after a nominal boundary searched for a safe cut
 MAX_CHECKS = 64  # candidates tried per boundary
 CANDIDATE = re.compile(rb"(?<=\n)[^\s]|(?<=[^\s]) (?=[^\s])")

@@ -20,7 +20,7 @@ from megascale.data.inputs import InputFile
 from megascale.data.shards import DataError
 
 READ_BLOCK = 1 << 20
-PIECE_MAX = 1 << 20  # bytes of a long text document tokenised at a time (pieces.py)
+PIECE_MAX = 256 << 10  # bytes of a long text document tokenised at a time (pieces.py)
 TEXT_TYPES = ("string", "large_string", "binary", "large_binary", "string_view", "binary_view")
 
 
