@@ -107,6 +107,5 @@ class KVCache:
                 k, v = k[..., -self.window:, :], v[..., -self.window:, :]
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
         self.seen += q.shape[-2]
-        keep = k.shape[-2] if self.window is None else min(k.shape[-2], self.window)
-        self.k, self.v = k[..., -keep:, :], v[..., -keep:, :]
+        self.k, self.v = (k, v) if self.window is None else (k[..., -self.window:, :], v[..., -self.window:, :])
         return out
