@@ -221,6 +221,43 @@ def startup(work: Path) -> dict:
     return {"prep_one_line_s": statistics.median(prep), "python_c_pass_s": statistics.median(bare)}
 
 
+def real_styles(args: argparse.Namespace, work: Path, big: Path, text_mb: float) -> tuple[dict, dict]:
+    """Parts 5 and 6: the Llama-3 and Mistral-style tokenizers on the JSON lines, and one large document."""
+    styles = {"mistral-style": mistral_style(big, work / "mistral-style")}
+    if llama3_file() is not None:
+        styles = {"llama3": llama3_file(), **styles}
+    real = {}
+    one = work / "one.jsonl"
+    one.write_text('{"text": "hello"}\n')
+    for name, spec in styles.items():
+        lib = library_rate(spec, big)
+        fixed = run_prep([str(one), "--out", str(work / "one-out"), "--tokenizer", str(spec), "--workers", "1"])
+        real[name] = {"library_one_thread": lib, "one_line_file": fixed}
+        for workers in (1, 2):
+            run = run_prep([str(big), "--out", str(work / "out"), "--tokenizer", str(spec), "--workers", str(workers)])
+            run["mb_per_s"] = text_mb / run["seconds"]
+            run["x_library_one_thread"] = run["mb_per_s"] / lib["mb_per_s"]
+            run["cpu_x_library"] = run["cpu_s"] / lib["cpu_s"]
+            # what grows with the input: less the CPU of the same run on a one-line file (start-up,
+            # loading the tokenizer in the parent and each worker), which the library's figure excludes
+            run["cpu_x_library_less_fixed"] = (run["cpu_s"] - workers * fixed["cpu_s"]) / lib["cpu_s"]
+            real[name][f"workers={workers}"] = run
+            print(f"{name} jsonl workers={workers}: {run['mb_per_s']:.2f} MB/s = {run['x_library_one_thread']:.2f}x "
+                  f"the library's {lib['mb_per_s']:.2f} MB/s on one thread; CPU {run['cpu_x_library']:.2f}x the "
+                  f"library's ({run['cpu_x_library_less_fixed']:.2f}x less the {fixed['cpu_s']:.1f} s of a one-line "
+                  f"run); peak RSS {run['peak_rss_tree_mib']:.0f} MiB", flush=True)
+    document = {}
+    for name, spec in styles.items():
+        for size in (args.doc_mb / 4, args.doc_mb):
+            doc = one_document(big, work / f"document-{size:g}mb.txt", size)
+            run = run_prep([str(doc), "--out", str(work / "out"), "--tokenizer", str(spec), "--workers", "2"])
+            run["mb_per_s"] = doc.stat().st_size / MB / run["seconds"]
+            document[f"{name} {size:g}MB workers=2"] = run
+            print(f"one {size:g} MB document, {name}, 2 workers: {run['mb_per_s']:.2f} MB/s, peak RSS "
+                  f"{run['peak_rss_tree_mib']:.0f} MiB (parent {run['peak_rss_parent_mib']:.0f})", flush=True)
+    return real, document
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=200)
@@ -269,38 +306,7 @@ def main() -> None:
         peaks = ", ".join(f"{k} {v['peak_rss_tree_mib']:.0f} MiB" for k, v in memory.items())
         print(f"peak RSS (bpe, 2 workers): {peaks}; {args.mb / args.small_mb:.0f}x the input -> {growth:.2f}x the "
               f"memory", flush=True)
-    styles = {"mistral-style": mistral_style(big, work / "mistral-style")}
-    if llama3_file() is not None:
-        styles = {"llama3": llama3_file(), **styles}
-    real = {}
-    one = work / "one.jsonl"
-    one.write_text('{"text": "hello"}\n')
-    for name, spec in styles.items():
-        lib = library_rate(spec, big)
-        fixed = run_prep([str(one), "--out", str(work / "one-out"), "--tokenizer", str(spec), "--workers", "1"])
-        real[name] = {"library_one_thread": lib, "one_line_file": fixed}
-        for workers in (1, 2):
-            run = run_prep([str(big), "--out", str(work / "out"), "--tokenizer", str(spec), "--workers", str(workers)])
-            run["mb_per_s"] = text_mb / run["seconds"]
-            run["x_library_one_thread"] = run["mb_per_s"] / lib["mb_per_s"]
-            run["cpu_x_library"] = run["cpu_s"] / lib["cpu_s"]
-            # what grows with the input: less the CPU of the same run on a one-line file (start-up,
-            # loading the tokenizer in the parent and each worker), which the library's figure excludes
-            run["cpu_x_library_less_fixed"] = (run["cpu_s"] - workers * fixed["cpu_s"]) / lib["cpu_s"]
-            real[name][f"workers={workers}"] = run
-            print(f"{name} jsonl workers={workers}: {run['mb_per_s']:.2f} MB/s = {run['x_library_one_thread']:.2f}x "
-                  f"the library's {lib['mb_per_s']:.2f} MB/s on one thread; CPU {run['cpu_x_library']:.2f}x the "
-                  f"library's ({run['cpu_x_library_less_fixed']:.2f}x less the {fixed['cpu_s']:.1f} s of a one-line "
-                  f"run); peak RSS {run['peak_rss_tree_mib']:.0f} MiB", flush=True)
-    document = {}
-    for name, spec in styles.items():
-        for size in (args.doc_mb / 4, args.doc_mb):
-            doc = one_document(big, work / f"document-{size:g}mb.txt", size)
-            run = run_prep([str(doc), "--out", str(work / "out"), "--tokenizer", str(spec), "--workers", "2"])
-            run["mb_per_s"] = doc.stat().st_size / MB / run["seconds"]
-            document[f"{name} {size:g}MB workers=2"] = run
-            print(f"one {size:g} MB document, {name}, 2 workers: {run['mb_per_s']:.2f} MB/s, peak RSS "
-                  f"{run['peak_rss_tree_mib']:.0f} MiB (parent {run['peak_rss_parent_mib']:.0f})", flush=True)
+    real, document = real_styles(args, work, big, text_mb)
     if args.only == "real":
         write(args, {"load_average_before": load_before, "load_average_after": os.getloadavg(),
                      "corpus_mb": text_mb, "library_one_thread_bpe": library,
