@@ -153,7 +153,7 @@ class OptimConfig:
     """LAMB or AdamW, the learning-rate schedule and gradient clipping."""
 
     name: Literal["lamb", "adamw"] = opt("lamb", "lamb (layer-wise trust ratio, large batches) or adamw")
-    lr: float = opt(2e-3, "peak learning rate")
+    lr: float = opt(2e-3, "peak learning rate (0 keeps the weights as they are: an evaluation run)")
     min_lr_ratio: float = opt(0.1, "cosine decays to lr * min_lr_ratio")
     warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
     decay_steps: int = opt(0, "cosine decay length in steps; 0 = train.steps")
@@ -164,8 +164,8 @@ class OptimConfig:
     grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if self.lr < 0:
+            raise ConfigError(f"optim.lr must be >= 0 (0 leaves the weights as they are), got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for key in ("beta1", "beta2"):
@@ -387,9 +387,12 @@ class JobConfig:
                 f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"
             )
         if p.pp > 1 and m.tie_embeddings:
+            fix = ("this checkpoint's head is its embedding (checkpoint.init_from), so keep parallel.pp=1 and "
+                   "use parallel.tp or parallel.dp" if self.checkpoint.init_from else
+                   "set model.tie_embeddings=false or parallel.pp=1")
             raise ConfigError(
                 "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live "
-                "on different pipeline stages); set model.tie_embeddings=false"
+                f"on different pipeline stages); {fix}"
             )
 
 
