@@ -88,3 +88,30 @@ def causal_attention(
     if kernel in ("auto", "sliding") and window is not None and window < q.shape[-2]:
         return sliding_window_attention(q, k, v, window)
     return sdpa_attention(q, k, v, window)
+
+
+class KVCache:
+    """One layer's keys and values of the tokens seen so far, for generation: the prompt goes in
+    once (causal attention), then each new token attends to the cached keys. A sliding window
+    keeps only its last `window` keys, which is all a new token may see."""
+
+    def __init__(self, window: int | None):
+        self.window = window
+        self.seen = 0  # positions passed through, whatever the window kept
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
+        """Like `causal_attention` for q, k, v of the positions after `seen`."""
+        if self.k is None:
+            out = causal_attention(q, k, v, self.window, kernel)
+        else:
+            if q.shape[-2] != 1:
+                raise ValueError("a KV cache takes the prompt once, then one token at a time")
+            k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
+            if self.window is not None:
+                k, v = k[..., -self.window:, :], v[..., -self.window:, :]
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+        self.seen += q.shape[-2]
+        self.k, self.v = (k, v) if self.window is None else (k[..., -self.window:, :], v[..., -self.window:, :])
+        return out

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megascale.config.schema import DEFAULT_LOSS_CHUNK, ModelConfig
-from megascale.model.attention import causal_attention
+from megascale.model.attention import KVCache, causal_attention
 from megascale.model.init import initial_value
 from megascale.model.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the labels' ignore value
 from megascale.model.loss import chunked_cross_entropy
@@ -34,10 +34,11 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.positions == "learned" else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """`offset`: the position of the first token (generation with a KV cache)."""
         h = self.tokens(tokens)
         if self.positions is not None:
-            h = h + self.positions.weight[: tokens.shape[1]]
+            h = h + self.positions.weight[offset: offset + tokens.shape[1]]
         return h
 
 
@@ -68,6 +69,7 @@ class Attention(nn.Module):
         self.rotary = cfg.positions == "rotary"
         self.rope = (cfg.rotary_dim, cfg.rope_base, scaling_key(cfg.rope_scaling))
         self.kernel = "auto"
+        self.cache: KVCache | None = None  # set while generating (interop.generate)
         self.qkv = Linear(cfg.hidden, cfg.qkv_width, bias=cfg.bias or cfg.qkv_bias)
         self.proj = Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
@@ -85,10 +87,14 @@ class Attention(nn.Module):
         grouped = qkv.view(b, s, groups, per_group + 2, self.head_dim)
         q = grouped[:, :, :, :per_group].reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
         k, v = grouped[:, :, :, per_group].transpose(1, 2), grouped[:, :, :, per_group + 1].transpose(1, 2)
+        past = self.cache.seen if self.cache is not None else 0
         if self.rotary:
-            cos, sin = rotary_tables(s, *self.rope, qkv.device, qkv.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = causal_attention(q, k, v, self.window, self.kernel)
+            cos, sin = rotary_tables(past + s, *self.rope, qkv.device, qkv.dtype)
+            q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
+        if self.cache is not None:
+            out = self.cache.attend(q, k, v, self.kernel)
+        else:
+            out = causal_attention(q, k, v, self.window, self.kernel)
         return out.transpose(1, 2).reshape(b, s, groups * per_group * self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
