@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megascale.checkpoint.storage import MANIFEST, CheckpointError, join, parse_name, read_json
+from megascale.layout.shard import ShardSpec
 
 FORMAT = "megascale-checkpoint"
 VERSION = 2  # 2: the manifest carries its checksum and commit sequence number
@@ -67,12 +68,8 @@ class Spec(Strict):
             raise ValueError(f"flat_range {self.flat_range} ends before it starts")
         return self
 
-    @property
-    def numel(self) -> int:
-        """Elements a rank holding this piece stores (ZeRO ranges include their padding)."""
-        if self.flat_range is not None:
-            return self.flat_range[1] - self.flat_range[0]
-        return math.prod(self.global_shape) // self.tp_size
+    def shard(self) -> ShardSpec:
+        return ShardSpec.from_json(self.__dict__)
 
 
 class TensorRecord(Strict):
@@ -94,7 +91,7 @@ class TensorRecord(Strict):
         if self.param.startswith(RNG):
             if self.spec is not None or not self.param[len(RNG):].isdigit():
                 raise ValueError(f"RNG record {self.param!r} must name a rank and have no spec")
-        elif self.spec is None or self.spec.numel != numel:
+        elif self.spec is None or self.spec.shard().numel != numel:
             raise ValueError(f"{self.param} {self.field}: shape {self.shape} does not match its spec")
         return self
 

@@ -15,8 +15,9 @@ by `manifest.validate`, as a stored one), and run the ordinary `restore` with th
 from memory; their sizes and sha256 are checked there as any file read from storage. A copy that
 fails a check is never used: the next generation, or storage, is tried.
 
-The copies travel on a gloo group of their own (`ParallelMesh.replica_group`), sent by a
-background thread, so the training step only pays for the memory copy.
+The copies travel on two-rank gloo groups of their own (`ParallelMesh.replica_groups`: this rank
+with its successor, and with its predecessor), sent by a background thread, so the training step
+only pays for the memory copy and no rank links to more than two peers for it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,17 @@ class CopyHeader(Strict):
     plain: dict[str, dict[str, Scalar]]
     meta: RankMeta
     checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class Holding(Strict):
+    """What a rank says it holds (`ReplicaStore.holdings`), as rank 0 reads it."""
+
+    step: Annotated[int, Field(ge=0)]
+    attempt: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)]
+    layout: dict[str, int]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 @dataclass
@@ -230,10 +242,11 @@ class PeerReplicator:
     """Every `every` steps: capture this rank's copy, then (in the background) seal it, send it to
     the same local rank of the next node and take the previous node's, checked before it is kept."""
 
-    def __init__(self, store: ReplicaStore, group: dist.ProcessGroup, rank: int, world: int, offset: int,
-                 every: int, attempt: int, grid_layout: dict[str, int]) -> None:
-        """`offset`: ranks between this rank and the one keeping its copy (whole nodes along the ring)."""
-        self.store, self.group, self.rank, self.world = store, group, rank, world
+    def __init__(self, store: ReplicaStore, groups: tuple[dist.ProcessGroup, dist.ProcessGroup], rank: int,
+                 world: int, offset: int, every: int, attempt: int, grid_layout: dict[str, int]) -> None:
+        """`offset`: ranks between this rank and the one keeping its copy (whole nodes along the ring);
+        `groups`: (the group with the successor, the group with the predecessor)."""
+        self.store, self.groups, self.rank, self.world = store, groups, rank, world
         self.every, self.attempt, self.layout = every, attempt, grid_layout
         self.successor = (rank + offset) % world
         self.predecessor = (rank - offset) % world
@@ -278,9 +291,9 @@ class PeerReplicator:
     def _both(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         works = []
         if send.numel():
-            works.append(dist.isend(send, self.successor, group=self.group))
+            works.append(dist.isend(send, self.successor, group=self.groups[0]))
         if recv.numel():
-            works.append(dist.irecv(recv, self.predecessor, group=self.group))
+            works.append(dist.irecv(recv, self.predecessor, group=self.groups[1]))
         for work in works:
             work.wait()
 

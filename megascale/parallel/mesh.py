@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ class ParallelMesh:
         # The default group holds the store only on the C++ side; a Python store subclass must
         # also stay referenced here or its overrides vanish (pybind11 trampoline).
         self.store = store
-        self._side_groups: dict[str, ProcessGroup | None] = {}
+        self._side_groups: dict[str, Any] = {}
 
     # coordinates -------------------------------------------------------------------------------
     @property
@@ -106,27 +107,37 @@ class ParallelMesh:
         return self._groups["pp"]
 
     @property
-    def checkpoint_group(self) -> ProcessGroup | None:
-        """A gloo group over the world for checkpoint traffic, kept off the training links.
+    def checkpoint_groups(self) -> dict[Dim, ProcessGroup | None]:
+        """Gloo twins of the tp, dp and pp groups for checkpoint traffic, kept off the training
+        links (`checkpoint.comm` routes world-wide collectives over them). A rank pays store
+        operations and sockets for tp+dp+pp peers, not for the world. Created on first access,
+        which is collective (every rank makes it, in the same order relative to other groups)."""
+        if "checkpoint" not in self._side_groups:
+            self._side_groups["checkpoint"] = {
+                dim: self._gloo_group(self.grid.group_of(self.rank, dim), f"checkpoint-{dim}") for dim in DIMS}
+        return self._side_groups["checkpoint"]
 
-        Created on first access; that first access is collective (every rank must make it, in
-        the same order relative to other group creations).
-        """
-        return self._side_group("checkpoint")
+    def replica_groups(self, offset: int) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+        """(group with rank+offset, group with rank-offset): two-rank gloo groups for the peer
+        copies a background thread sends (a group's operations must come in one order on every
+        rank, so they cannot share the checkpoint's). Pair k is {k, k+offset}; each rank creates
+        its two pairs in increasing k, one global order, so the creations cannot deadlock. The
+        first call is collective, with the same offset on every rank."""
+        key = f"replica-{offset}"
+        if key not in self._side_groups:
+            world = self.world_size
+            pairs = {k: tuple(sorted({k, (k + offset) % world})) for k in (self.rank, (self.rank - offset) % world)}
+            made: dict[tuple[int, ...], ProcessGroup | None] = {}
+            for pair in sorted(set(pairs.values()), key=lambda p: _first_index(p, offset, world)):
+                made[pair] = self._gloo_group(list(pair), "replica")
+            self._side_groups[key] = (made[pairs[self.rank]], made[pairs[(self.rank - offset) % world]])
+        return self._side_groups[key]
 
-    @property
-    def replica_group(self) -> ProcessGroup | None:
-        """Another world gloo group, for the peer copies a background thread sends (a group's
-        operations must come in one order on every rank, so they cannot share the checkpoint's).
-        Its first access is collective, as the checkpoint group's."""
-        return self._side_group("replica")
-
-    def _side_group(self, name: str) -> ProcessGroup | None:
-        if name not in self._side_groups:
-            self._side_groups[name] = None if self.world_size == 1 else dist.new_group(
-                list(range(self.world_size)), timeout=self._timeout, backend="gloo",
-                use_local_synchronization=True, group_desc=name)
-        return self._side_groups[name]
+    def _gloo_group(self, members: list[int], name: str) -> ProcessGroup | None:
+        if len(members) == 1:
+            return None
+        return dist.new_group(members, timeout=self._timeout, backend="gloo", use_local_synchronization=True,
+                              group_desc=name)
 
     def destroy(self) -> None:
         """Tear down every group this mesh created (and the default group if it made it)."""
@@ -154,6 +165,12 @@ class ParallelMesh:
             f"ParallelMesh(rank={self.rank}/{self.world_size}, pp={c.pp}/{self.pp_size}, "
             f"dp={c.dp}/{self.dp_size}, tp={c.tp}/{self.tp_size}, {self.backend}, {self.device})"
         )
+
+
+def _first_index(pair: tuple[int, ...], offset: int, world: int) -> int:
+    """The smallest k whose pair {k, k+offset} is `pair` (two ks name the same pair when
+    2*offset is a multiple of the world)."""
+    return min(k for k in pair if tuple(sorted({k, (k + offset) % world})) == pair)
 
 
 def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
