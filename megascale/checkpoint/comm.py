@@ -111,7 +111,8 @@ class Comm:
         recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
         dist.all_to_all_single(recv, torch.cat(payloads), recv_sizes.tolist(), sizes.tolist(), group=group)
         for part in recv.split(recv_sizes.tolist()):
-            kept.extend(_unpack(part))
+            if part.numel():
+                kept.extend(_unpack(part))
         return kept
 
     def gather_bytes(self, data: bytes, root: int = 0) -> dict[int, bytes]:

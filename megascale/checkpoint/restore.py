@@ -26,7 +26,7 @@ from megascale.checkpoint.comm import Comm, json_of
 from megascale.checkpoint.manifest import confined
 from megascale.checkpoint.plan import Outline, Part, Plan, Wanted, outline
 from megascale.checkpoint.state import Target, torch_dtype
-from megascale.checkpoint.storage import CheckpointError
+from megascale.checkpoint.storage import CheckpointError, paused_gc
 from megascale.layout.shard import ShardSpec, local_piece, tp_slice
 
 
@@ -71,7 +71,8 @@ def load(fs, path: str, manifest: dict | None, comm: Comm,
         try:
             lists = [[w.model_dump() for w in json_of(list[Wanted], got[r], f"targets of rank {r}")]
                      for r in range(comm.world)]
-            parts = Plan(manifest, lists, memory.readers if memory else None).parts()
+            with paused_gc():
+                parts = Plan(manifest, lists, memory.readers if memory else None).parts()
         except CheckpointError as exc:
             error = str(exc)
     error = comm.broadcast_json(error, str | None, "restore plan status")
@@ -106,7 +107,7 @@ def restore(fs, path: str, part: Part, targets: list[Target], comm: Comm, memory
         elif inc.kind == "rng":
             restored.rng[inc.field] = tensor.clone()
         else:
-            pieces[(inc.param, inc.field)].append((inc.spec.shard(), tensor))
+            pieces[(inc.param, inc.field)].append((ShardSpec.from_json(inc.spec), tensor))
     reader.finish()
     comm.agree(reader.problems)
     wholes = {(o.param, o.field): _assemble(o.global_shape, torch_dtype(o.dtype), pieces[(o.param, o.field)])
@@ -116,7 +117,7 @@ def restore(fs, path: str, part: Part, targets: list[Target], comm: Comm, memory
     # phase B: owners cut every rank's pieces
     outgoing = defaultdict(list)
     for cut in part.cuts:
-        piece = local_piece(wholes[(cut.param, cut.field)], cut.spec.shard()).contiguous()
+        piece = local_piece(wholes[(cut.param, cut.field)], ShardSpec.from_json(cut.spec)).contiguous()
         outgoing[cut.dst].append(piece.reshape(-1).view(torch.uint8))
     reader = _Reader(comm.exchange({dst: _concat(parts) for dst, parts in outgoing.items()}))
     del wholes, outgoing
