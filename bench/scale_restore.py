@@ -60,25 +60,25 @@ def gpt_params(stage: int, pp: int = PP, layers: int = LAYERS, hidden: int = HID
     return out
 
 
-def rank_specs(rank: int, pp: int, dp: int, tp: int) -> list[tuple[str, ShardSpec]]:
+def rank_specs(rank: int, pp: int, dp: int, tp: int, layers: int = LAYERS) -> list[tuple[str, ShardSpec]]:
     """The ZeRO pieces a rank holds (as `shard_spec` of its optimizer tensors reports them)."""
     stage, rest = divmod(rank, dp * tp)
     d, t = divmod(rest, tp)
     out = []
-    for name, shape, tp_dim in gpt_params(stage, pp):
+    for name, shape, tp_dim in gpt_params(stage, pp, layers):
         spec = ShardSpec(shape) if tp_dim is None else ShardSpec(shape, tp_dim, t, tp)
         per = -(-math.prod(spec.tp_shape) // dp)
         out.append((name, spec.with_flat_range(d * per, (d + 1) * per)))
     return out
 
 
-def synthetic_manifest(pp: int, dp: int, tp: int) -> dict:
+def synthetic_manifest(pp: int, dp: int, tp: int, layers: int = LAYERS) -> dict:
     world = pp * dp * tp
     files, tensors, ranks, plain = {}, [], {}, {}
     for rank in range(world):
         offset, file = 0, f"rank-{rank:05d}.bin"
         writes = rank % tp == 0  # pieces replicated over tp are written by tp rank 0 only
-        for name, spec in rank_specs(rank, pp, dp, tp):
+        for name, spec in rank_specs(rank, pp, dp, tp, layers):
             if spec.tp_dim is None and not writes:
                 continue
             plain[name] = {"step": {"kind": "tensor", "dtype": "float32", "value": 7.0}}
@@ -97,10 +97,10 @@ def synthetic_manifest(pp: int, dp: int, tp: int) -> dict:
                  "ranks": ranks, "plain": plain})
 
 
-def wanted(pp: int, dp: int, tp: int) -> list[list[dict]]:
+def wanted(pp: int, dp: int, tp: int, layers: int = LAYERS) -> list[list[dict]]:
     """Every rank's targets (value and both moments of each piece), as sent to rank 0."""
     return [[{"param": name, "field": fld, "spec": spec.to_json(), "dtype": "float32"}
-             for name, spec in rank_specs(rank, pp, dp, tp) for fld in FIELDS]
+             for name, spec in rank_specs(rank, pp, dp, tp, layers) for fld in FIELDS]
             for rank in range(pp * dp * tp)]
 
 

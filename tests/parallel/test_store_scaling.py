@@ -32,3 +32,44 @@ def test_local_creation_ops_constant_while_naive_grows():
     assert local[4] == local[8] == local[16], local  # ... whatever the world size
     assert naive[4] < naive[8] < naive[16], naive
     assert naive[16] >= 2 * naive[4]  # linear in the world per rank, not a constant
+
+
+def _side_group_ops(layout: tuple[int, int, int]) -> dict:
+    """One rank: store ops of its checkpoint groups, of its two replica pairs, and (for scale) of
+    one world-sized gloo group, the way both side groups were made before; the groups work."""
+    import torch.distributed as dist
+
+    from megascale.checkpoint.comm import Comm
+    from megascale.config import ParallelConfig
+    from megascale.parallel import init_mesh
+
+    mesh = init_mesh(ParallelConfig(pp=layout[0], dp=layout[1], tp=layout[2], backend="gloo"), device="cpu")
+    try:
+        counter, out = mesh.store, {}
+        for name, make in (("checkpoint", lambda: mesh.checkpoint_groups), ("replica", lambda: mesh.replica_groups(1)),
+                           ("world", lambda: dist.new_group(list(range(mesh.world_size)), backend="gloo",
+                                                            use_local_synchronization=True))):
+            counter.reset()
+            make()
+            out[name] = counter.total_ops
+        out["sum"] = Comm(mesh.grid, mesh.rank, mesh.checkpoint_groups).all_reduce([mesh.rank], "sum")[0]
+        return out
+    finally:
+        mesh.destroy()
+
+
+def test_checkpoint_and_replica_groups_cost_what_their_size_needs_not_the_world():
+    """Issue 37 item 8: the checkpoint and replica groups spanned the world (2W+1 store ops and W+3
+    sockets per rank each). Now: a 2-rank gloo twin per grid dimension and two 2-rank pairs, so a
+    rank's ops are a fixed price per group whatever the world, while one world group's grow."""
+    seen = {}
+    for world, layout, dims in ((4, (1, 2, 2), 2), (8, (2, 2, 2), 3)):
+        ranks = run_local(_side_group_ops, world, (layout,), timeout_s=600)
+        assert all(r["sum"] == world * (world - 1) // 2 for r in ranks)  # a world reduction over them
+        pair = {r["replica"] for r in ranks}
+        assert len(pair) == 1, pair
+        pair_ops = pair.pop() / 2  # two 2-rank groups
+        assert {r["checkpoint"] for r in ranks} == {dims * pair_ops}, ranks  # one 2-rank group per dim
+        seen[world] = {"pair": pair_ops, "world": max(r["world"] for r in ranks)}
+    assert seen[4]["pair"] == seen[8]["pair"]
+    assert seen[8]["world"] > seen[4]["world"] > seen[4]["pair"], seen
