@@ -94,10 +94,9 @@ class CheckpointManager:
             return None  # nobody to recover from the copies, or no other node to keep them
         nodes = self.world // local_world
         stride = self.cfg.peer_stride % nodes or 1  # a stride of the whole ring would keep copies at home
-        return PeerReplicator(replicas, self.mesh.replica_groups(stride * local_world), self.rank, self.world,
-                              stride * local_world,
-                              self.cfg.peer_every, StoreAddress.from_env(need_master=False).attempt,
-                              self._grid_layout())
+        comm = Comm(self.mesh.grid, self.rank, self.mesh.replica_groups)
+        attempt = StoreAddress.from_env(need_master=False).attempt
+        return PeerReplicator(replicas, comm, stride * local_world, self.cfg.peer_every, attempt, self._grid_layout())
 
     def _grid_layout(self) -> dict[str, int]:
         grid = self.mesh.grid

@@ -17,7 +17,6 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +57,7 @@ class ParallelMesh:
         # The default group holds the store only on the C++ side; a Python store subclass must
         # also stay referenced here or its overrides vanish (pybind11 trampoline).
         self.store = store
-        self._side_groups: dict[str, Any] = {}
+        self._side_groups: dict[str, dict[Dim, ProcessGroup | None]] = {}
 
     # coordinates -------------------------------------------------------------------------------
     @property
@@ -112,32 +111,27 @@ class ParallelMesh:
         links (`checkpoint.comm` routes world-wide collectives over them). A rank pays store
         operations and sockets for tp+dp+pp peers, not for the world. Created on first access,
         which is collective (every rank makes it, in the same order relative to other groups)."""
-        if "checkpoint" not in self._side_groups:
-            self._side_groups["checkpoint"] = {
-                dim: self._gloo_group(self.grid.group_of(self.rank, dim), f"checkpoint-{dim}") for dim in DIMS}
-        return self._side_groups["checkpoint"]
+        return self._grid_twins("checkpoint")
 
-    def replica_groups(self, offset: int) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-        """(group with rank+offset, group with rank-offset): two-rank gloo groups for the peer
-        copies a background thread sends (a group's operations must come in one order on every
-        rank, so they cannot share the checkpoint's). Pair k is {k, k+offset}; each rank creates
-        its two pairs in increasing k, one global order, so the creations cannot deadlock. The
-        first call is collective, with the same offset on every rank."""
-        key = f"replica-{offset}"
-        if key not in self._side_groups:
-            world = self.world_size
-            pairs = {k: tuple(sorted({k, (k + offset) % world})) for k in (self.rank, (self.rank - offset) % world)}
-            made: dict[tuple[int, ...], ProcessGroup | None] = {}
-            for pair in sorted(set(pairs.values()), key=lambda p: _first_index(p, offset, world)):
-                made[pair] = self._gloo_group(list(pair), "replica")
-            self._side_groups[key] = (made[pairs[self.rank]], made[pairs[(self.rank - offset) % world]])
-        return self._side_groups[key]
+    @property
+    def replica_groups(self) -> dict[Dim, ProcessGroup | None]:
+        """Another set of twins, for the peer copies a background thread sends (a group's
+        operations must come in one order on every rank, so they cannot share the checkpoint's).
+        Its first access is collective, as the checkpoint groups'. (Pairs {r, r+offset} would be
+        smaller, but torch names a locally created group by its ranks and the number of groups
+        the creating rank already has, so a ring of pairs gets different names on its two ends.)"""
+        return self._grid_twins("replica")
 
-    def _gloo_group(self, members: list[int], name: str) -> ProcessGroup | None:
-        if len(members) == 1:
-            return None
-        return dist.new_group(members, timeout=self._timeout, backend="gloo", use_local_synchronization=True,
-                              group_desc=name)
+    def _grid_twins(self, name: str) -> dict[Dim, ProcessGroup | None]:
+        if name not in self._side_groups:
+            twins: dict[Dim, ProcessGroup | None] = {}
+            for dim in DIMS:  # one global order; every rank has as many groups before each
+                members = self.grid.group_of(self.rank, dim)
+                twins[dim] = None if len(members) == 1 else dist.new_group(
+                    members, timeout=self._timeout, backend="gloo", use_local_synchronization=True,
+                    group_desc=f"{name}-{dim}")
+            self._side_groups[name] = twins
+        return self._side_groups[name]
 
     def destroy(self) -> None:
         """Tear down every group this mesh created (and the default group if it made it)."""
@@ -165,12 +159,6 @@ class ParallelMesh:
             f"ParallelMesh(rank={self.rank}/{self.world_size}, pp={c.pp}/{self.pp_size}, "
             f"dp={c.dp}/{self.dp_size}, tp={c.tp}/{self.tp_size}, {self.backend}, {self.device})"
         )
-
-
-def _first_index(pair: tuple[int, ...], offset: int, world: int) -> int:
-    """The smallest k whose pair {k, k+offset} is `pair` (two ks name the same pair when
-    2*offset is a multiple of the world)."""
-    return min(k for k in pair if tuple(sorted({k, (k + offset) % world})) == pair)
 
 
 def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:

@@ -97,7 +97,7 @@ def test_single_process_needs_no_rendezvous(monkeypatch):
     assert not dist.is_initialized()
     assert (mesh.rank, mesh.world_size, tuple(mesh.coords)) == (0, 1, (0, 0, 0))
     assert all(getattr(mesh, f"{d}_group") is None for d in DIMS)
-    assert mesh.checkpoint_groups == {d: None for d in DIMS} and mesh.replica_groups(1) == (None, None)
+    assert mesh.checkpoint_groups == {d: None for d in DIMS} and mesh.replica_groups == mesh.checkpoint_groups
     assert mesh.is_first_stage and mesh.is_last_stage
     assert mesh.device == torch.device("cpu") and mesh.backend == "gloo"
     mesh.destroy()
