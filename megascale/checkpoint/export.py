@@ -9,7 +9,7 @@ import torch
 from megascale.checkpoint.catalog import candidates
 from megascale.checkpoint.comm import Comm
 from megascale.checkpoint.manifest import RNG
-from megascale.checkpoint.restore import restore
+from megascale.checkpoint.restore import load
 from megascale.checkpoint.state import VALUE, Target, torch_dtype
 from megascale.checkpoint.storage import CheckpointError, open_root
 from megascale.layout.shard import ShardSpec
@@ -31,7 +31,7 @@ def whole_tensors(url: str, fields: tuple[str, ...] = (VALUE,)):
             targets = [Target(param, fld, ShardSpec(tuple(shape)),
                               torch.empty(shape, dtype=torch_dtype(dtype)))
                        for (param, fld), (shape, dtype) in sorted(shapes.items())]
-            restore(fs, candidate, manifest, targets, Comm(None, 0, 1))
+            load(fs, candidate, manifest, Comm.local(), lambda _fields, targets=targets: targets)
             return {(t.param, t.field): t.tensor for t in targets}, manifest
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s", candidate, exc)

@@ -23,21 +23,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
 
 from megascale.checkpoint import catalog
-from megascale.checkpoint.comm import Comm
-from megascale.checkpoint.manifest import FORMAT, VERSION, checkpoint_bytes, validate
-from megascale.checkpoint.replica import PeerReplicator, ReplicaStore, build_manifest, choose
-from megascale.checkpoint.restore import InMemory, restore
+from megascale.checkpoint.comm import Comm, json_of
+from megascale.checkpoint.manifest import FORMAT, VERSION, validate
+from megascale.checkpoint.replica import Holding, PeerReplicator, ReplicaStore, build_manifest, choose
+from megascale.checkpoint.restore import InMemory, Loaded, load
 from megascale.checkpoint.shm import reap_stale, segment_name
 from megascale.checkpoint.snapshot import HostBuffer, layout
 from megascale.checkpoint.state import (
-    RNG,
     install_optimizer_state,
     load_targets,
     record_of,
@@ -54,6 +53,8 @@ from megascale.data.shards import DataError
 from megascale.parallel.store import StoreAddress
 
 log = logging.getLogger("megascale.checkpoint")
+RunId = Annotated[str, Field(pattern=r"^[0-9a-f]{8}$")]
+Committed = tuple[int, str] | None  # (step, path) of a confirmed commit
 
 
 class CheckpointManager:
@@ -65,8 +66,8 @@ class CheckpointManager:
         self.job_cfg, self.cfg, self.mesh, self.state = cfg, cfg.checkpoint, mesh, state
         self.rank, self.world = mesh.rank, mesh.world_size
         self.root = checkpoint_root(self.cfg, run_dir)
-        self.comm = Comm(mesh.checkpoint_group, self.rank, self.world)
-        self.run_id = self.comm.broadcast(secrets.token_hex(4))
+        self.comm = Comm(mesh.grid, self.rank, mesh.checkpoint_groups)
+        self.run_id = self.comm.broadcast_json(secrets.token_hex(4), RunId, "run id")
         stale = reap_stale()
         if stale:
             log.info("removed %d checkpoint buffer(s) of dead jobs from /dev/shm: %s", len(stale), ", ".join(stale))
@@ -93,9 +94,9 @@ class CheckpointManager:
             return None  # nobody to recover from the copies, or no other node to keep them
         nodes = self.world // local_world
         stride = self.cfg.peer_stride % nodes or 1  # a stride of the whole ring would keep copies at home
-        return PeerReplicator(replicas, self.mesh.replica_group, self.rank, self.world, stride * local_world,
-                              self.cfg.peer_every, StoreAddress.from_env(need_master=False).attempt,
-                              self._grid_layout())
+        comm = Comm(self.mesh.grid, self.rank, self.mesh.replica_groups)
+        attempt = StoreAddress.from_env(need_master=False).attempt
+        return PeerReplicator(replicas, comm, stride * local_world, self.cfg.peer_every, attempt, self._grid_layout())
 
     def _grid_layout(self) -> dict[str, int]:
         grid = self.mesh.grid
@@ -166,13 +167,14 @@ class CheckpointManager:
         collective: every rank calls it). What rank 0's writer confirmed is what every rank
         reports, so the exit code and the message say what is really on storage."""
         self._wait()
-        self.committed = self.comm.broadcast(self.committed)
+        self.committed = self.comm.broadcast_json(self.committed, Committed, "newest commit")
         error = None
         step = self.state.step
         if self.committed is None or self.committed[0] != step:
             self.save(blocking=True)
             error = self.last_result[2] if self.last_result and self.last_result[0] == "error" else None
-            self.committed, error = self.comm.broadcast((self.committed, error))
+            self.committed, error = self.comm.broadcast_json((self.committed, error), tuple[Committed, str | None],
+                                                             "final save")
         saved = self.committed is not None and self.committed[0] == step
         return FinalSave(step, saved, self.committed, None if saved else error or "see the log")
 
@@ -211,28 +213,23 @@ class CheckpointManager:
             self._inflight = None
             self._start_writer()
         new_layout = self._writes is None or self._writes[0] != keys
-        views = self.comm.gather((step, self._inflight, dead, new_layout))
-        if len({v[0] for v in views}) > 1:
-            log.error("checkpoint skipped: ranks are at different steps %s",
-                      sorted({v[0] for v in views}))
+        inflight = -1 if self._inflight is None else self._inflight
+        top, low, busy, any_dead, any_new = self.comm.all_reduce([step, -step, inflight, dead, new_layout])
+        if top != -low:
+            log.error("checkpoint skipped: ranks are at different steps (%d to %d)", -low, top)
             return False
-        if any(v[2] for v in views) and self.rank == 0 and self._inflight is not None:
+        if any_dead and self.rank == 0 and self._inflight is not None:
             self._send({"abort": self._inflight})  # the committer would wait for a dead writer
-        if any(v[3] for v in views):
-            everyone = self.comm.gather(keys)
-            first: dict = {}
-            for rank, rank_keys in enumerate(everyone):
-                for key in rank_keys:
-                    first.setdefault(key, rank)
-            self._writes = (keys, [first[key] == self.rank for key in keys])
-        busy = [v[1] for v in views if v[1] is not None]
-        if busy:
+        if any_new:
+            holders = self.comm.lowest_holder([json.dumps(key) for key in keys])
+            self._writes = (keys, [holder == self.rank for holder in holders])
+        if busy >= 0:
             if self.cfg.when_busy == "skip" and not blocking:
                 log.warning("checkpoint at step %d skipped: the save of step %d is still being "
-                            "written (checkpoint.when_busy=skip)", step, max(busy))
+                            "written (checkpoint.when_busy=skip)", step, busy)
                 return False
             log.info("checkpoint at step %d waits for the save of step %d to finish "
-                     "(checkpoint.when_busy=wait)", step, max(busy))
+                     "(checkpoint.when_busy=wait)", step, busy)
             self._wait()
         return True
 
@@ -330,7 +327,8 @@ class CheckpointManager:
         fs, root = open_root(self.root if mode == "auto" else mode)
         candidates = catalog.candidates(fs, root) if self.rank == 0 else []
         newest = candidates[0][1]["step"] if candidates else None
-        if self.replicas is not None and mode == "auto" and self._resume_from_memory(self.comm.broadcast(newest)):
+        newest = self.comm.broadcast_json(newest, int | None, "newest step")
+        if self.replicas is not None and mode == "auto" and self._resume_from_memory(newest):
             return True
         path = self._load_newest(fs, candidates)
         if path is None:
@@ -353,12 +351,12 @@ class CheckpointManager:
     def _load_newest(self, fs, candidates: list) -> str | None:
         """Load the first of rank 0's `candidates` that loads on every rank; its path, or None."""
         while True:
-            choice = self.comm.broadcast(candidates.pop(0) if candidates else None)
-            if choice is None:
+            entry = candidates.pop(0) if candidates else None
+            path = self.comm.broadcast_json(entry[0] if entry else None, str | None, "checkpoint path")
+            if path is None:
                 return None
-            path, manifest = choice
             try:
-                self._load(fs, path, manifest)
+                self._load(fs, path, entry[1] if entry else None)
             except CheckpointError as exc:
                 log.warning("checkpoint %s cannot be used: %s -- trying the previous one", path, exc)
                 continue
@@ -373,10 +371,18 @@ class CheckpointManager:
 
     def _resume_from_memory(self, storage_step: int | None) -> bool:
         """Restore from the newest generation of peer copies that covers every rank, when it is at
-        least as new as storage's newest checkpoint; a generation that fails a check is skipped."""
+        least as new as storage's newest checkpoint; a generation that fails a check is skipped.
+        Rank 0 chooses (from every rank's holdings) and builds the manifest (from the headers of
+        the copies each file's reader holds); every rank then learns who reads which file."""
         skip: set = set()
         while True:
-            choice = choose(self.comm.gather(self.replicas.holdings()), self.world, self._grid_layout(), skip)
+            held = self.comm.gather_bytes(json.dumps(self.replicas.holdings()).encode())
+            choice = None
+            if self.rank == 0:
+                holdings = [[h.model_dump() for h in json_of(list[Holding], held[r], f"holdings of rank {r}")]
+                            for r in range(self.world)]
+                choice = choose(holdings, self.world, self._grid_layout(), skip)
+            choice = self.comm.broadcast_json(choice, tuple[tuple[int, int], dict[str, int]] | None, "copy choice")
             if choice is None:
                 log.info("no complete generation of peer copies in memory: restoring from storage")
                 self.replicas.forget(skip)
@@ -388,21 +394,23 @@ class CheckpointManager:
                 self.replicas.forget(skip)
                 return False
             mine = {name: c for name, c in self.replicas.files(generation).items() if readers.get(name) == self.rank}
-            headers = [h for hs in self.comm.gather([c.header for c in mine.values()]) for h in hs]
+            got = self.comm.gather_bytes(json.dumps([c.header for c in mine.values()]).encode())
             where = f"peer memory (step {generation[0]} of attempt {generation[1]})"
-            manifest: dict | str | None = None
+            manifest, error = None, None
             if self.rank == 0:
                 try:
+                    headers = [h for r in range(self.world)
+                               for h in json_of(list[dict[str, Any]], got[r], f"copy headers of rank {r}")]
                     manifest = build_manifest(headers, generation, self.world, self._grid_layout(),
                                               to_dict(self.job_cfg), self.run_id)
                     validate(manifest, where)
                     manifest["manifest_bytes"] = 0
                 except CheckpointError as exc:
-                    manifest = str(exc)
-            manifest = self.comm.broadcast(manifest)
+                    error = str(exc)
             try:
-                if isinstance(manifest, str):
-                    raise CheckpointError(manifest)
+                error = self.comm.broadcast_json(error, str | None, "copy manifest status")
+                if error is not None:
+                    raise CheckpointError(error)
                 self._load(None, where, manifest, InMemory({n: c.data for n, c in mine.items()}, readers))
             except CheckpointError as exc:
                 log.warning("%s cannot be used: %s -- trying older copies, then storage", where, exc)
@@ -412,48 +420,47 @@ class CheckpointManager:
             self.replicas.discard_after(generation[0])
             return True
 
-    def _load(self, fs, path: str, manifest: dict, memory: InMemory | None = None) -> None:
+    def _load(self, fs, path: str, manifest: dict | None, memory: InMemory | None = None) -> None:
+        """Collective; `manifest` (validated) is needed on rank 0 only."""
         start = time.perf_counter()
-        fields: dict[str, set[str]] = defaultdict(set)
-        for rec in manifest["tensors"]:
-            if not rec["param"].startswith(RNG):
-                fields[rec["param"]].add(rec["field"])
-        targets = load_targets(self.state, fields)
-        restored = restore(fs, path, manifest, targets, self.comm, memory)
-        problems = [p for p in self.comm.gather(self._install(targets, manifest, restored)) if p]
-        if problems:  # every rank falls back together
-            raise CheckpointError(f"{path}: " + "; ".join(problems))
-        if not (restored.rng and str(self.rank) in manifest["ranks"]):
+        loaded = load(fs, path, manifest, self.comm, lambda fields: load_targets(self.state, fields), memory)
+        try:
+            self.comm.agree(self._install(loaded))
+        except CheckpointError as exc:  # every rank falls back together
+            raise CheckpointError(f"{path}: {exc}") from None
+        shape, restored = loaded.outline, loaded.restored
+        if not (restored.rng and loaded.part.own_meta):
             log.warning("rank %d has no RNG state in %s (saved by %d ranks): it keeps its seeded "
-                        "RNG", self.rank, path, manifest["world_size"])
-        read = sum(self.comm.gather(restored.bytes_read))
-        read += manifest["manifest_bytes"]
-        size = checkpoint_bytes(manifest)
+                        "RNG", self.rank, path, shape.world_size)
+        read = self.comm.all_reduce([restored.bytes_read], "sum")[0] + shape.manifest_bytes
         self.last_restore = {"path": path, "step": self.state.step, "bytes_read": read,
-                             "checkpoint_bytes": size, "seconds": time.perf_counter() - start,
+                             "checkpoint_bytes": shape.stored_bytes, "seconds": time.perf_counter() - start,
                              "source": "storage" if memory is None else "memory"}
-        saved = manifest["layout"]
+        saved = shape.layout
         log.info("resumed from %s at step %d (saved as pp=%d dp=%d tp=%d, %d ranks; read %d of "
-                 "%d stored bytes, %.2f s)", path, self.state.step, saved["pp"], saved["dp"],
-                 saved["tp"], manifest["world_size"], read, size, self.last_restore["seconds"])
-        if manifest["config"].get("model") != to_dict(self.job_cfg)["model"]:
+                 "%d stored bytes, %.2f s)", path, self.state.step, saved.pp, saved.dp,
+                 saved.tp, shape.world_size, read, shape.stored_bytes, self.last_restore["seconds"])
+        if shape.model != to_dict(self.job_cfg)["model"]:
             log.warning("the checkpoint's model config differs from this job's (shapes match)")
 
-    def _install(self, targets, manifest: dict, restored) -> str | None:
+    def _install(self, loaded: Loaded) -> list[str]:
         """Put the loaded state in place; a value a state object rejects is reported, not raised,
         so that all ranks agree on the outcome (a data-config mismatch still stops the job)."""
-        ranks = manifest["ranks"]
+        meta = loaded.part.meta
+        plain = {name: {key: s.model_dump(exclude_none=True) for key, s in scalars.items()}
+                 for name, scalars in loaded.outline.plain.items()}
         try:
-            install_optimizer_state(self.state, targets, manifest["plain"])
-            self.state.train.load_state_dict({"step": manifest["step"]})
-            self.state.loader.load_state_dict(ranks.get(str(self.rank), ranks["0"])["loader"])
-            if restored.rng and str(self.rank) in ranks:
-                self.state.rng.load_state_dict(rng_from_arrays(restored.rng, ranks[str(self.rank)]["rng"]))
+            install_optimizer_state(self.state, loaded.targets, plain)
+            self.state.train.load_state_dict({"step": loaded.outline.step})
+            self.state.loader.load_state_dict(dict(meta.loader))
+            if loaded.restored.rng and loaded.part.own_meta:
+                rng = {name: info for name, info in meta.rng.model_dump().items() if info is not None}
+                self.state.rng.load_state_dict(rng_from_arrays(loaded.restored.rng, rng))
         except DataError:
             raise
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
-            return f"rank {self.rank} cannot use its state: {type(exc).__name__}: {exc}"
-        return None
+            return [f"rank {self.rank} cannot use its state: {type(exc).__name__}: {exc}"]
+        return []
 
     def abandon(self) -> None:
         """A peer failed: let the writer finish what it writes (a commit whose every part gets

@@ -21,9 +21,11 @@ from typing import Annotated, Any, Literal
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from typing_extensions import TypedDict
 
-from megascale.checkpoint.storage import MANIFEST, CheckpointError, join, parse_name, read_json
+from megascale.checkpoint.storage import MANIFEST, CheckpointError, join, parse_name, paused_gc, read_json
+from megascale.layout.shard import ShardSpec
 
 FORMAT = "megascale-checkpoint"
 VERSION = 2  # 2: the manifest carries its checksum and commit sequence number
@@ -49,33 +51,33 @@ class FileInfo(Strict):
     sha256: Annotated[str, Field(pattern=_SHA256)]
 
 
-class Spec(Strict):
+class _Spec(TypedDict):
+    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[misc]
     global_shape: list[Count]
     tp_dim: Count | None
     tp_rank: Count
     tp_size: Positive
     flat_range: Annotated[list[Count], Field(min_length=2, max_length=2)] | None
 
-    @model_validator(mode="after")
-    def _consistent(self) -> Spec:
-        if self.tp_rank >= self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
-        if self.tp_dim is not None and (self.tp_dim >= len(self.global_shape)
-                                        or self.global_shape[self.tp_dim] % self.tp_size):
-            raise ValueError(f"tp_dim {self.tp_dim} cannot split {self.global_shape} {self.tp_size} ways")
-        if self.flat_range is not None and self.flat_range[0] > self.flat_range[1]:
-            raise ValueError(f"flat_range {self.flat_range} ends before it starts")
-        return self
 
-    @property
-    def numel(self) -> int:
-        """Elements a rank holding this piece stores (ZeRO ranges include their padding)."""
-        if self.flat_range is not None:
-            return self.flat_range[1] - self.flat_range[0]
-        return math.prod(self.global_shape) // self.tp_size
+def _consistent_spec(spec: _Spec) -> _Spec:
+    if spec["tp_rank"] >= spec["tp_size"]:
+        raise ValueError(f"tp_rank {spec['tp_rank']} is not below tp_size {spec['tp_size']}")
+    dim, shape = spec["tp_dim"], spec["global_shape"]
+    if dim is not None and (dim >= len(shape) or shape[dim] % spec["tp_size"]):
+        raise ValueError(f"tp_dim {dim} cannot split {shape} {spec['tp_size']} ways")
+    if spec["flat_range"] is not None and spec["flat_range"][0] > spec["flat_range"][1]:
+        raise ValueError(f"flat_range {spec['flat_range']} ends before it starts")
+    return spec
 
 
-class TensorRecord(Strict):
+# A `ShardSpec.to_json()`, checked. Records are plain dicts checked by functions (no model object
+# per record): a 12,288-rank manifest holds millions of them.
+Spec = Annotated[_Spec, AfterValidator(_consistent_spec)]
+
+
+class _Record(TypedDict):
+    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[misc]
     param: Name
     field: Name
     spec: Spec | None
@@ -85,18 +87,21 @@ class TensorRecord(Strict):
     offset: Count
     nbytes: Count
 
-    @model_validator(mode="after")
-    def _consistent(self) -> TensorRecord:
-        numel = math.prod(self.shape)
-        if self.nbytes != numel * DTYPE_SIZES[self.dtype]:
-            raise ValueError(f"{self.param} {self.field}: {self.nbytes} bytes for shape {self.shape} "
-                             f"of {self.dtype}")
-        if self.param.startswith(RNG):
-            if self.spec is not None or not self.param[len(RNG):].isdigit():
-                raise ValueError(f"RNG record {self.param!r} must name a rank and have no spec")
-        elif self.spec is None or self.spec.numel != numel:
-            raise ValueError(f"{self.param} {self.field}: shape {self.shape} does not match its spec")
-        return self
+
+def _consistent_record(rec: _Record) -> _Record:
+    numel = math.prod(rec["shape"])
+    if rec["nbytes"] != numel * DTYPE_SIZES[rec["dtype"]]:
+        raise ValueError(f"{rec['param']} {rec['field']}: {rec['nbytes']} bytes for shape {rec['shape']} "
+                         f"of {rec['dtype']}")
+    if rec["param"].startswith(RNG):
+        if rec["spec"] is not None or not rec["param"][len(RNG):].isdigit():
+            raise ValueError(f"RNG record {rec['param']!r} must name a rank and have no spec")
+    elif rec["spec"] is None or ShardSpec.from_json(rec["spec"]).numel != numel:
+        raise ValueError(f"{rec['param']} {rec['field']}: shape {rec['shape']} does not match its spec")
+    return rec
+
+
+TensorRecord = Annotated[_Record, AfterValidator(_consistent_record)]
 
 
 class Layout(Strict):
@@ -165,10 +170,14 @@ class Manifest(Strict):
     run_id: Name
     torch: str
     files: dict[Name, FileInfo]
-    tensors: list[TensorRecord]
+    tensors: list[TensorRecord]  # `validate` checks them apart (`_RECORDS`) and passes [] here
     ranks: dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], RankMeta]
     plain: dict[Name, dict[Name, Scalar]]
     checksum: Annotated[str, Field(pattern=_SHA256)]
+
+
+_RECORDS = TypeAdapter(list[TensorRecord])
+_CHUNK = 65536
 
 
 def checksum(manifest: dict[str, Any]) -> str:
@@ -188,25 +197,41 @@ def validate(data: Any, path: str) -> Manifest:
     if data.get("version") != VERSION:
         raise CheckpointError(f"{path}: format version {data.get('version')!r}, this megascale reads "
                               f"version {VERSION}; load it with the megascale that wrote it")
+    records = data.get("tensors")
     try:
-        manifest = Manifest.model_validate(data)
+        with paused_gc():
+            manifest = Manifest.model_validate({**data, "tensors": []})
+            if not isinstance(records, list):
+                raise CheckpointError(f"{path}: {MANIFEST} does not fit the schema (tensors: not a list)")
+            for start in range(0, len(records), _CHUNK):  # checked apart: no second copy of them kept
+                try:
+                    _RECORDS.validate_python(records[start: start + _CHUNK])
+                except ValidationError as exc:
+                    raise _schema_error(path, exc, ["tensors", start]) from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        raise CheckpointError(f"{path}: {MANIFEST} does not fit the schema ({exc.error_count()} "
-                              f"problem(s); first: {where}: {first['msg']})") from None
+        raise _schema_error(path, exc, []) from None
     if checksum(data) != manifest.checksum:
         raise CheckpointError(f"{path}: {MANIFEST} was changed after it was written (checksum mismatch)")
     named = parse_name(os.path.basename(path.rstrip("/")))
     if named is not None and named[0] != manifest.step:
         raise CheckpointError(f"{path}: the manifest says step {manifest.step}, the directory name "
                               f"says step {named[0]}")
-    _check_files_and_ranks(manifest, path)
-    _check_bounds(manifest, path)
+    _check_files_and_ranks(manifest, path, records)
+    check_records(records, {name: info.size for name, info in manifest.files.items()}, path)
     return manifest
 
 
-def _check_files_and_ranks(manifest: Manifest, path: str) -> None:
+def _schema_error(path: str, exc: ValidationError, prefix: list) -> CheckpointError:
+    first = exc.errors()[0]
+    loc = list(first["loc"])
+    if prefix:  # the chunk's index, shifted to the record's place in the manifest
+        loc = [prefix[0], prefix[1] + loc[0], *loc[1:]]
+    where = ".".join(str(part) for part in loc) or "(top level)"
+    return CheckpointError(f"{path}: {MANIFEST} does not fit the schema ({exc.error_count()} "
+                           f"problem(s); first: {where}: {first['msg']})")
+
+
+def _check_files_and_ranks(manifest: Manifest, path: str, records: list[dict]) -> None:
     for name in manifest.files:
         match = DATA_FILE.match(name)
         if match is None:
@@ -215,31 +240,28 @@ def _check_files_and_ranks(manifest: Manifest, path: str) -> None:
             raise CheckpointError(f"{path}: {name} names a rank beyond world_size {manifest.world_size}")
     if "0" not in manifest.ranks or any(int(r) >= manifest.world_size for r in manifest.ranks):
         raise CheckpointError(f"{path}: per-rank metadata must cover rank 0 and ranks below world_size")
-    rng_records = {(rec.param[len(RNG):], rec.field) for rec in manifest.tensors if rec.param.startswith(RNG)}
+    rng_records = {(rec["param"][len(RNG):], rec["field"]) for rec in records
+                   if rec["param"].startswith(RNG)}
     for rank, meta in manifest.ranks.items():
         for name in meta.rng.model_dump(exclude_none=True):
             if (str(int(rank)), name) not in rng_records:
                 raise CheckpointError(f"{path}: rank {rank}'s {name} RNG state has no tensor record")
 
 
-def _check_bounds(manifest: Manifest, path: str) -> None:
-    check_records(manifest.tensors, {name: info.size for name, info in manifest.files.items()}, path)
-
-
-def check_records(records: list[TensorRecord], sizes: dict[str, int], path: str) -> None:
+def check_records(records: list[dict], sizes: dict[str, int], path: str) -> None:
     """Every record inside its file, none overlapping another (a manifest's, or a peer copy's)."""
-    by_file: dict[str, list[TensorRecord]] = {}
+    by_file: dict[str, list[tuple[int, int, dict]]] = {}
     for rec in records:
-        if rec.file not in sizes:
-            raise CheckpointError(f"{path}: {rec.param} {rec.field} is in {rec.file!r}, which is not listed")
-        by_file.setdefault(rec.file, []).append(rec)
+        if rec["file"] not in sizes:
+            raise CheckpointError(f"{path}: {rec['param']} {rec['field']} is in {rec['file']!r}, which is not listed")
+        by_file.setdefault(rec["file"], []).append((rec["offset"], rec["nbytes"], rec))
     for name, file_records in by_file.items():
         end = 0
-        for rec in sorted(file_records, key=lambda r: r.offset):
-            if rec.offset < end:
-                raise CheckpointError(f"{path}: {rec.param} {rec.field} at offset {rec.offset} of {name} "
+        for offset, nbytes, rec in sorted(file_records, key=lambda r: r[0]):
+            if offset < end:
+                raise CheckpointError(f"{path}: {rec['param']} {rec['field']} at offset {offset} of {name} "
                                       f"overlaps the record before it (ends at {end})")
-            end = rec.offset + rec.nbytes
+            end = offset + nbytes
         if end > sizes[name]:
             raise CheckpointError(f"{path}: records of {name} reach byte {end}, the file has {sizes[name]}")
 
@@ -263,11 +285,12 @@ def check_manifest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict, int]
     manifest_path = confined(fs, path, MANIFEST)
     if not fs.exists(manifest_path):
         raise CheckpointError(f"{path} is partial: it has no {MANIFEST}")
-    try:
-        data, nbytes = read_json(fs, manifest_path)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from exc
-    manifest = validate(data, path)
+    with paused_gc():
+        try:
+            data, nbytes = read_json(fs, manifest_path)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from exc
+        manifest = validate(data, path)
     for name, info in manifest.files.items():
         file_path = confined(fs, path, name)
         if not fs.exists(file_path):

@@ -15,8 +15,9 @@ by `manifest.validate`, as a stored one), and run the ordinary `restore` with th
 from memory; their sizes and sha256 are checked there as any file read from storage. A copy that
 fails a check is never used: the next generation, or storage, is tried.
 
-The copies travel on a gloo group of their own (`ParallelMesh.replica_group`), sent by a
-background thread, so the training step only pays for the memory copy.
+The copies travel on gloo groups of their own (`ParallelMesh.replica_groups`: twins of the rank's
+tp, dp and pp groups, routed as the checkpoint's, `checkpoint.comm`), sent by a background
+thread, so the training step only pays for the memory copy and no rank links to the world.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
-import torch.distributed as dist
 from pydantic import Field, ValidationError
 
+from megascale.checkpoint.comm import Comm
 from megascale.checkpoint.manifest import (
     FORMAT,
     VERSION,
@@ -69,6 +70,17 @@ class CopyHeader(Strict):
     plain: dict[str, dict[str, Scalar]]
     meta: RankMeta
     checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class Holding(Strict):
+    """What a rank says it holds (`ReplicaStore.holdings`), as rank 0 reads it."""
+
+    step: Annotated[int, Field(ge=0)]
+    attempt: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)]
+    layout: dict[str, int]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 @dataclass
@@ -230,13 +242,14 @@ class PeerReplicator:
     """Every `every` steps: capture this rank's copy, then (in the background) seal it, send it to
     the same local rank of the next node and take the previous node's, checked before it is kept."""
 
-    def __init__(self, store: ReplicaStore, group: dist.ProcessGroup, rank: int, world: int, offset: int,
-                 every: int, attempt: int, grid_layout: dict[str, int]) -> None:
-        """`offset`: ranks between this rank and the one keeping its copy (whole nodes along the ring)."""
-        self.store, self.group, self.rank, self.world = store, group, rank, world
+    def __init__(self, store: ReplicaStore, comm: Comm, offset: int, every: int, attempt: int,
+                 grid_layout: dict[str, int]) -> None:
+        """`offset`: ranks between this rank and the one keeping its copy (whole nodes along the ring);
+        `comm`: over the replica groups, used by this object's thread only."""
+        self.store, self.comm, self.rank, self.world = store, comm, comm.rank, comm.world
         self.every, self.attempt, self.layout = every, attempt, grid_layout
-        self.successor = (rank + offset) % world
-        self.predecessor = (rank - offset) % world
+        self.successor = (self.rank + offset) % self.world
+        self.predecessor = (self.rank - offset) % self.world
         self._thread: threading.Thread | None = None
 
     def after_step(self, state: CheckpointState) -> None:
@@ -266,23 +279,15 @@ class PeerReplicator:
         self.store.keep(held, mine=False)
 
     def _exchange(self, header: bytes, data: bytearray) -> tuple[bytes, bytearray]:
-        sizes = torch.tensor([len(header), len(data)], dtype=torch.int64)
-        theirs = torch.zeros(2, dtype=torch.int64)
-        self._both(sizes, theirs)
-        header_in = bytearray(int(theirs[0]))
-        data_in = bytearray(int(theirs[1]))
-        self._both(_bytes(bytearray(header)), _bytes(header_in))
-        self._both(_bytes(data), _bytes(data_in))
-        return bytes(header_in), data_in
-
-    def _both(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        works = []
-        if send.numel():
-            works.append(dist.isend(send, self.successor, group=self.group))
-        if recv.numel():
-            works.append(dist.irecv(recv, self.predecessor, group=self.group))
-        for work in works:
-            work.wait()
+        """Send (header, data) to the successor, return the predecessor's: one routed message."""
+        message = torch.cat([_bytes(bytearray(len(header).to_bytes(8, "little"))), _bytes(bytearray(header)),
+                             _bytes(data)])
+        got = self.comm.exchange({self.successor: message})
+        if self.predecessor not in got or got[self.predecessor].numel() < 8:
+            raise CheckpointError(f"no copy came from rank {self.predecessor}")
+        raw = got[self.predecessor]
+        size = int.from_bytes(raw[:8].numpy().tobytes(), "little")
+        return raw[8: 8 + size].numpy().tobytes(), bytearray(raw[8 + size:].numpy().tobytes())
 
 
 def _bytes(buffer: bytearray) -> torch.Tensor:

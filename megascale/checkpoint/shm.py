@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import time
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -52,20 +53,31 @@ class Segment:
             self._lock = None
 
 
-def _hold(name: str) -> int | None:
+def _open_segment(name: str) -> int | None:
+    """A descriptor of /dev/shm/<name> if it is a regular file. Never follows a link and never
+    waits: a FIFO (or device) planted under a segment's name would block a plain open forever."""
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY)
-    except FileNotFoundError:  # no /dev/shm here
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # gone, no /dev/shm here, or a link (ELOOP)
         return None
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _hold(name: str) -> int | None:
+    fd = _open_segment(name)
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
 
 
 def reap(name: str) -> bool:
-    """Unlink the segment if no live process holds it; True if it did."""
-    try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
+    """Unlink the segment if no live process holds it; True if it did. Anything under the
+    prefix that is not a regular file is not a segment and is left alone."""
+    fd = _open_segment(name)
+    if fd is None:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -87,6 +99,6 @@ def reap_stale() -> list[str]:
     now = time.time()
     for path in SHM_DIR.glob(PREFIX + "*"):
         with contextlib.suppress(FileNotFoundError):
-            if now - path.stat().st_mtime >= MIN_AGE_S and reap(path.name):
+            if now - path.lstat().st_mtime >= MIN_AGE_S and reap(path.name):
                 removed.append(path.name)
     return removed

@@ -9,7 +9,7 @@ never unpickles anything.
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,40 +42,8 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def spec_to_json(spec: ShardSpec | None) -> dict | None:
-    if spec is None:
-        return None
-    return {"global_shape": list(spec.global_shape), "tp_dim": spec.tp_dim,
-            "tp_rank": spec.tp_rank, "tp_size": spec.tp_size,
-            "flat_range": list(spec.flat_range) if spec.flat_range else None}
-
-
-def spec_from_json(data: dict | None) -> ShardSpec | None:
-    if data is None:
-        return None
-    flat = data["flat_range"]
-    return ShardSpec(tuple(data["global_shape"]), data["tp_dim"], data["tp_rank"],
-                     data["tp_size"], tuple(flat) if flat else None)
-
-
 def spec_key(spec: ShardSpec | None) -> str:
-    return "" if spec is None else repr(spec_to_json(spec))
-
-
-def piece_numel(spec: ShardSpec) -> int:
-    """Elements a rank with this spec holds (ZeRO shards include their padding)."""
-    if spec.flat_range is not None:
-        return spec.flat_range[1] - spec.flat_range[0]
-    return math.prod(spec.tp_shape)
-
-
-def valid_numel(spec: ShardSpec) -> int:
-    """Elements of the whole parameter this piece carries (padding excluded)."""
-    whole = math.prod(spec.tp_shape)
-    if spec.flat_range is None:
-        return whole
-    start, end = spec.flat_range
-    return max(0, min(end, whole) - start)
+    return "" if spec is None else json.dumps(spec.to_json())
 
 
 # ------------------------------------------------------------------------------ save side
@@ -97,7 +65,7 @@ def shared_pieces(state: CheckpointState) -> tuple[list[Piece], dict[str, dict[s
 
 def record_of(piece: Piece, offset: int) -> dict[str, Any]:
     """A piece's record in a rank's data file (the manifest's `tensors` entries, less the file)."""
-    return {"param": piece.param, "field": piece.field, "spec": spec_to_json(piece.spec),
+    return {"param": piece.param, "field": piece.field, "spec": piece.spec.to_json() if piece.spec else None,
             "dtype": str(piece.tensor.dtype).removeprefix("torch."),
             "shape": list(piece.tensor.shape), "offset": offset,
             "nbytes": piece.tensor.numel() * piece.tensor.element_size()}

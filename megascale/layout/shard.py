@@ -10,10 +10,13 @@ over tp -- without knowing which parallel code produced the piece.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # no torch at import: the manifest checks (and the stage-2 writer) use ShardSpec
+    import torch
+    import torch.distributed as dist
 
 _ATTR = "_shard"
 
@@ -46,6 +49,35 @@ class ShardSpec:
         """The whole parameter has two or more dimensions (a flat ZeRO shard of a matrix too)."""
         return len(self.global_shape) >= 2
 
+    @property
+    def numel(self) -> int:
+        """Elements a rank holding this piece stores (ZeRO shards include their padding)."""
+        if self.flat_range is not None:
+            return self.flat_range[1] - self.flat_range[0]
+        return math.prod(self.tp_shape)
+
+    @property
+    def valid_numel(self) -> int:
+        """Elements of the whole parameter this piece carries (padding excluded)."""
+        whole = math.prod(self.tp_shape)
+        if self.flat_range is None:
+            return whole
+        start, end = self.flat_range
+        return max(0, min(end, whole) - start)
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form (checkpoint records, restore plans): the layout, never the groups;
+        `sp_partial` is how this run uses the piece, not what it holds, so it is not stored."""
+        return {"global_shape": list(self.global_shape), "tp_dim": self.tp_dim, "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "flat_range": list(self.flat_range) if self.flat_range else None}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> ShardSpec:
+        """Inverse of `to_json` (its input is schema-checked first: `checkpoint.manifest.Spec`)."""
+        flat = data["flat_range"]
+        return ShardSpec(tuple(data["global_shape"]), data["tp_dim"], data["tp_rank"], data["tp_size"],
+                         tuple(flat) if flat is not None else None)
+
     def split_over(self, *groups: dist.ProcessGroup | None) -> ShardSpec:
         """The same piece, now also one of several summed over `groups` (None entries ignored)."""
         return replace(self, groups=self.groups + tuple(g for g in groups if g is not None))
@@ -61,8 +93,12 @@ class ShardSpec:
 
     def __reduce__(self):
         """Pickled (sent to another process) without its process groups, which belong to this one."""
-        return ShardSpec, (self.global_shape, self.tp_dim, self.tp_rank, self.tp_size, self.flat_range,
-                           self.sp_partial)
+        return _unpickled, (self.to_json(), self.sp_partial)
+
+
+def _unpickled(data: dict[str, Any], sp_partial: bool) -> ShardSpec:
+    spec = ShardSpec.from_json(data)
+    return spec.with_sp_partial() if sp_partial else spec
 
 
 def shard_spec(tensor: torch.Tensor) -> ShardSpec:
@@ -90,7 +126,7 @@ def local_piece(whole: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     start, end = spec.flat_range
     flat = piece.reshape(-1)
     valid_end = min(end, flat.numel())
-    out = torch.zeros(end - start, dtype=whole.dtype, device=whole.device)  # padding stays zero
+    out = whole.new_zeros(end - start)  # padding stays zero
     if valid_end > start:
         out[: valid_end - start] = flat[start:valid_end]
     return out

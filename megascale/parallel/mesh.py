@@ -59,7 +59,7 @@ class ParallelMesh:
         # The default group holds the store only on the C++ side; a Python store subclass must
         # also stay referenced here or its overrides vanish (pybind11 trampoline).
         self.store = store
-        self._side_groups: dict[str, ProcessGroup | None] = {}
+        self._side_groups: dict[str, dict[Dim, ProcessGroup | None]] = {}
 
     # coordinates -------------------------------------------------------------------------------
     @property
@@ -108,26 +108,31 @@ class ParallelMesh:
         return self._groups["pp"]
 
     @property
-    def checkpoint_group(self) -> ProcessGroup | None:
-        """A gloo group over the world for checkpoint traffic, kept off the training links.
-
-        Created on first access; that first access is collective (every rank must make it, in
-        the same order relative to other group creations).
-        """
-        return self._side_group("checkpoint")
+    def checkpoint_groups(self) -> dict[Dim, ProcessGroup | None]:
+        """Gloo twins of the tp, dp and pp groups for checkpoint traffic, kept off the training
+        links (`checkpoint.comm` routes world-wide collectives over them). A rank pays store
+        operations and sockets for tp+dp+pp peers, not for the world. Created on first access,
+        which is collective (every rank makes it, in the same order relative to other groups)."""
+        return self._grid_twins("checkpoint")
 
     @property
-    def replica_group(self) -> ProcessGroup | None:
-        """Another world gloo group, for the peer copies a background thread sends (a group's
+    def replica_groups(self) -> dict[Dim, ProcessGroup | None]:
+        """Another set of twins, for the peer copies a background thread sends (a group's
         operations must come in one order on every rank, so they cannot share the checkpoint's).
-        Its first access is collective, as the checkpoint group's."""
-        return self._side_group("replica")
+        Its first access is collective, as the checkpoint groups'. (Pairs {r, r+offset} would be
+        smaller, but torch names a locally created group by its ranks and the number of groups
+        the creating rank already has, so a ring of pairs gets different names on its two ends.)"""
+        return self._grid_twins("replica")
 
-    def _side_group(self, name: str) -> ProcessGroup | None:
+    def _grid_twins(self, name: str) -> dict[Dim, ProcessGroup | None]:
         if name not in self._side_groups:
-            self._side_groups[name] = None if self.world_size == 1 else dist.new_group(
-                list(range(self.world_size)), timeout=self._timeout, backend="gloo",
-                use_local_synchronization=True, group_desc=name)
+            twins: dict[Dim, ProcessGroup | None] = {}
+            for dim in DIMS:  # one global order; every rank has as many groups before each
+                members = self.grid.group_of(self.rank, dim)
+                twins[dim] = None if len(members) == 1 else dist.new_group(
+                    members, timeout=self._timeout, backend="gloo", use_local_synchronization=True,
+                    group_desc=f"{name}-{dim}")
+            self._side_groups[name] = twins
         return self._side_groups[name]
 
     def destroy(self) -> None:

@@ -8,7 +8,9 @@ checked against `local_piece(whole, spec)`. The checkpoint code sees a `Checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import math
+import pickle
 from pathlib import Path
 
 import fsspec
@@ -151,6 +153,23 @@ class CountingFileSystem(LocalFileSystem):
 
             f.read, f.readinto = counted_read, counted_readinto
         return f
+
+
+@contextlib.contextmanager
+def no_unpickling():
+    """Anything unpickled inside fails (what `all_gather_object`/`broadcast_object_list` do with
+    a peer's bytes): checkpoint metadata from peers must be parsed, never turned into objects."""
+    import torch.distributed.distributed_c10d as c10d
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpointing unpickled bytes from a peer")
+
+    saved = (pickle.loads, pickle.load, pickle.Unpickler, c10d._unpickler)
+    pickle.loads = pickle.load = pickle.Unpickler = c10d._unpickler = refuse
+    try:
+        yield
+    finally:
+        pickle.loads, pickle.load, pickle.Unpickler, c10d._unpickler = saved
 
 
 def register_counting() -> None:

@@ -168,6 +168,29 @@ def test_segments_of_dead_jobs_are_removed_at_start(tmp_path):
         held.close(unlink=True)
 
 
+def test_a_fifo_or_link_named_like_a_segment_does_not_block_start(tmp_path):
+    """A FIFO under the segment prefix made every trainer's start-up clean-up block in open()
+    forever (issue 29); it and a link out of /dev/shm are not segments: left alone, not followed."""
+    fifo, link = SHM_DIR / segment_name(f"fifo{os.getpid()}", 0, 1), SHM_DIR / segment_name(f"link{os.getpid()}", 0, 1)
+    target = tmp_path / "victim"
+    target.write_bytes(b"x")
+    os.mkfifo(fifo)
+    link.symlink_to(target)
+    try:
+        old = time.time() - 3600
+        os.utime(fifo, (old, old))
+        os.utime(link, (old, old), follow_symlinks=False)
+        code = "from megascale.checkpoint.shm import reap_stale; print(sorted(reap_stale()))"
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert done.returncode == 0, done.stderr
+        assert fifo.name not in done.stdout and link.name not in done.stdout
+        assert fifo.exists() and link.is_symlink() and target.read_bytes() == b"x"
+    finally:
+        fifo.unlink()
+        link.unlink()
+
+
 def test_keep_1_beside_stale_and_corrupt_newer_checkpoints(run, straight_run):
     """Step 10 of an abandoned timeline (valid), a copy named step 50 (its manifest says 10) and a
     partial step 40 sit above the run that resumes step 5 on purpose and saves step 8 with keep=1.

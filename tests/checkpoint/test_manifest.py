@@ -120,3 +120,22 @@ def test_one_byte_offset_edit_falls_back_and_resume_is_exact(root, straight_run)
     assert trainer.checkpoints.last_restore["step"] == 5
     assert losses == straight_run[0][5:]
     assert_same_params(params, straight_run[1])
+
+
+def test_records_retyped_int32_and_resealed_are_refused_and_resume_is_exact(root, straight_run):
+    """float32 records retyped int32 (same bytes, re-sealed: every schema and bounds check holds)
+    loaded through a casting copy_ before (loss NaN, a NaN checkpoint committed, issue 29); the
+    dtype is now part of what a checkpoint must match, so resume falls back to step 5."""
+    def retype(manifest: dict) -> None:
+        for rec in manifest["tensors"]:
+            if rec["dtype"] == "float32" and rec["field"] == "value":
+                rec["dtype"] = "int32"
+
+    edit(root / STEP10, retype)
+    check(root / STEP10)  # the manifest itself is sound
+    run = root.parent
+    losses, params, trainer = train(run, 20, "--checkpoint.every=0")
+    assert "is int32 in the checkpoint but float32 in this model" in (run / "rank00000.log").read_text()
+    assert trainer.checkpoints.last_restore["step"] == 5
+    assert losses == straight_run[0][5:]
+    assert_same_params(params, straight_run[1])

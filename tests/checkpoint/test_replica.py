@@ -118,21 +118,25 @@ def test_a_manifest_of_copies_is_a_valid_manifest(at_step_10):
 
 def test_under_zero_the_restore_plan_spreads_whole_parameters_over_their_owners():
     """Each dp rank holds a shard of every parameter (ties everywhere): if one rank owned them all,
-    it would rebuild and send every whole parameter dp-1 times alone (docs/fault_tolerance.md)."""
-    from megascale.checkpoint.restore import Plan
-    from megascale.checkpoint.state import spec_from_json, spec_to_json
+    it would rebuild and send every whole parameter dp-1 times alone (docs/fault_tolerance.md).
+    Loaded into the same layout, no parameter needs an owner: each shard goes straight back."""
+    from megascale.checkpoint.plan import Plan
     from megascale.layout.shard import ShardSpec
 
     world, params = 4, [f"blocks.{i}.weight" for i in range(16)]
-    tensors, wanted = [], [[] for _ in range(world)]
+    tensors, same, moved = [], [[] for _ in range(world)], [[] for _ in range(world)]
     for rank in range(world):
         for name in params:
-            spec = spec_to_json(ShardSpec((8, 8), flat_range=(16 * rank, 16 * (rank + 1))))
+            spec = ShardSpec((8, 8), flat_range=(16 * rank, 16 * (rank + 1))).to_json()
             tensors.append({"param": name, "field": "value", "spec": spec, "dtype": "float32", "shape": [16],
                             "file": f"rank-{rank:05d}.bin", "offset": 64 * params.index(name), "nbytes": 64})
-            wanted[rank].append((name, "value", spec))
+            same[rank].append({"param": name, "field": "value", "spec": spec, "dtype": "float32"})
+            other = ShardSpec((8, 8), flat_range=(8 + 16 * rank, 8 + 16 * (rank + 1))).to_json()  # ranges moved
+            moved[rank].append({"param": name, "field": "value", "spec": other, "dtype": "float32"})
     files = {f"rank-{r:05d}.bin": {"size": 64 * len(params), "sha256": "0" * 64} for r in range(world)}
-    specs = [[spec_from_json(s) for _, _, s in keys] for keys in wanted]
-    plan = Plan({"tensors": tensors, "files": files}, wanted, specs, world)
-    owners = [plan.owner[name] for name in params]
+    manifest = {"tensors": tensors, "files": files}
+    plan = Plan(manifest, moved)
+    owners = [plan.owner[(name, "value")] for name in params]
     assert set(owners) == set(range(world)), owners  # before: rank 0 owned all 16
+    plan = Plan(manifest, same)
+    assert plan.owner == {} and all(plan.reader[tensors[idx]["file"]] == dst for idx, dst, _ in plan.direct)

@@ -36,10 +36,10 @@ def _probe(pp: int, dp: int, tp: int) -> dict:
             t = torch.tensor([float(mesh.rank), 1.0])
             dist.all_reduce(t, group=group)
             out["reduced"][dim] = (int(t[0]), int(t[1]), dist.get_world_size(group))
-        ckpt = mesh.checkpoint_group
-        t = torch.tensor([1.0])
-        dist.all_reduce(t, group=ckpt)
-        out["ckpt"] = (int(t.item()), dist.get_backend(ckpt))
+        out["ckpt"] = {}
+        for dim, group in mesh.checkpoint_groups.items():  # gloo twins of the grid's groups
+            if group is not None:
+                out["ckpt"][dim] = (dist.get_process_group_ranks(group), dist.get_backend(group))
         return out
     finally:
         mesh.destroy()
@@ -55,7 +55,7 @@ def _check(results: list[dict], pp: int, dp: int, tp: int) -> None:
         assert r["first_last"] == (p == 0, p == pp - 1)
         assert r["backend"] == "gloo"
         assert r["barriers"] == 0  # no global barrier behind any group
-        assert r["ckpt"] == (world, "gloo")
+        assert r["ckpt"] == {d: (m, "gloo") for d, m in r["ranks"].items() if len(m) > 1}
         for dim in DIMS:
             members = r["ranks"][dim]
             assert r["rank"] in members
@@ -98,7 +98,7 @@ def test_single_process_needs_no_rendezvous(monkeypatch):
     assert not dist.is_initialized()
     assert (mesh.rank, mesh.world_size, tuple(mesh.coords)) == (0, 1, (0, 0, 0))
     assert all(getattr(mesh, f"{d}_group") is None for d in DIMS)
-    assert mesh.checkpoint_group is None
+    assert mesh.checkpoint_groups == {d: None for d in DIMS} and mesh.replica_groups == mesh.checkpoint_groups
     assert mesh.is_first_stage and mesh.is_last_stage
     assert mesh.device == torch.device("cpu") and mesh.backend == "gloo"
     mesh.destroy()
