@@ -106,6 +106,15 @@ class ResilienceConfig:
                                "from peer memory); false: every fault restarts every rank")
     standby: int = opt(1, "warm rank processes (torch imported) an active node keeps for replacements; "
                           "spares keep one per rank")
+    straggler_action: Literal["replace", "alert", "off"] = opt(
+        "replace", "a node whose ranks compute slower than their peers: replace it with a spare in place "
+                   "(bounded below), only alert, or do not look")
+    straggler_threshold: float = opt(1.3, "a rank whose median compute time per step exceeds its peers' "
+                                          "median by this factor in a window is slow in that window")
+    straggler_window_steps: int = opt(8, "steps per window: each rank's compute times reduce to one "
+                                         "median/MAD summary per window")
+    straggler_windows: int = opt(2, "consecutive slow windows before a node is named (and acted on)")
+    max_evictions_per_hour: int = opt(2, "stragglers replaced per hour at most; beyond, only an alert")
 
     def validate(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",
@@ -123,7 +132,13 @@ class ResilienceConfig:
             raise ConfigError(
                 f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
             )
-        for key in ("warmup_steps", "restart_budget", "spares", "standby"):
+        if self.straggler_threshold <= 1:
+            raise ConfigError(f"resilience.straggler_threshold must be > 1 (a factor over the peers' median), "
+                              f"got {self.straggler_threshold}")
+        for key in ("straggler_window_steps", "straggler_windows"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"resilience.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("warmup_steps", "restart_budget", "spares", "standby", "max_evictions_per_hour"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
         if self.max_node_faults < 1:

@@ -22,6 +22,7 @@ from typing import Any
 
 from megascale.resilience import evidence, selfcheck_plan
 from megascale.resilience.decide import (
+    EVICTING_KINDS,
     IN_PLACE,
     RESTART,
     PathDecision,
@@ -64,6 +65,7 @@ class RecoveryPaths:
             self.state.nodes[finding.node].faults += 1
         if finding.kind == "manual_evict":
             self.manual_evictions.pop(finding.node, None)
+        if finding.kind in EVICTING_KINDS:
             record["evict"] = True
         node = self.state.nodes.get(finding.node or "")
         check = selfcheck_decision(record, node.faults if node else 0, self.rcfg.max_node_faults)

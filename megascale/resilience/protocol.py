@@ -76,6 +76,7 @@ class RankReport(Message):
     step: Count | None = None
     step_time: Seconds | None = None
     recent: Annotated[list[tuple[Count, Seconds]], Field(max_length=64)] = []
+    compute: Annotated[list[tuple[Count, Seconds]], Field(max_length=64)] = []  # (step, compute s)
     status_time: Seconds | None = None
     phase: Literal["training", "paused"] | None = None  # what the rank says it does
     state: Name | None = None  # the process's state as the kernel reports it (running, stopped, ...)
