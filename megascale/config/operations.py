@@ -96,7 +96,10 @@ class ResilienceConfig:
     spares: int = opt(0, "spare nodes that replace evicted ones")
     stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")
     selfcheck_timeout_s: float = opt(60.0, "limit on the self-check diagnostics after a fault")
-    selfcheck_expected: str = opt("", "JSON file of expected figures; \"\" = built-in floors")
+    selfcheck_expected: str = opt("", "JSON file of floors and per-hardware baselines (megascale selfcheck "
+                                      "--measure); \"\" = built-in floors only")
+    selfcheck_min_ratio: float = opt(0.7, "a self-check figure below this share of the median of the nodes "
+                                          "checked with it (or of its hardware's baseline) fails")
     api_host: str = opt("127.0.0.1", "the driver's API address (127.0.0.1 unless executors run elsewhere)")
     api_port: int = opt(0, "0 = any free port (written to the state dir)")
     api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
@@ -132,6 +135,8 @@ class ResilienceConfig:
             raise ConfigError(
                 f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
             )
+        if not 0 < self.selfcheck_min_ratio < 1:
+            raise ConfigError(f"resilience.selfcheck_min_ratio must be in (0, 1), got {self.selfcheck_min_ratio}")
         if self.straggler_threshold <= 1:
             raise ConfigError(f"resilience.straggler_threshold must be > 1 (a factor over the peers' median), "
                               f"got {self.straggler_threshold}")

@@ -133,7 +133,7 @@ class RecoveryPaths:
         if not self._phase_done(now):
             return
         reports = {n: self.results.get(self.waiting_for.get(n, "")) for n in self.check_ring}
-        verdict = selfcheck_plan.judge(reports)
+        verdict = selfcheck_plan.judge(reports, self.rcfg.selfcheck_min_ratio)
         self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
                                        "reports": reports}, now)
         self._evict_failed(verdict["failed"], reports, now)
@@ -270,7 +270,7 @@ class RecoveryPaths:
             del self.background_checks[node_id]
             if node.role != SUSPECT:
                 continue
-            verdict = selfcheck_plan.judge({node_id: self.results.get(command)})
+            verdict = selfcheck_plan.judge({node_id: self.results.get(command)}, self.rcfg.selfcheck_min_ratio)
             self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
                                            "reports": {node_id: self.results.get(command)}, "background": True}, now)
             if node_id in verdict["failed"]:
