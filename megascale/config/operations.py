@@ -111,7 +111,7 @@ class ResilienceConfig:
                           "spares keep one per rank")
     straggler_action: Literal["replace", "alert", "off"] = opt(
         "replace", "a node whose ranks compute slower than their peers: replace it with a spare in place "
-                   "(bounded below), only alert, or do not look")
+                   "(at most max_evictions_per_hour, never the last spare), only alert, or do not look")
     straggler_threshold: float = opt(1.3, "a rank whose median compute time per step exceeds its peers' "
                                           "median by this factor in a window is slow in that window")
     straggler_window_steps: int = opt(8, "steps per window: each rank's compute times reduce to one "

@@ -11,9 +11,10 @@ import time
 import pytest
 
 from megascale.config import load_config
+from megascale.diagnostics.report import detection_rows
 from megascale.resilience import protocol
 from megascale.resilience.straggler_rule import KEEP, StragglerRule, action_for, straggler_rule
-from tests.resilience.test_recovery import answer, commands, fast_driver, heartbeat, rank, via_api
+from tests.resilience.test_recovery import _summary_file, answer, commands, fast_driver, heartbeat, rank, via_api
 
 W, WINDOWS, WARMUP = 4, 2, 2
 
@@ -148,6 +149,8 @@ def test_the_driver_replaces_a_straggler_with_a_spare_in_place(tmp_path):
     detection = driver.store.events("straggler")[-1]
     assert detection["action"] == "replace" and detection["ratio"] == pytest.approx(2.0)
     assert detection["cost"] == pytest.approx(0.5)
+    row = detection_rows(_summary_file(tmp_path, driver))[0]  # what `megascale report` shows
+    assert (row["where"], row["ratio"], row["cost"], row["action"]) == ("node1", "2.00x", "50%", "replace")
 
 
 def test_the_driver_only_alerts_when_the_spare_is_the_last_one(tmp_path):
