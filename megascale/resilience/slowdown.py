@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import subprocess
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -86,27 +83,6 @@ class CpuQuota:
             except OSError:  # gone meanwhile
                 continue
         return moved
-
-    def follow(self, peers: list[int], fraction: float, interval_s: float = 0.2) -> Callable[[], None]:
-        """Keep the quota at `fraction` of the CPU one of `peers` gets (their median, measured
-        every interval): slowed relative to what its peers really get on a shared machine,
-        not to a figure that the machine's other load would make meaningless. Returns `stop`."""
-        done = threading.Event()
-
-        def loop() -> None:
-            while not done.is_set():
-                rates = cpu_rates(peers, interval_s)
-                if rates:
-                    self.set(max(fraction * statistics.median(rates), 0.01))
-
-        thread = threading.Thread(target=loop, daemon=True)
-        thread.start()
-
-        def stop() -> None:
-            done.set()
-            thread.join(5)
-
-        return stop
 
     def close(self) -> None:
         for pid in (self.path / "cgroup.procs").read_text().split():
