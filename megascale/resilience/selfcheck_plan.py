@@ -80,9 +80,11 @@ def judge(results: dict[str, dict[str, Any] | None], min_ratio: float) -> dict[s
 
 
 def relative(results: dict[str, dict[str, Any] | None], min_ratio: float) -> dict[str, str]:
-    """Nodes with a figure below `min_ratio` of the median of the other nodes of the same
-    hardware checked with them. A node's link figure is its best link's p2p bandwidth: a slowed
-    link slows every pair its node is in, while each of its peers still has a fast one."""
+    """Nodes with a figure below `min_ratio` of the median of the nodes of the same hardware
+    checked together: all of them (itself included, so one lucky node cannot raise the bar) when
+    there are three or more, the other one when there are two. A node's link figure is its best
+    link's p2p bandwidth: a slowed link slows every pair its node is in, while each of its peers
+    still has a fast one."""
     figures: dict[str, dict[str, dict[str, float]]] = {}  # hardware -> node -> test -> value
     for node, result in results.items():
         report = (result or {}).get("report") if (result or {}).get("ok") else None
@@ -100,13 +102,13 @@ def relative(results: dict[str, dict[str, Any] | None], min_ratio: float) -> dic
     for nodes in figures.values():
         for node, mine in nodes.items():
             for name, value in mine.items():
-                peers = [f[name] for n, f in nodes.items() if n != node and name in f]
-                if not peers:
+                fleet = [f[name] for n, f in nodes.items() if name in f and (n != node or len(nodes) > 2)]
+                if len(fleet) < (2 if len(nodes) > 2 else 1):
                     continue
-                median = statistics.median(peers)
+                median = statistics.median(fleet)
                 if value < min_ratio * median and node not in slow:
                     slow[node] = (f"{name}: {value:.3g} is {value / median:.0%} of the median {median:.3g} of "
-                                  f"the {len(peers)} other node(s) checked with it (min {min_ratio:.0%})")
+                                  f"the {len(nodes)} nodes checked together (min {min_ratio:.0%})")
     return slow
 
 
