@@ -142,14 +142,7 @@ class ResilienceConfig:
             raise ConfigError(
                 f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
             )
-        if not 0 < self.selfcheck_min_ratio < 1:
-            raise ConfigError(f"resilience.selfcheck_min_ratio must be in (0, 1), got {self.selfcheck_min_ratio}")
-        if self.straggler_threshold <= 1:
-            raise ConfigError(f"resilience.straggler_threshold must be > 1 (a factor over the peers' median), "
-                              f"got {self.straggler_threshold}")
-        for key in ("straggler_window_steps", "straggler_windows"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"resilience.{key} must be >= 1, got {getattr(self, key)}")
+        self._validate_fail_slow()
         for key in ("warmup_steps", "restart_budget", "spares", "standby", "max_evictions_per_hour"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
@@ -158,3 +151,13 @@ class ResilienceConfig:
         for key in ("api_port", "rendezvous_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ConfigError(f"resilience.{key} must be a port in [0, 65535]")
+
+    def _validate_fail_slow(self) -> None:
+        if not 0 < self.selfcheck_min_ratio < 1:
+            raise ConfigError(f"resilience.selfcheck_min_ratio must be in (0, 1), got {self.selfcheck_min_ratio}")
+        if self.straggler_threshold <= 1:
+            raise ConfigError(f"resilience.straggler_threshold must be > 1 (a factor over the peers' median), "
+                              f"got {self.straggler_threshold}")
+        for key in ("straggler_window_steps", "straggler_windows"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"resilience.{key} must be >= 1, got {getattr(self, key)}")
