@@ -110,8 +110,16 @@ def test_replacement_is_bounded():
 
 
 # ---------------------------------------------------------------------- the driver acting on it
-def _slow_node1(driver, now: float, beats: int = 12, start: int = 1) -> float:
+def _small_windows(driver) -> None:
+    """3-step windows: the in-process job has 16 steps (the driver refuses steps beyond them)."""
+    driver.rcfg.straggler_window_steps = 3
+    driver.straggler = straggler_rule(driver.rcfg)
+    driver.straggler.reset({0: "node0", 1: "node0", 2: "node1", 3: "node1"}, driver.state.layout)
+
+
+def _slow_node1(driver, now: float, beats: int = 5, start: int = 1) -> float:
     """Heartbeats in which node1's ranks compute 2x node0's, 3 steps a beat."""
+    _small_windows(driver)
     history: dict[int, list] = {k: [] for k in range(4)}
     for beat in range(beats):
         at = time.time()  # the driver's liveness clock is the wall clock
