@@ -154,7 +154,7 @@ def _parity_rank(tp: int) -> list[str]:
             reference = GPT(mcfg)
             model = copy.deepcopy(reference)
             want = forward_backward(reference, tokens, labels)
-            apply_tensor_parallel(model, job_config(mcfg, tp, sp, True), mesh)
+            apply_tensor_parallel(model, job_config(mcfg, tp, sp, True).parallel, mesh)
             set_loss_chunk(model, 24)
             compare(forward_backward(model, tokens, labels, mesh), want, f"tp={tp} vocab={vocab} sp={sp} loss_chunk=24")
             done.append(f"tp={tp} vocab={vocab} sp={sp} chunked loss")
