@@ -107,7 +107,10 @@ class ResilienceConfig:
                                        "second since it last advanced (or since the job started); more is refused")
     stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")
     selfcheck_timeout_s: float = opt(60.0, "limit on the self-check diagnostics after a fault")
-    selfcheck_expected: str = opt("", "JSON file of expected figures; \"\" = built-in floors")
+    selfcheck_expected: str = opt("", "JSON file of floors and per-hardware baselines (megascale selfcheck "
+                                      "--measure); \"\" = built-in floors only")
+    selfcheck_min_ratio: float = opt(0.7, "a self-check figure below this share of the median of the nodes "
+                                          "checked with it (or of its hardware's baseline) fails")
     api_host: str = opt("127.0.0.1", "the driver's API address (127.0.0.1 unless executors run elsewhere)")
     api_port: int = opt(0, "0 = any free port (written to the state dir)")
     api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
@@ -118,6 +121,15 @@ class ResilienceConfig:
                                "from peer memory); false: every fault restarts every rank")
     standby: int = opt(1, "warm rank processes (torch imported) an active node keeps for replacements; "
                           "spares keep one per rank")
+    straggler_action: Literal["replace", "alert", "off"] = opt(
+        "replace", "a node whose ranks compute slower than their peers: replace it with a spare in place "
+                   "(at most max_evictions_per_hour, never the last spare), only alert, or do not look")
+    straggler_threshold: float = opt(1.3, "a rank whose median compute time per step exceeds its peers' "
+                                          "median by this factor in a window is slow in that window")
+    straggler_window_steps: int = opt(8, "steps per window: each rank's compute times reduce to one "
+                                         "median/MAD summary per window")
+    straggler_windows: int = opt(2, "consecutive slow windows before a node is named (and acted on)")
+    max_evictions_per_hour: int = opt(2, "stragglers replaced per hour at most; beyond, only an alert")
 
     def validate(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s",
@@ -135,9 +147,10 @@ class ResilienceConfig:
             raise ConfigError(
                 f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
             )
+        self._validate_fail_slow()
         if self.max_step_rate <= 0:
             raise ConfigError(f"resilience.max_step_rate must be > 0, got {self.max_step_rate}")
-        for key in ("warmup_steps", "restart_budget", "spares", "spare_pool", "standby"):
+        for key in ("warmup_steps", "restart_budget", "spares", "spare_pool", "standby", "max_evictions_per_hour"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
         if self.max_node_faults < 1:
@@ -145,3 +158,13 @@ class ResilienceConfig:
         for key in ("api_port", "rendezvous_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ConfigError(f"resilience.{key} must be a port in [0, 65535]")
+
+    def _validate_fail_slow(self) -> None:
+        if not 0 < self.selfcheck_min_ratio < 1:
+            raise ConfigError(f"resilience.selfcheck_min_ratio must be in (0, 1), got {self.selfcheck_min_ratio}")
+        if self.straggler_threshold <= 1:
+            raise ConfigError(f"resilience.straggler_threshold must be > 1 (a factor over the peers' median), "
+                              f"got {self.straggler_threshold}")
+        for key in ("straggler_window_steps", "straggler_windows"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"resilience.{key} must be >= 1, got {getattr(self, key)}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megascale.config import load_config
 from megascale.config.fields import ConfigError
-from megascale.diagnostics.report import build_report
+from megascale.diagnostics.report import build_report, detection_rows
 from megascale.diagnostics.store import Collector
 from megascale.layout.grid import RankGrid
 
@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         print("hang analysis:")
         for line in report.hang.summary():
             print("  " + line)
+    for d in detection_rows(run_dir):
+        print(f"fail-slow: {d['kind']} {d['where']} steps {d['steps']}: compute {d['compute_ms']} ms vs peers "
+              f"{d['peers_ms']} ms ({d['ratio']}), cost {d['cost']} of throughput; {d['action']} ({d['reason']}); "
+              f"replacement {d['recovery_s']} s")
     if report.stragglers:
         print("stragglers:")
         for s in report.stragglers:

@@ -169,6 +169,14 @@ took (in_place: healthy ranks stayed; restart: every rank restarted) and its pha
 {% for r in recoveries %}<tr><td>{{ r.kind }}</td><td>{{ r.where }}</td><td>{{ r.path }}</td><td>{{ r.check }}</td>
 <td>{{ r.source }}</td>{% for v in r.spans %}<td>{{ v }}</td>{% endfor %}<td>{{ r.total }}</td></tr>{% endfor %}
 </table>{% endif %}
+{% if detections %}<h2 id="fail-slow">Fail-slow detections</h2><p>Nodes the driver found computing slower than
+the ranks doing the same work (median per window of steps), what each cost the job's throughput (and MFU)
+while it stayed, and what was done about it.</p>
+<table><tr><th>kind</th><th>where</th><th>steps</th><th>ratio</th><th>compute ms</th><th>peers ms</th><th>cost</th>
+<th>action</th><th>why</th><th>replacement s</th></tr>
+{% for d in detections %}<tr><td>{{ d.kind }}</td><td>{{ d.where }}</td><td>{{ d.steps }}</td><td>{{ d.ratio }}</td>
+<td>{{ d.compute_ms }}</td><td>{{ d.peers_ms }}</td><td>{{ d.cost }}</td><td>{{ d.action }}</td><td>{{ d.reason }}</td>
+<td>{{ d.recovery_s }}</td></tr>{% endfor %}</table>{% endif %}
 {% for title, src in pictures %}<h2>{{ title }}</h2><img alt="{{ title }}" src="{{ src }}">{% endfor %}
 <h2>Timeline</h2><p>Chrome/Perfetto traces (open in ui.perfetto.dev or chrome://tracing):
 {% for group, name in traces %}<a href="{{ name }}">by {{ group }}</a>{{ ", " if not loop.last }}{% endfor %}</p>
@@ -222,6 +230,26 @@ def recovery_rows(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def detection_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The driver's fail-slow detections (resilience/summary.json `stragglers`): the evidence, the
+    share of throughput the node cost while it stayed, what was done, and the replacement's cost."""
+    try:
+        summary = json.loads((run_dir / "resilience" / "summary.json").read_text())
+    except (OSError, ValueError):
+        return []
+    faults = {f.get("detected"): f for f in summary.get("faults", []) if isinstance(f, dict)}
+    rows = []
+    for d in summary.get("stragglers", []) if isinstance(summary, dict) else []:
+        recovery = faults.get(d.get("time")) if d.get("action") == "replace" else None
+        rows.append({"kind": d.get("kind"), "where": d.get("node") or "every rank",
+                     "steps": "-".join(str(s) for s in d.get("steps", [])), "ratio": f"{d.get('ratio', 0):.2f}x",
+                     "compute_ms": f"{d.get('compute_s', 0) * 1e3:.1f}",
+                     "peers_ms": f"{d.get('peers_median_s', 0) * 1e3:.1f}",
+                     "cost": f"{d.get('cost', 0):.0%}", "action": d.get("action"), "reason": d.get("reason"),
+                     "recovery_s": _seconds((recovery or {}).get("recovery_s"))})
+    return rows
+
+
 def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
     (stats,) = query(conn, "SELECT COUNT(DISTINCT rank) AS ranks, COUNT(DISTINCT step) AS steps, "
                            "AVG(step_time) AS step_time FROM rank_steps")
@@ -233,4 +261,4 @@ def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
         stragglers=[s.describe() for s in report.stragglers],
         pictures=[(title, _data_uri(report.figures[key])) for key, title in TITLES.items() if key in report.figures],
         traces=[(group, path.name) for group, path in report.traces.items()],
-        recoveries=recovery_rows(run_dir), phases=RECOVERY_PHASES)
+        recoveries=recovery_rows(run_dir), phases=RECOVERY_PHASES, detections=detection_rows(run_dir))

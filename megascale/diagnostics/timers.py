@@ -86,6 +86,7 @@ class Timers:
         self._recorded: list[tuple[str, str, float, float, dict[str, Any]]] = []
         self._seq: dict[tuple, int] = {}
         self.last_step: int | None = None  # the last step closed by end_step
+        self.last_totals: dict[str, float] = {}  # what end_step last returned (the rank's status reads it)
         # perf_counter -> epoch seconds, so spans of different hosts share one time axis
         self._epoch = time.time() - time.perf_counter()
         self._step_start = time.perf_counter()
@@ -227,6 +228,7 @@ class Timers:
         for (_, kind, _, _, _), own in zip(rows, selfs, strict=True):
             totals[kind] += own
         totals["step"] = wall[1] - wall[0]
+        self.last_totals = totals
         if self._file is not None and rows:
             # the fields shared by every line are encoded once per step
             head = json.dumps({"step": step, "rank": self.rank, "coords": self.coords,

@@ -5,7 +5,8 @@ traffic at zero (the node or its link), an error line naming the transport or th
 (NCCL/gloo transport errors, CUDA errors, ECC, illegal memory access), a hang in which no rank's
 process is to blame, or repeated faults on one node (at least 2, and one short of
 `max_node_faults`, which evicts). A Python exception or a killed process says nothing about the
-machine: checking would only cost the job the self-check's time.
+machine: checking would only cost the job the self-check's time; a straggler is evicted on its
+peers' evidence (`straggler_rule.py`), which a check would not change.
 
 The fast path keeps the healthy ranks alive and replaces only the failed ones; it needs the
 layout to stay the same (a host for every replaced rank: its own node, or a spare when the node
@@ -28,6 +29,8 @@ HARDWARE_PATTERN = re.compile(
     r"NCCL error|nccl(Internal|System|Remote)Error|CUDA error|uncorrectable ECC|illegal memory access"
     r"|Xid|NVLink|gloo/transport|Connection reset by peer|No route to host|Network is unreachable",
     re.IGNORECASE)
+# faults whose node leaves and is evicted without a self-check (the evidence is already in)
+EVICTING_KINDS = ("manual_evict", "straggler")
 # process states (psutil) that blame a hang on the process itself, not the machine
 PROCESS_STATES = ("stopped", "tracing-stop", "zombie", "dead")
 
@@ -65,6 +68,8 @@ def selfcheck_decision(fault: dict[str, Any], node_faults: int, max_node_faults:
             return CheckDecision(False, "a hang whose rank's process is stopped or gone: the process, "
                                         "not the machine", {**inputs, "culprits": culprits})
         return CheckDecision(True, "a hang with no process to blame may be the network", inputs)
+    if fault.get("kind") == "straggler":
+        return CheckDecision(False, "a straggler is replaced on its peers' evidence: nothing to find out", inputs)
     if node_faults >= max(2, max_node_faults - 1):  # the next fault would evict it anyway
         return CheckDecision(True, "repeated faults on one node", {**inputs, "limit": max_node_faults})
     if fault.get("kind") == "manual_evict":
@@ -105,7 +110,7 @@ def recovery_path(*, enabled: bool, fault: dict[str, Any], check: CheckDecision,
     if not failed_nodes:
         return PathDecision(RESTART, f"no node is blamed for the {fault.get('kind')} (no rank to replace)")
     leaving = sorted(n for n in failed_nodes
-                     if n not in live or (check.run and n == fault.get("node")) or fault.get("kind") == "manual_evict"
+                     if n not in live or (check.run and n == fault.get("node")) or fault.get("kind") in EVICTING_KINDS
                      or node_faults.get(n, 0) >= max_node_faults or fault.get("kind") in NODE_KINDS)
     survivors = [n for n in slots if n not in leaving]
     if not survivors:

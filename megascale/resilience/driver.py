@@ -63,6 +63,7 @@ from megascale.resilience.state import (
     JobStore,
     Node,
 )
+from megascale.resilience.straggler_rule import straggler_findings, straggler_rule
 
 log = logging.getLogger("megascale.driver")
 TICK_S = 0.25
@@ -80,6 +81,7 @@ class Driver(RecoveryPaths):
         self.alerts: list[dict[str, Any]] = []
         self.hang = hang_rule(self.rcfg, cfg.train.steps)
         self.slow = slow_rule(self.rcfg)
+        self.straggler = straggler_rule(self.rcfg)
         self.progress = ProgressCheck(cfg.train.steps, self.rcfg.max_step_rate)
         self.traffic: dict[str, TrafficRule] = {}
         self.phase_deadline = 0.0
@@ -225,6 +227,8 @@ class Driver(RecoveryPaths):
                 self.resumed_pending = None
         for step, seconds in recent:
             self.slow.observe(step, seconds)
+        for r in ranks:
+            self.straggler.observe(r["rank"], r.get("compute", []))
         rule = self.traffic.setdefault(node_id, TrafficRule(node_id, self.rcfg.traffic_window_s,
                                                             self.rcfg.traffic_fall_ratio))
         total = interface_bytes(body.get("net", {}), self.rcfg.traffic_interfaces)
@@ -325,6 +329,9 @@ class Driver(RecoveryPaths):
         slow = self.slow.check()
         if slow is not None:
             out.append(slow)
+        if self.rcfg.straggler_action != "off":
+            out += straggler_findings(self.straggler, self.rcfg, self.store, len(self.state.role(SPARE)),
+                                      self.state.attempt, self.hang.last_step, now)
         return out
 
     def _complete(self) -> bool:
@@ -393,6 +400,7 @@ class Driver(RecoveryPaths):
         s.phase, s.attempt_started = RUNNING, now
         self.hang.reset(now)
         self.slow.reset()
+        self.straggler.reset({r: n.node_id for n in active for r in slot_ranks(n.slot, s.ranks_per_node)}, s.layout)
         self.traffic.clear()
         self.waiting_for = {}
         if self.current_fault is not None:

@@ -60,4 +60,5 @@ def job_summary(s: JobState, store: JobStore, steps: int) -> dict[str, Any]:
     return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
             "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
             "faults": matrix, "alerts": [e for e in events if e["event"] == "alert"],
+            "stragglers": [e for e in events if e["event"] == "straggler"],
             "ettr": ettr(Path(s.run_dir) / "metrics.jsonl", wall, steps)}

@@ -197,7 +197,8 @@ class Executor:
                        "state": None if ended else _process_state(rp.proc.pid)}
             status = read_status(attempt.status_dir, rp.rank) or {}
             report = {**process, "step": status.get("step"), "step_time": status.get("step_time"),
-                      "recent": status.get("recent", []), "status_time": status.get("time"),
+                      "recent": status.get("recent", []),
+                      "compute": status.get("compute", []), "status_time": status.get("time"),
                       "start": status.get("start"), "phase": status.get("phase")}
             try:  # what the driver will accept; a garbled status file costs the progress, not the node
                 RankReport.model_validate_json(json.dumps(report))

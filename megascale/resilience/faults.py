@@ -14,6 +14,10 @@ attempt 0 (torchft's `fail_at(rank, step)` idea). Several faults are separated b
 - `sleep:...:seconds=S` a slow step (the status write is delayed too);
 - `throttle:...:stop=S:period=P` an outside process stops the rank for S of every P seconds
   (real SIGSTOP/SIGCONT, a CPU-throttled node) until the rank ends.
+- `jitter:...:frac=F` from that step on, after every step the rank sleeps a random 0..2F times
+  the step's own compute time inside a compute timer span (counted in the next step's compute):
+  realistic noise, +-F of the work around its mean, that the straggler rule must not mistake
+  for a slow node.
 
 A fault fires only in its `attempt` (default 0), so the resumed run does not fail again.
 """
@@ -21,6 +25,7 @@ A fault fires only in its `attempt` (default 0), so the resumed run does not fai
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -32,7 +37,7 @@ from megascale.resilience.rankstatus import STATUS_DIR_ENV, StatusWriter
 
 FAULT_ENV = "MEGASCALE_FAULT"
 ATTEMPT_ENV = "MEGASCALE_RESTART_ATTEMPT"
-KINDS = ("kill", "stop", "raise", "exit", "term", "sleep", "throttle", "killwriter", "corrupt")
+KINDS = ("kill", "stop", "raise", "exit", "term", "sleep", "throttle", "killwriter", "corrupt", "jitter")
 
 
 class InjectedFault(RuntimeError):
@@ -80,6 +85,9 @@ class RankFacts(Protocol):
     @property
     def replicas(self) -> Any: ...  # a ReplicaStore (checkpoint/replica.py) or None
 
+    @property
+    def timers(self) -> Any: ...  # the rank's Timers (diagnostics/timers.py): last_totals per kind
+
 
 class StepHook:
     """What a rank does after each step: report progress, then fail if a fault is due."""
@@ -88,8 +96,10 @@ class StepHook:
         env = os.environ if env is None else env
         self.rank, self.facts = rank, facts
         attempt = int(env.get(ATTEMPT_ENV) or 0)
-        self.faults = {f.step: f for f in parse_faults(env.get(FAULT_ENV, ""))
-                       if f.rank == rank and f.attempt == attempt}
+        mine = [f for f in parse_faults(env.get(FAULT_ENV, "")) if f.rank == rank and f.attempt == attempt]
+        self.faults = {f.step: f for f in mine if f.kind != "jitter"}
+        self.jitter = next((f for f in mine if f.kind == "jitter"), None)
+        self.random, self.slept = random.Random(rank), 0.0
         self.status = StatusWriter(rank, env.get(STATUS_DIR_ENV))
 
     def __call__(self, step: int, step_time: float) -> None:
@@ -97,7 +107,15 @@ class StepHook:
         if fault is not None and fault.kind == "sleep":
             time.sleep(fault.params.get("seconds", 5.0))
             step_time += fault.params.get("seconds", 5.0)
-        self.status.write(step, step_time, self.facts.start_record if self.facts else None)
+        timers = self.facts.timers if self.facts is not None else None
+        totals = timers.last_totals if timers is not None else {}
+        compute = totals["compute"] + totals["optimizer"] if totals else None
+        self.status.write(step, step_time, self.facts.start_record if self.facts else None, compute)
+        if self.jitter is not None and step >= self.jitter.step and compute and timers is not None:
+            own = max(compute - self.slept, 0.0)  # the step's work without the last injected sleep
+            self.slept = self.random.uniform(0.0, 2 * self.jitter.params.get("frac", 0.2)) * own
+            with timers.span("injected_jitter", kind="compute"):
+                time.sleep(self.slept)
         if fault is not None and fault.kind != "sleep":
             inject(fault, self.facts)
 

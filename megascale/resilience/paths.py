@@ -22,6 +22,7 @@ from typing import Any
 
 from megascale.resilience import evidence, selfcheck_plan
 from megascale.resilience.decide import (
+    EVICTING_KINDS,
     IN_PLACE,
     RESTART,
     PathDecision,
@@ -64,6 +65,7 @@ class RecoveryPaths:
             self.state.nodes[finding.node].faults += 1
         if finding.kind == "manual_evict":
             self.manual_evictions.pop(finding.node, None)
+        if finding.kind in EVICTING_KINDS:
             record["evict"] = True
         node = self.state.nodes.get(finding.node or "")
         check = selfcheck_decision(record, node.faults if node else 0, self.rcfg.max_node_faults)
@@ -131,7 +133,7 @@ class RecoveryPaths:
         if not self._phase_done(now):
             return
         reports = {n: self.results.get(self.waiting_for.get(n, "")) for n in self.check_ring}
-        verdict = selfcheck_plan.judge(reports)
+        verdict = selfcheck_plan.judge(reports, self.rcfg.selfcheck_min_ratio)
         self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
                                        "reports": reports}, now)
         self._evict_failed(verdict["failed"], reports, now)
@@ -271,7 +273,7 @@ class RecoveryPaths:
             del self.background_checks[node_id]
             if node.role != SUSPECT:
                 continue
-            verdict = selfcheck_plan.judge({node_id: self.results.get(command)})
+            verdict = selfcheck_plan.judge({node_id: self.results.get(command)}, self.rcfg.selfcheck_min_ratio)
             self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
                                            "reports": {node_id: self.results.get(command)}, "background": True}, now)
             if node_id in verdict["failed"]:

@@ -76,6 +76,7 @@ class RankReport(Message):
     step: Count | None = None
     step_time: Seconds | None = None
     recent: Annotated[list[tuple[Count, Seconds]], Field(max_length=64)] = []
+    compute: Annotated[list[tuple[Count, Seconds]], Field(max_length=64)] = []  # (step, compute s)
     status_time: Seconds | None = None
     phase: Literal["training", "paused"] | None = None  # what the rank says it does
     state: Name | None = None  # the process's state as the kernel reports it (running, stopped, ...)
@@ -96,12 +97,14 @@ class SelfcheckTest(Message):
     peer: Name | None = None
     backend: Literal["gloo", "nccl"] | None = None  # of a pair test
     error: Text | None = None
+    baseline: float | None = None  # the healthy figure recorded for the node's hardware type
 
 
 class SelfcheckReport(Message):
     node: Name
     host: Name
     pid: Count
+    hardware: Text = ""  # what its figures may be compared with (selfcheck.hardware_type)
     passed: bool
     failed: Annotated[list[Text], Field(max_length=256)] = []
     tests: Annotated[list[SelfcheckTest], Field(max_length=256)] = []
@@ -168,6 +171,7 @@ class PairPlan(Message):
 class SelfcheckPlan(Message):
     ranks: Annotated[int, Field(ge=1, le=1024)] = 1
     expected_file: Annotated[str, StringConstraints(max_length=4096)] = ""
+    min_ratio: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.7
     pair_timeout_s: Annotated[float, Field(gt=0.0, le=3600.0)] = 15.0
     pairs: Annotated[list[PairPlan], Field(max_length=64)] = []
 

@@ -32,7 +32,7 @@ def _report(node, local_ok=True, pairs=()):
 
 
 def test_judge_names_the_node_with_the_failing_test():
-    verdict = judge({"a": _report("a", pairs=[("b", True)]), "b": _report("b", False, [("a", True)])})
+    verdict = judge({"a": _report("a", pairs=[("b", True)]), "b": _report("b", False, [("a", True)])}, 0.7)
     assert list(verdict["failed"]) == ["b"] and "memory_bandwidth" in verdict["failed"]["b"]
 
 
@@ -40,14 +40,14 @@ def test_judge_blames_the_end_whose_every_link_fails():
     results = {"n0": _report("n0", pairs=[("n1", False), ("n2", True)]),
                "n1": None,  # cut off: no result at all
                "n2": _report("n2", pairs=[("n0", True), ("n1", False)])}
-    verdict = judge(results)
+    verdict = judge(results, 0.7)
     assert list(verdict["failed"]) == ["n1"]
     results["n1"] = _report("n1", pairs=[("n0", False), ("n2", False)])
-    assert list(judge(results)["failed"]) == ["n1"]
+    assert list(judge(results, 0.7)["failed"]) == ["n1"]
 
 
 def test_judge_does_not_guess_between_two_nodes():
-    verdict = judge({"a": _report("a", pairs=[("b", False)]), "b": _report("b", pairs=[("a", False)])})
+    verdict = judge({"a": _report("a", pairs=[("b", False)]), "b": _report("b", pairs=[("a", False)])}, 0.7)
     assert verdict["failed"] == {} and sorted(verdict["suspects"]) == ["a", "b"]
 
 

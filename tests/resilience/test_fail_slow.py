@@ -1,0 +1,58 @@
+"""Fail-slow end to end: a node really slowed (a cgroup CPU quota on its processes) is named by
+its peers' compute times, replaced by a spare in place, and the run ends with the fault-free
+losses; ranks with +-20% jitter on every step are never named.
+
+Slow (each job is ~1-2 minutes on 2 shared cores): `-m slow` selects them.
+The quota is far below what any rank gets here (0.05 of a core for the node's two ranks,
+against 0.1-0.5 a rank: 2 cores shared with other jobs; its executor is left alone); the test
+then checks the slowdown the rule measured against the peers, not against a wall-clock figure,
+so a loaded machine only changes by how much the node is slower.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megascale.resilience.slowdown import CpuQuota, cpu_quota_available, tree
+from tests.resilience.jobs import PAUSE, max_step, node_of_rank
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+W, WINDOWS = 3, 2
+STRAGGLER = (f"--resilience.straggler_window_steps={W}", f"--resilience.straggler_windows={WINDOWS}",
+             "--resilience.straggler_action=replace")
+
+
+@pytest.mark.skipif(cpu_quota_available() is not None, reason=f"{cpu_quota_available()}")
+def test_a_node_slowed_by_a_cpu_quota_is_replaced_by_a_spare_and_the_losses_hold(job_factory, reference):
+    ref_job, _ = reference
+    job = job_factory(fault=PAUSE, spares=2, extra=STRAGGLER)
+    job.start()
+    status = job.wait_for(lambda s: max_step(s) >= 2)  # rank 0 sleeps 12 s after step 2: slow node1 now
+    victim = node_of_rank(status, 2)
+    with CpuQuota(f"megascale-failslow-{os.getpid()}", cores=0.05) as quota:
+        assert quota.add(tree(status["nodes"][victim]["pid"])[1:]) >= 2  # its ranks (+ standby), not the executor
+        slowed_from = max_step(job.status()) + 1
+        summary = job.finish()
+    fault = next(f for f in summary["faults"] if f["kind"] == "straggler")
+    assert fault["node"] == victim and fault["path"] == "in_place", fault
+    assert victim in summary["evicted"]
+    named = next(d for d in summary["stragglers"] if d["kind"] == "straggler")
+    assert named["node"] == victim and named["action"] == "replace"
+    # the bound: named by the end of the WINDOWS-th window after the slowdown (+ the window it began in)
+    assert named["steps"][1] <= slowed_from + WINDOWS * W + W - 1, (slowed_from, named)
+    assert named["ratio"] > 1.3 and named["peers_median_s"] > 0, named  # measured against the peers
+    assert job.losses() == ref_job.losses()
+
+
+def test_jitter_on_every_rank_is_never_flagged(job_factory):
+    jitter = ";".join(f"jitter:rank={r}:step=1:frac=0.2" for r in range(4))
+    # the default windows (8 steps, 2 of them): 3-step windows named a node once at load ~20 here,
+    # its ranks scheduled less than the others' for 6 steps
+    job = job_factory(fault=jitter, spares=2, extra=("--resilience.straggler_action=replace", "--train.steps=40"))
+    job.start()
+    summary = job.finish()
+    # a job_slow alert (every rank slower alike, as the machine's load rises) names no node
+    assert [d for d in summary["stragglers"] if d["kind"] == "straggler"] == [] and summary["restarts"] == 0
