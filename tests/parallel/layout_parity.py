@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megascale.checkpoint.state import shared_pieces, valid_numel
+from megascale.checkpoint.state import shared_pieces
 from megascale.checkpoint.stateful import CheckpointState, TrainState
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
@@ -173,7 +173,7 @@ def masters_moved(trainer: StepTrainer, initial: list[torch.Tensor]) -> dict[str
     (ZeRO's padding, which never moves, left out)."""
     out = {}
     for (name, t), before in zip(trainer.runner.optimizer_tensors(), initial, strict=True):
-        valid = valid_numel(shard_spec(t))
+        valid = shard_spec(t).valid_numel
         out[name] = (int((t.detach() != before).flatten()[:valid].sum()), valid)
     return out
 
