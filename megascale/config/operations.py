@@ -80,6 +80,8 @@ class ResilienceConfig:
 
     heartbeat_s: float = opt(1.0, "executor -> driver heartbeat period")
     heartbeat_timeout_s: float = opt(5.0, "no heartbeat for this long: the node is lost")
+    silence_fraction: float = opt(0.5, "this share of the nodes (and at least 2) silent at once is the driver's "
+                                       "or the network's stall: nobody is judged lost, the driver waits")
     startup_timeout_s: float = opt(120.0, "start -> first step; covers a slow first step")
     hang_floor_s: float = opt(10.0, "no step progress for max(floor, factor * max step time): hang")
     hang_factor: float = opt(5.0, "see hang_floor_s")
@@ -119,6 +121,8 @@ class ResilienceConfig:
             )
         if self.hang_factor < 1 or self.slow_factor <= 1:
             raise ConfigError("resilience.hang_factor must be >= 1 and resilience.slow_factor > 1")
+        if not 0 < self.silence_fraction <= 1:
+            raise ConfigError(f"resilience.silence_fraction must be in (0, 1], got {self.silence_fraction}")
         if not 0 < self.traffic_fall_ratio < 1:
             raise ConfigError(
                 f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"

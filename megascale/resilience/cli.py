@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         code = driver.run()
     except KeyboardInterrupt:
         driver.on_stop({"reason": "interrupted (Ctrl-C)"})
+        driver.write_summary()
         code = 130
     finally:
         deadline = time.monotonic() + 15

@@ -44,6 +44,7 @@ from megascale.resilience.state import (
 )
 
 log = logging.getLogger("megascale.driver")
+REPROBES = 3  # a stop that reached no node is sent again this often (each after stop_timeout_s)
 
 
 class RecoveryPaths:
@@ -58,8 +59,8 @@ class RecoveryPaths:
             record["culprits"] = hang_culprits({n.node_id: self.reports.get(n.node_id, {})
                                                 for n in self.state.role(ACTIVE)})
             run_dir, layout = self.state.run_dir, dict(self.state.layout)
-            self._in_background(lambda: self.store.event("hang_analysis", {
-                "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}))
+            self._in_background("hang", lambda: self.store.event("hang_analysis", {
+                "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}), limited=False)
         if finding.node in self.state.nodes:
             self.state.nodes[finding.node].faults += 1
         if finding.kind == "manual_evict":
@@ -77,7 +78,7 @@ class RecoveryPaths:
         log.error("FAULT %s: %s -- stopping attempt %d", finding.kind, finding.detail, self.state.attempt)
         log.info("%s; recovery path: %s (%s)", check.describe(), path.path, path.reason)
         self.store.event("fault", record, now)
-        self.current_fault = record
+        self.current_fault, self.reprobes = record, 0
         if path.path == IN_PLACE:
             return self._pause(path, now)
         self.state.phase = STOPPING
@@ -101,10 +102,14 @@ class RecoveryPaths:
         return command["id"]
 
     def _phase_done(self, now: float) -> bool:
-        return now >= self.phase_deadline or all(c in self.results for c in self.waiting_for.values())
+        """Every command of the phase answered, or its deadline passed; a command that reached
+        no node at all (every node silent) is not done: it waits for the deadline."""
+        answered = bool(self.waiting_for) and all(c in self.results for c in self.waiting_for.values())
+        return answered or now >= self.phase_deadline
 
     def _tick_stopping(self, now: float) -> None:
-        if not self.waiting_for and now >= self.phase_deadline:  # after a driver restart
+        if not self.waiting_for and now >= self.phase_deadline and self.reprobes < REPROBES:
+            self.reprobes += 1  # after a driver restart, or a stop no node was there to get
             return self._broadcast_phase_command("stop", self._live_nodes(now), now, self.rcfg.stop_timeout_s)
         if not self._phase_done(now):
             return
@@ -160,6 +165,7 @@ class RecoveryPaths:
         shared = any(n.address == node.address and n.role != EVICTED and n is not node
                      for n in self.state.nodes.values())
         node.role, node.slot = EVICTED, -1
+        self.silence.forget(node.node_id)  # no longer watched: its silence is nobody's evidence
         if not shared and node.address not in self.state.blocked:
             self.state.blocked.append(node.address)  # addresses shared (local mode) stay open
         self._send(node.node_id, "exit")
