@@ -147,3 +147,27 @@ def test_a_tick_costs_the_same_at_400_nodes_as_at_25(tmp_path):
         per_tick[nodes] = cpu(lambda d=driver: [d.tick(time.time()) for _ in range(200)]) / 200
         assert driver.state.phase == "running"
     assert per_tick[400] < 2.0 * per_tick[25] + 20e-6, per_tick
+
+
+@pytest.mark.slow  # the one evidence child imports torch: 10-40 s on 2 loaded cores
+def test_slowdown_alerts_in_a_burst_start_one_evidence_child_and_stopping_never_waits_for_it(tmp_path):
+    """Five slowdown alerts at once: one straggler analysis (a child process that imports torch)
+    is queued, the other four are recorded without it (today: five children at once, ~200 MB
+    each). `stop` meanwhile answers at once (today it joined the evidence under the lock), and
+    the summary written after the loop still carries the analysed alert."""
+    from megascale.resilience.rules import Finding
+
+    driver = driver_for(tmp_path, 1, 1)
+    register(driver, 0)
+    driver.tick(time.time())
+    for i in range(5):
+        with driver.lock:
+            driver._alert(Finding("slow", "alert", f"steps {i}: 3.0x the baseline"), time.time())
+    started = time.monotonic()
+    assert driver.on_stop({"reason": "test"})[0] == 200
+    assert driver.on_heartbeat(beat("n0", [0], 1, []))[0] in (200, 403)
+    assert time.monotonic() - started < 1.0
+    summary = driver.write_summary()
+    alerts = [a for a in summary["alerts"] if a["kind"] == "slow"]
+    assert len(alerts) == 5 and sum("evidence" in a for a in alerts) == 4, alerts
+    assert sum(a.get("stragglers") is not None for a in alerts) == 1  # its child ran (no timers here: [])
