@@ -144,7 +144,8 @@ class RecoveryPaths:
 
     def _evict_failed(self, failed: dict[str, str], answered: dict[str, Any], now: float) -> None:
         """Evict the nodes the self-check failed, lost nodes (no heartbeat, or no answer to the
-        phase's command), the node of a manual eviction and nodes at `max_node_faults`."""
+        phase's command), the node of a manual eviction and nodes at `max_node_faults`. The state
+        is not saved per eviction (O(nodes) each): the caller's `_restart` saves it once."""
         fault = self.current_fault or {}
         for node in list(self.state.nodes.values()):
             if node.role == EVICTED:
@@ -158,9 +159,9 @@ class RecoveryPaths:
             if node.faults >= self.rcfg.max_node_faults:
                 why = why or f"{node.faults} faults blamed on it (resilience.max_node_faults)"
             if why:
-                self._evict(node, why)
+                self._evict(node, why, save=False)  # saved once, by the restart that follows
 
-    def _evict(self, node: Node, why: str) -> None:
+    def _evict(self, node: Node, why: str, save: bool = True) -> None:
         log.error("evicting %s (%s): %s", node.node_id, node.address, why)
         shared = any(n.address == node.address and n.role != EVICTED and n is not node
                      for n in self.state.nodes.values())
@@ -170,7 +171,8 @@ class RecoveryPaths:
             self.state.blocked.append(node.address)  # addresses shared (local mode) stay open
         self._send(node.node_id, "exit")
         self.store.event("evict", {"node": node.node_id, "address": node.address, "reason": why})
-        self._save()
+        if save:
+            self._save()
 
     def _restart(self, now: float, check: dict[str, Any] | None = None, reason: str = "") -> None:
         """Restart every rank (the path that always works): attempt k+1 on the nodes left."""

@@ -59,9 +59,13 @@ async def measure(fleet: Fleet, pid: int, client: ApiClient, window_s: float, no
     cpu0 = cpu_s(pid)
     out["register_s"] = await fleet.registered(timeout_s=300)
     out["driver_cpu_per_registration_ms"] = 1e3 * (cpu_s(pid) - cpu0) / nodes
+    deadline = time.monotonic() + 120
     while any(n.attempt is None for n in fleet.nodes):  # every node has its `start`
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{sum(n.attempt is None for n in fleet.nodes)} nodes got no start within 120 s")
         await asyncio.sleep(0.1)
     await asyncio.sleep(3.0)  # past the start: heartbeats at their steady rate
+    out["harness_lag_max_s_at_start"], fleet.lag_max = fleet.lag_max, 0.0
     marks, beats, cpu1, wall1 = fleet.marks(), fleet.heartbeats(), cpu_s(pid), time.monotonic()
     await asyncio.sleep(window_s)
     cpu, wall, count = cpu_s(pid) - cpu1, time.monotonic() - wall1, fleet.heartbeats() - beats
@@ -73,7 +77,7 @@ async def measure(fleet: Fleet, pid: int, client: ApiClient, window_s: float, no
                driver_cpu_per_heartbeat_ms=1e3 * cpu / max(count, 1),
                rtt_p50_ms=1e3 * pct(rtts, 0.5), rtt_p99_ms=1e3 * pct(rtts, 0.99), driver_rss_mb=rss_mb(pid),
                status_s=time.monotonic() - started, false_faults_before_silence=len(status["faults"]),
-               connection_errors=sum(len(n.stats.errors) for n in fleet.nodes))
+               connection_errors=sum(len(n.stats.errors) for n in fleet.nodes), harness_lag_max_s=fleet.lag_max)
     victim = fleet.nodes[0]
     victim.silent.set()
     acted = None

@@ -6,8 +6,9 @@ connection each that trusts only the job's pinned certificate, a bearer token, H
 JSON bodies the driver's schemas check — without ranks behind them. Each node registers, then
 heartbeats at the period the driver asks for, with the payload of a real node of
 `ranks_per_node` ranks (process status, step, step time and a window of recent step times per
-rank, hardware, interface counters), answers `start` as an executor would, and can be told to
-fall silent. Each round trip is timed; the driver's own CPU is read from /proc by the caller.
+rank, hardware, interface counters), answers `start`, `pause`, `stop` and `selfcheck` as a
+healthy node's executor would (at once: nothing runs behind them), and can be told to fall
+silent. Each round trip is timed; the driver's own CPU is read from /proc by the caller.
 
 Steps are simulated from the clock: every rank of the job is at step `(now - start) / step_s`
 of its attempt, so the hang and slowdown rules see a healthy job.
@@ -161,9 +162,18 @@ class SimNode:
             if command["kind"] == "start":
                 self.attempt, self.ranks, self.started = command["attempt"], command["ranks"], time.time()
                 self.done[command["id"]] = {"ok": True, "pids": [100000 + r for r in self.ranks]}
-            elif command["kind"] in ("pause", "stop"):
-                self.attempt = None  # stopped: its ranks report nothing more
+            elif command["kind"] == "pause":
+                self.attempt = None  # paused: its ranks report nothing more
+                self.done[command["id"]] = {"ok": True, "paused": self.ranks, "dead": []}
+            elif command["kind"] == "stop":
+                self.attempt = None
                 self.done[command["id"]] = {"ok": True, "stopped": len(self.ranks)}
+            elif command["kind"] == "selfcheck":  # a healthy node: every test passes
+                tests = [{"name": "memory_bandwidth", "value": 10.0, "unit": "GB/s", "expected": 1.0, "passed": True},
+                         *({"name": "all_reduce", "peer": p["peer"], "passed": True, "value": 1.0, "unit": "GB/s",
+                            "expected": 0.1} for p in command["plan"]["pairs"])]
+                self.done[command["id"]] = {"ok": True, "report": {
+                    "node": self.node_id, "host": self.node_id, "pid": os.getpid(), "passed": True, "tests": tests}}
             elif command["kind"] == "exit":
                 self.fleet.exited += 1
 
@@ -183,11 +193,13 @@ class Fleet:
         self.began = time.monotonic()
         self.stopping = asyncio.Event()
         self.exited = 0
+        self.lag_max = 0.0  # the longest this process's event loop was late (a starved harness)
 
     async def run(self, script: Callable[[Fleet], Any]) -> Any:
         """Start every node at once, run `script(fleet)` (a coroutine function) beside them, stop."""
         self.began = time.monotonic()
         tasks = [asyncio.create_task(node.run()) for node in self.nodes]
+        tasks.append(asyncio.create_task(self._watch_lag()))
         try:
             return await script(self)
         finally:
@@ -195,6 +207,13 @@ class Fleet:
             await asyncio.wait(tasks, timeout=10)
             for node in self.nodes:
                 node.close()
+
+    async def _watch_lag(self, every_s: float = 0.1) -> None:
+        """A late wake-up here is a late heartbeat there: the harness, not the driver, was slow."""
+        while not self.stopping.is_set():
+            due = time.monotonic() + every_s
+            await asyncio.sleep(every_s)
+            self.lag_max = max(self.lag_max, time.monotonic() - due)
 
     async def registered(self, timeout_s: float) -> float:
         """Seconds until every node had its registration answered."""
