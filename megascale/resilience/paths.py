@@ -120,10 +120,12 @@ class RecoveryPaths:
             self._evict_failed({}, {n: {"ok": True} for n in stopped}, now)
             return self._restart(now, check)
         live = [n for n in self._live_nodes(now) if n.node_id in stopped]
+        reached = {n.node_id for n in live}  # by id: `n in live` would compare every field, O(N) each
         # Lost active nodes are judged (no result) but not paired: a link test with a node that
         # cannot answer would only cost its neighbours a rendezvous timeout.
-        active, spares = self.state.role(ACTIVE), [n for n in self.state.role(SPARE) if n in live]
-        ring = [n for n in active if n in live] + spares
+        active = self.state.role(ACTIVE)
+        spares = [n for n in self.state.role(SPARE) if n.node_id in reached]
+        ring = [n for n in active if n.node_id in reached] + spares
         plan = selfcheck_plan.build(ring, self.state.ranks_per_node, self.rcfg)
         self.check_ring = [n.node_id for n in active + spares]
         self.state.phase = CHECKING
