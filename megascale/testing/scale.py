@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale.resilience.api import ApiClient
+from megascale.resilience.api import ApiClient, ApiError
 from megascale.resilience.credentials import load_secret
 from megascale.testing.simnodes import Fleet
 
@@ -54,6 +54,18 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+async def status_of(client: ApiClient, tries: int = 30) -> dict[str, Any]:
+    """GET /v1/status, again after a second when the driver sheds load (503), as executors do."""
+    for attempt in range(tries):
+        try:
+            return await asyncio.to_thread(client.status)
+        except ApiError as exc:
+            if exc.status != 503 or attempt == tries - 1:
+                raise
+            await asyncio.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
 async def measure(fleet: Fleet, pid: int, client: ApiClient, window_s: float, nodes: int,
                   timeout_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {"nodes": nodes}
@@ -70,7 +82,7 @@ async def measure(fleet: Fleet, pid: int, client: ApiClient, window_s: float, no
     cpu, wall, count = cpu_s(pid) - cpu1, time.monotonic() - wall1, fleet.heartbeats() - beats
     rtts = fleet.rtts_since(marks)
     started = time.monotonic()
-    status = await asyncio.to_thread(client.status)
+    status = await status_of(client)
     out["status_bytes"] = len(json.dumps(status))
     out.update(heartbeats=count, heartbeats_per_s=count / wall, driver_cpu_share=cpu / wall,
                driver_cores_at_1_hz=cpu / wall * nodes / max(count / wall, 1e-9),  # scaled to N beats/s
@@ -88,7 +100,7 @@ async def measure(fleet: Fleet, pid: int, client: ApiClient, window_s: float, no
                     default=None)
     out["detect_silent_node_s"] = None if acted is None else acted - victim.last_ok  # from its last answered beat
     await asyncio.sleep(1.0)
-    faults = (await asyncio.to_thread(client.status))["faults"]
+    faults = (await status_of(client))["faults"]
     out["faults_after_silence"] = [(f["kind"], f.get("node")) for f in faults]
     out["detect_after_timeout_s"] = (None if out["detect_silent_node_s"] is None
                                      else out["detect_silent_node_s"] - timeout_s)
