@@ -131,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
     driver = Driver(cfg, state, store)
-    limits = Limits(request_timeout_s=rcfg.api_request_timeout_s, handshake_timeout_s=rcfg.api_request_timeout_s)
+    # every node of the job may connect at once (a registration storm): the cap on connections
+    # without a token yet is twice that, and never below the default
+    nodes = state.nodes_wanted + spares
+    limits = Limits(request_timeout_s=rcfg.api_request_timeout_s, handshake_timeout_s=rcfg.api_request_timeout_s,
+                    max_unauthenticated=max(Limits.max_unauthenticated, 2 * nodes))
     server = ApiServer(host, state.api.get("port") or rcfg.api_port, secret.token, _routes(driver),
                        server_context(secret), limits).start()
     url = server.url
