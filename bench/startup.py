@@ -100,7 +100,7 @@ def startup_rank(gate_port: int, scheme: str, layout: tuple[int, int, int], url:
     cfg = _config(layout, "redis" if scheme.endswith("redis") else "tcp", url)
     if scheme.startswith("naive"):
         os.environ["TORCH_DIST_INIT_BARRIER"] = "1"  # the init barrier of that era too
-        counter = join_world(cfg, int(os.environ["RANK"]), cfg.world_size, "gloo", TIMEOUT)
+        counter = join_world(cfg, int(os.environ["RANK"]), RankGrid.of(cfg).world_size, "gloo", TIMEOUT)
         created = create_groups_naive(RankGrid(*layout))
         ops, barriers = counter.total_ops, counter.barriers
     else:
@@ -110,7 +110,7 @@ def startup_rank(gate_port: int, scheme: str, layout: tuple[int, int, int], url:
     t1 = time.time()
     check = torch.ones(1)
     dist.all_reduce(check)  # a broken start-up must not look fast
-    assert int(check.item()) == cfg.world_size
+    assert int(check.item()) == RankGrid.of(cfg).world_size
     dist.destroy_process_group()  # the store (counter/mesh) stays referenced until here
     return {"t1": t1, "ops": ops, "barriers": barriers, "groups": created}
 

@@ -62,7 +62,7 @@ def _rank(args: dict, out_dir: str) -> dict:
             cfg = JobConfig(model=mcfg, parallel=ParallelConfig(
                 tp=2, sequence_parallel=True, tp_overlap=overlap, tp_overlap_chunks=chunks))
             models[name] = copy.deepcopy(base)
-            apply_tensor_parallel(models[name], cfg, mesh)
+            apply_tensor_parallel(models[name], cfg.parallel, mesh)
         del base
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, mcfg.vocab_size, (args["batch"], mcfg.seq_len), generator=g)

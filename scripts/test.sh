@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (what CI runs). Installs the system services the tests
-# use (redis-server, chromium) from Debian's packages when running as root.
+# Set up and run the checks and the test suite (what CI runs: .ci/run, the whole suite).
+#   bash scripts/test.sh [--fast] [pytest args]
+# --fast runs the fast subset (-m "not slow": no test marked slow, i.e. none of the multi-rank
+# tests over ~20 s). Installs the system services the tests use (redis-server, chromium) from
+# Debian's packages when running as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+select=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  select=(-m "not slow")
+fi
 bash scripts/setup.sh --test
 if [ "$(id -u)" = 0 ]; then
   bash scripts/install_system_deps.sh
 fi
 export OMP_NUM_THREADS=1
 .venv/bin/python -m ruff check megascale tests bench
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m mypy  # the package, as pyproject.toml's [tool.mypy] says
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "${select[@]}" "$@"

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import posixpath
 import queue
 import secrets
@@ -50,6 +49,7 @@ from megascale.checkpoint.stateful import CheckpointState
 from megascale.checkpoint.storage import CheckpointError, open_root, step_name
 from megascale.checkpoint.writer import WriteJob, persist
 from megascale.config import JobConfig, to_dict
+from megascale.config.operations import checkpoint_root
 from megascale.data.shards import DataError
 from megascale.parallel.store import StoreAddress
 
@@ -64,7 +64,7 @@ class CheckpointManager:
         when the job spans more than one node."""
         self.job_cfg, self.cfg, self.mesh, self.state = cfg, cfg.checkpoint, mesh, state
         self.rank, self.world = mesh.rank, mesh.world_size
-        self.root = self.cfg.dir or str((Path(run_dir) / "checkpoints").resolve())
+        self.root = checkpoint_root(self.cfg, run_dir)
         self.comm = Comm(mesh.checkpoint_group, self.rank, self.world)
         self.run_id = self.comm.broadcast(secrets.token_hex(4))
         stale = reap_stale()
@@ -88,7 +88,7 @@ class CheckpointManager:
         self.replicator = self._replicator(replicas)
 
     def _replicator(self, replicas: ReplicaStore | None) -> PeerReplicator | None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        local_world = self.mesh.launch.local_world_size or self.world
         if replicas is None or self.cfg.peer_every <= 0 or local_world >= self.world:
             return None  # nobody to recover from the copies, or no other node to keep them
         nodes = self.world // local_world

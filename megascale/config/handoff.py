@@ -8,20 +8,15 @@ it ($MEGASCALE_REDIS_PASSWORD_FILE, read by `ParallelConfig.redis_password`).
 
 from __future__ import annotations
 
-import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import tomli_w
 
-from megascale.config.loader import set_dotted, to_dict
+from megascale.config.loader import to_dict, typed_config
 from megascale.config.private_files import private_dir, write_private
 from megascale.config.schema import REDIS_PASSWORD_FILE_ENV, JobConfig, redacted_url
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 def config_text(cfg: JobConfig) -> str:
@@ -31,12 +26,28 @@ def config_text(cfg: JobConfig) -> str:
     return tomli_w.dumps(raw)
 
 
-def with_overrides(text: str, values: dict[str, Any]) -> str:
-    """`text` with dotted keys set, e.g. {"parallel.dp": 2} (the driver's per-attempt layout)."""
-    raw = tomllib.loads(text)
-    for key, value in values.items():
-        set_dotted(raw, key, value)
-    return tomli_w.dumps(raw)
+def attempt_config(text: str, *, dp: int, run_dir: str, redis_password: str | None = None) -> str:
+    """The ranks' config of one driver attempt: the job's (`text`, from `config_text`) with the
+    attempt's dp degree and run directory, resuming from the newest valid checkpoint, and no save
+    on SIGTERM (the driver stops a failed attempt's ranks itself and restarts from the last
+    commit). Edited as a typed `JobConfig` and validated as a rank will validate it (with the
+    Redis password the ranks get apart, which the text lacks), so a layout the ranks would
+    reject is a `ConfigError` naming the key in the driver, not at every rank."""
+    cfg = typed_config(text, "the job's config")
+    cfg = replace(cfg, parallel=replace(cfg.parallel, dp=dp), train=replace(cfg.train, run_dir=run_dir),
+                  checkpoint=replace(cfg.checkpoint, resume="auto", save_on_signal=False))
+    url = cfg.parallel.redis_url
+    as_ranks_see_it = replace(cfg, parallel=replace(cfg.parallel, redis_url=_with_password(url, redis_password)))
+    as_ranks_see_it.validate()
+    return config_text(cfg)
+
+
+def _with_password(url: str, password: str | None) -> str:
+    if not password:
+        return url
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{quote(password, safe='')}@{host}"))
 
 
 def write_rank_files(directory: str | Path, text: str, password: str | None) -> tuple[Path, dict[str, str]]:

@@ -8,7 +8,7 @@ import types
 from collections.abc import Iterator
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from megascale.config.loader import to_dict
+from megascale.config.loader import default_config_path, load_config, to_dict
 from megascale.config.schema import JobConfig
 
 
@@ -32,7 +32,7 @@ def keys(cls: type = JobConfig, prefix: str = "") -> Iterator[Key]:
     instance = cls()
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from keys(tp, f"{prefix}{f.name}.")
             continue
         yield Key(f"{prefix}{f.name}", describe_type(tp), getattr(instance, f.name), f.metadata.get("doc", ""))
@@ -43,6 +43,13 @@ def non_defaults(cfg: JobConfig) -> list[str]:
     defaults = {k.name: k.default for k in keys()}
     values = _flatten(to_dict(cfg))
     return [f"{k}={_show(v)}" for k, v in values.items() if v != defaults.get(k)]
+
+
+def packaged_default_line() -> str:
+    """What `megascale train` without `--config` runs differently from the defaults listed."""
+    changed = ", ".join(f"`{item.replace('=', ' = ', 1)}`" for item in non_defaults(load_config(default_config_path())))
+    return (f"`megascale train` without `--config` runs the packaged default ({default_config_path().name}), "
+            f"which differs from these defaults only in: {changed}")
 
 
 def _flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -86,7 +93,7 @@ def config_help(section: str | None = None) -> str:
                 lines.append(f"  --{key.name} {key.type}  (default {_show(key.default)})")
                 lines.append(f"      {key.doc}")
     if section is None:
-        lines += ["", "one section only: --help SECTION (e.g. --help model)"]
+        lines += ["", packaged_default_line().replace("`", ""), "one section only: --help SECTION (e.g. --help model)"]
     return "\n".join(lines)
 
 
@@ -99,6 +106,7 @@ def markdown_reference() -> str:
         out += [f"| `{k.name}` | {k.type.replace('|', ' or ')} | {_show(k.default)} | {k.doc.replace('|', '&#124;')} |"
                 for k in keys() if k.name.split(".")[0] == name]
         out.append("")
+    out.append(packaged_default_line() + ".")
     return "\n".join(out)
 
 

@@ -33,21 +33,33 @@ def default_config_path() -> Path:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Build a validated config from the built-in defaults, an optional TOML file over them, then
     `--a.b=v` overrides."""
-    raw: dict[str, Any] = {}
+    text = ""
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        text = path.read_text()
+    return config_from_toml(text, f"config file {path}", overrides)
+
+
+def config_from_toml(text: str, source: str, overrides: list[str] | None = None) -> JobConfig:
+    """A validated config from TOML text (`source` names it in errors), then `--a.b=v` overrides."""
+    cfg = typed_config(text, source, overrides)
+    cfg.validate()
+    return cfg
+
+
+def typed_config(text: str, source: str, overrides: list[str] | None = None) -> JobConfig:
+    """As `config_from_toml`, with every key and type checked but the values not validated yet
+    (for a caller that changes the config first)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from exc
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
-    cfg = from_dict(JobConfig, raw, prefix="")
-    cfg.validate()
-    return cfg
+    return from_dict(JobConfig, raw, prefix="")
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -79,7 +91,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, prefix=f"{key}.")
     origin = get_origin(tp)
     if origin is Literal:
@@ -174,4 +186,4 @@ def dump_config(cfg: JobConfig, path: str | Path) -> None:
     write_private(path, tomli_w.dumps(to_dict(cfg)))
 
 
-__all__ = ["load_config", "dump_config", "to_dict", "parse_override"]
+__all__ = ["load_config", "config_from_toml", "dump_config", "to_dict", "parse_override"]

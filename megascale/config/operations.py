@@ -4,6 +4,7 @@ and the fault-tolerant driver."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from megascale.config.fields import ConfigError, opt
@@ -44,6 +45,12 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.peer_every must be >= 0 (0 = no peer copies), got {self.peer_every}")
         if self.peer_stride < 1:
             raise ConfigError(f"checkpoint.peer_stride must be >= 1 (nodes along the ring), got {self.peer_stride}")
+
+
+def checkpoint_root(ck: CheckpointConfig, run_dir: str | Path) -> str:
+    """Where a run's checkpoints are: `checkpoint.dir`, else <run_dir>/checkpoints made absolute
+    (the one place this default is spelled out: the trainer writes there, the launcher reads it)."""
+    return ck.dir or str((Path(run_dir) / "checkpoints").resolve())
 
 
 @dataclass

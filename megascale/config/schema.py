@@ -201,10 +201,6 @@ class ParallelConfig:
     init_timeout_s: float = opt(120.0, "how long ranks wait for each other at start-up")
     collective_timeout_s: float = opt(600.0, "a collective that takes longer fails (then the watchdog says where)")
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
     def redis_password(self) -> str | None:
         """The URL's password, else the file $MEGASCALE_REDIS_PASSWORD_FILE names, else
         $MEGASCALE_REDIS_PASSWORD, else none."""

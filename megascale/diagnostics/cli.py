@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         pp, dp, tp = (int(v) for v in args.layout.split(","))
         grid = RankGrid(pp, dp, tp)
     elif config_path.is_file():
-        grid = RankGrid(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+        grid = RankGrid.of(cfg.parallel)
     steps = None
     if args.trace_steps:
         first, last = (int(v) for v in args.trace_steps.split(":"))

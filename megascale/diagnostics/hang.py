@@ -100,7 +100,7 @@ def _grid_of_run(run_dir: str | Path, records: list[dict[str, Any]]) -> RankGrid
         from megascale.config import load_config
 
         p = load_config(config).parallel
-        return RankGrid(p.pp, p.dp, p.tp)
+        return RankGrid.of(p)
     raise ValueError(f"no grid in the hang dumps or roll call and no {config}; "
                      "pass the layout (megascale report --layout PP,DP,TP)")
 

@@ -27,6 +27,13 @@ from megascale.diagnostics.timers import Timers
 from megascale.layout.grid import RankGrid
 
 WAIT_KINDS = ("comm", "p2p")
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives PyTorch's Flight Recorder keeps per process
+
+
+def enable_flight_recorder() -> None:
+    """Turn the Flight Recorder on for this process unless its environment sized it already;
+    call it before the process groups exist (they read the size when they are made)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
 
 
 def hang_dir(run_dir: str | Path) -> Path:

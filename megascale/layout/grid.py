@@ -10,7 +10,7 @@ checkpointer and the diagnostics agree on who is whose neighbour.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 Dim = Literal["tp", "dp", "pp"]
 DIMS: tuple[Dim, ...] = ("tp", "dp", "pp")
@@ -22,11 +22,28 @@ class Coords(NamedTuple):
     tp: int
 
 
+class HasDegrees(Protocol):
+    """Anything that states the three degrees: `ParallelConfig`, the planner's `Layout`."""
+
+    @property
+    def pp(self) -> int: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class RankGrid:
+    """The one rank order of the job, and the one place its world size is computed."""
+
     pp: int
     dp: int
     tp: int
+
+    @classmethod
+    def of(cls, degrees: HasDegrees) -> RankGrid:
+        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp)
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp"):

@@ -14,12 +14,23 @@ from dataclasses import dataclass
 from megascale.config.schema import ModelConfig
 
 
+def full_attention_span(seq_len: int, window: int | None) -> int:
+    """Keys per query when every query is counted as seeing the whole span (window or sequence)."""
+    return seq_len if window is None else min(window, seq_len)
+
+
 def mean_attention_span(seq_len: int, window: int | None) -> float:
     """Average number of keys a query attends to under causal (optionally windowed) attention."""
-    w = seq_len if window is None else min(window, seq_len)
+    w = full_attention_span(seq_len, window)
     # positions 1..w attend to i keys; positions w+1..s attend to w keys
     total = w * (w + 1) / 2 + (seq_len - w) * w
     return total / seq_len
+
+
+def attention_flops(span: float, hidden: float) -> float:
+    """Forward FLOPs of one layer's attention for one query over `span` keys: QK^T and scores x V,
+    each `span * hidden` multiply-adds of 2 FLOPs (the one formula the model and planner use)."""
+    return 2 * 2 * span * hidden
 
 
 @dataclass(frozen=True)
@@ -43,8 +54,7 @@ def flops_per_token(cfg: ModelConfig) -> FlopsBreakdown:
     """GQA's smaller key/value projections and SwiGLU's third matrix count as what they are."""
     h, layers = cfg.hidden, cfg.layers
     dense = layers * 2 * (h * cfg.qkv_width + h * h + h * cfg.mlp_in_width + cfg.ffn * h)
-    span = mean_attention_span(cfg.seq_len, cfg.window)
-    attention = layers * 2 * 2 * span * h
+    attention = layers * attention_flops(mean_attention_span(cfg.seq_len, cfg.window), h)
     head = 2 * h * cfg.vocab_size
     return FlopsBreakdown(dense=float(dense), attention=float(attention), head=float(head))
 

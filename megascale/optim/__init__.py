@@ -24,7 +24,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """`named` pairs a parameter's name with the tensor to optimise: the parameter itself, or
     this rank's shard of it under ZeRO."""
-    decay, no_decay = [], []
+    decay: list[torch.Tensor] = []
+    no_decay: list[torch.Tensor] = []
     for name, tensor in named:
         (decay if decays(name, tensor) else no_decay).append(tensor)
     groups = [

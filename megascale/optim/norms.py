@@ -48,7 +48,7 @@ def global_grad_norm(
 
     `across` are groups holding disjoint parameters (pipeline stages) whose totals add up."""
     with_grad = [p for p in params if p.grad is not None]
-    total = whole_sq_norms([p.grad for p in with_grad], with_grad).sum()
+    total = whole_sq_norms([p.grad for p in with_grad if p.grad is not None], with_grad).sum()
     for group in across:
         if group is not None:
             dist.all_reduce(total, group=group)

@@ -46,7 +46,7 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None, values: ValueSourc
 def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource) -> ModelRunner:
     distributed = mesh is not None and mesh.world_size > 1
     if distributed and mesh.tp_size > 1:
-        apply_tensor_parallel(model, cfg, mesh)
+        apply_tensor_parallel(model, cfg.parallel, mesh)
     if distributed and mesh.pp_size > 1:
         chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)

@@ -14,7 +14,6 @@ creation an `ncclCommSplit`, which every rank of the world must join, defeating 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from datetime import timedelta
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from megascale.config.fields import ConfigError
 from megascale.config.schema import ParallelConfig
 from megascale.layout.grid import DIMS, Coords, Dim, RankGrid
+from megascale.layout.launch import LaunchEnv
 from megascale.parallel.store import CountingStore, StartupStats, StoreAddress, create_store
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,10 @@ class ParallelMesh:
         startup: StartupStats,
         timeout: timedelta,
         store: dist.Store | None,
+        launch: LaunchEnv,
     ) -> None:
         self.grid = grid
+        self.launch = launch  # the environment the launcher gave this process, read once
         self.rank = rank
         self.world_size = grid.world_size
         self.coords: Coords = grid.coords(rank)
@@ -157,27 +159,27 @@ class ParallelMesh:
 
 
 def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
-    """Join the job (torchrun-style environment) and create this rank's process groups."""
+    """Join the job (torchrun-style environment, read once: `mesh.launch`) and create this
+    rank's process groups. `device` is `train.device`: auto, cpu or cuda."""
     start = time.perf_counter()
-    grid = RankGrid(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    grid = RankGrid.of(cfg)
+    launch = LaunchEnv.from_env()
+    env_world, rank = launch.world_size, launch.rank
     if env_world != grid.world_size:
         raise ConfigError(
             f"parallel.dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {grid.world_size} but "
             f"WORLD_SIZE={env_world}; launch {grid.world_size} processes or change the layout"
         )
-    rank = int(os.environ.get("RANK", "0"))
-    if not 0 <= rank < env_world:
-        raise ConfigError(f"RANK={rank} is out of range for WORLD_SIZE={env_world}")
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    dev = _choose_device(device, local_rank)
+    dev = launch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     backend = _choose_backend(cfg.backend, dev)
     timeout = timedelta(seconds=cfg.collective_timeout_s)
 
     if grid.world_size == 1:
         stats = StartupStats(store="none", time_s=time.perf_counter() - start)
         groups: dict[str, ProcessGroup | None] = {dim: None for dim in DIMS}
-        return ParallelMesh(grid, 0, dev, backend, groups, stats, timeout, None)
+        return ParallelMesh(grid, 0, dev, backend, groups, stats, timeout, None, launch)
 
     counter = join_world(cfg, rank, env_world, backend, timeout)
     init_ops = counter.total_ops
@@ -192,7 +194,7 @@ def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
         groups_created=created,
     )
     log.info("rank %d %s", rank, stats.summary())
-    return ParallelMesh(grid, rank, dev, backend, groups, stats, timeout, counter)
+    return ParallelMesh(grid, rank, dev, backend, groups, stats, timeout, counter, launch)
 
 
 def join_world(cfg: ParallelConfig, rank: int, world_size: int, backend: str, timeout: timedelta) -> CountingStore:
@@ -229,20 +231,6 @@ def create_groups(
             )
             created += 1
     return groups, created
-
-
-def _choose_device(device: str, local_rank: int) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device='cuda' was asked for but CUDA is not available")
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    if device != "cpu":
-        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    return torch.device("cpu")
 
 
 def _choose_backend(backend: str, device: torch.device) -> str:

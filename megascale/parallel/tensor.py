@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megascale.config.schema import JobConfig, check_tensor_parallel
+from megascale.config.schema import ParallelConfig, check_tensor_parallel
 from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import ShardSpec, set_shard_spec, shard_spec, tp_slice
 from megascale.model.gpt import GPT, IGNORE_INDEX, Embedding, Head, Linear
@@ -215,9 +215,8 @@ def parallelize(model: GPT, tp: TPContext) -> None:
     model.head = TPHead(model.head, tp, vocab_parallel)
 
 
-def apply_tensor_parallel(model: GPT, cfg: JobConfig, mesh) -> None:
+def apply_tensor_parallel(model: GPT, p: ParallelConfig, mesh) -> None:
     """Shard `model` over `mesh.tp_group` in place; nothing to do when tp is 1."""
-    p = cfg.parallel
     check_tensor_parallel(model.cfg, mesh.tp_size, p.sequence_parallel)
     if mesh.tp_size == 1:
         return

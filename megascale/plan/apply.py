@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,7 @@ class NodeOrder:
     reason: str
 
 
-def plan_node_order(source: str | None, nodes: list[tuple[str, ...]], layout: Layout,
+def plan_node_order(source: str | None, nodes: Sequence[tuple[str, ...]], layout: Layout,
                     ranks_per_node: int) -> NodeOrder:
     """The planner's order of `nodes` (each given by its names: id, host, address...)."""
     identity = list(range(len(nodes)))

@@ -179,7 +179,7 @@ def calibrate(run_dirs: list[str], cluster: ClusterSpec, warmup_steps: int = 1) 
                                     f"{cluster.node.nvlink_bytes_per_s / 1e9:.3f}, network."
                                     f"efficiency {net.efficiency:.3f} -> {cluster.network.efficiency:.3f}")
     host = statistics.median(r.measured["host"] for r in runs)
-    jitters = []
+    jitters: list[float] = []
     for r in runs:
         try:
             jitters.extend(jitter_from_run(r.path / "diagnostics" / "diagnostics.sqlite",

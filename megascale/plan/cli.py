@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.config import ConfigError, load_config
+from megascale.layout.grid import RankGrid
 from megascale.plan import ecmp, placement
 from megascale.plan.calibrate import calibrate, format_calibration
 from megascale.plan.cluster import ClusterSpec, list_presets, load_cluster
@@ -78,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_layout(text: str, base: Layout, gpus: int | None = None) -> tuple[Layout, bool]:
     """(layout, whether rc was given). dp may be left out when `gpus` is known."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
@@ -251,7 +252,7 @@ def _run(args: argparse.Namespace) -> int:
     work = Workload.from_job(cfg, args.batch)
     if args.system:
         work = system.apply(work)
-    gpus = args.gpus or cfg.parallel.world_size
+    gpus = args.gpus or RankGrid.of(cfg.parallel).world_size
     features = job_features(args, cfg, system)
     zeros = tuple(int(z) for z in args.zero.split(",")) if args.zero else (
         (system.zero,) if args.system else (2,))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megascale.model.flops import mean_attention_span
+from megascale.model.flops import attention_flops, mean_attention_span
 from megascale.plan import comm, congestion
 from megascale.plan import efficiency as eff
 from megascale.plan.cluster import ClusterSpec
@@ -116,7 +116,7 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
         attn_fwd, attn_bwd = eff.unfused_attention_time(gpu, dt, layout.micro_batch, m.seq_len,
                                                         m.heads / t, m.head_dim, ab)
     else:
-        attn_fwd, attn_bwd = eff.attention_time(gpu, dt, 2 * 2 * span * h * tokens / t, span,
+        attn_fwd, attn_bwd = eff.attention_time(gpu, dt, attention_flops(span, h) * tokens / t, span,
                                                 m.head_dim)
         if features.attention == "flash1":
             attn_fwd, attn_bwd = (x / eff.FLASH1_RELATIVE_SPEED for x in (attn_fwd, attn_bwd))

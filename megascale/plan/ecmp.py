@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.placement import Placement, mesh_groups
@@ -53,7 +54,7 @@ class EcmpResult:
 
 def dp_flows(placement: Placement) -> list[tuple[int, int]]:
     """(source rank, destination rank) of every ring step of every dp group."""
-    flows = []
+    flows: list[tuple[int, int]] = []
     for group in mesh_groups(placement.layout)["dp"]:
         if len(group) > 1:
             flows.extend((group[i], group[(i + 1) % len(group)]) for i in range(len(group)))
@@ -84,7 +85,7 @@ def simulate(placement: Placement, fabric: Fabric, trials: int = 20, seed: int =
         load: Counter = Counter()
         for _src, _dst, switch_a, switch_b, a, b in cross:
             up = rng.randrange(fabric.uplinks)
-            links = [("tor_up", switch_a, up)]
+            links: list[tuple[Any, ...]] = [("tor_up", switch_a, up)]
             if a.pod == b.pod:
                 links.append(("tor_down", switch_b, up))
             else:

@@ -11,6 +11,7 @@ constant are in docs/planning.md ("Achievable efficiency").
 
 from __future__ import annotations
 
+from megascale.model.flops import attention_flops
 from megascale.plan.cluster import GPUSpec
 
 # Smallest GEMM dimension at which a GEMM reaches half of its best efficiency. With 64 a
@@ -87,7 +88,7 @@ def unfused_attention_time(gpu: GPUSpec, dtype: str, sequences: float, seq: int,
     """(forward, backward) seconds of attention that materialises the s x s scores per head."""
     batch = sequences * heads  # independent (s x d) @ (d x s) and (s x s) @ (s x d) products
     rate = gpu.peak(dtype) * gemm_efficiency(gpu, seq, seq, head_dim)
-    gemms = 2 * (2.0 * batch * seq * seq * head_dim) / rate  # QK^T and PV over the full square
+    gemms = attention_flops(seq, heads * head_dim) * sequences * seq / rate  # the full square: s keys a query
     scores = batch * seq * seq * elem_bytes
     fwd = gemms + memory_time(gpu, UNFUSED_SCORE_PASSES_FWD * scores)
     bwd = 2 * gemms + memory_time(gpu, UNFUSED_SCORE_PASSES_BWD * scores)

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megascale.diagnostics.watchdog import FLIGHT_RECORDER_ENTRIES
+
 IB_TIMEOUT_EXPONENT = 22  # verbs local ACK timeout = 4.096 us * 2**n: ~17 s per attempt
 IB_RETRY_COUNT = 7  # the largest value the 3-bit verbs retry field holds
-FLIGHT_RECORDER_ENTRIES = 2000
 MIN_COLLECTIVE_TIMEOUT_S = 600.0  # never tighter than the config's default
 STEPS_OF_SLACK = 20  # a collective may wait this many predicted step times before it is a hang
 FLIGHT_RECORDER_VARS = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE",

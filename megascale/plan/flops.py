@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from megascale.config.schema import ModelConfig
-from megascale.model.flops import flops_per_token
+from megascale.model.flops import attention_flops, flops_per_token, full_attention_span
 
 CONVENTIONS = {
     "causal": "causal attention span, recomputation not counted (ours)",
@@ -30,7 +30,7 @@ def training_flops_per_token(model: ModelConfig, convention: str, recompute: str
     counted = flops_per_token(model)
     if convention == "causal":
         return counted.training
-    span = model.seq_len if model.window is None else min(model.window, model.seq_len)
-    layers = counted.dense + model.layers * 2 * 2 * span * model.hidden
+    span = full_attention_span(model.seq_len, model.window)
+    layers = counted.dense + model.layers * attention_flops(span, model.hidden)
     passes = 4 if convention == "megatron" and recompute == "full" else 3
     return passes * layers + 3 * counted.head

@@ -12,10 +12,11 @@ Layout validity reuses the job config's own checks, so the planner never propose
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from megascale.config.fields import ConfigError
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megascale.layout.grid import RankGrid
 from megascale.plan.stragglers import Jitter
 
 Recompute = Literal["none", "selective", "full"]
@@ -47,7 +48,7 @@ class Workload:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
 
-    def with_model(self, **changes: object) -> Workload:
+    def with_model(self, **changes: Any) -> Workload:
         return replace(self, model=replace(self.model, **changes))
 
 
@@ -63,7 +64,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return RankGrid.of(self).world_size
 
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)

@@ -68,7 +68,7 @@ def activation_elements_per_token(work: Workload, recompute: str) -> float:
 def in_flight_micro_batches(layout: Layout, micro_batches: int) -> float:
     """Micro-batches whose activations the first stage holds at its peak (1F1B, interleaved)."""
     p, v = layout.pp, layout.v
-    held = min(micro_batches, p)
+    held = float(min(micro_batches, p))
     if v > 1:
         held *= 1 + (p - 1) / (p * v)
     return held

@@ -1,6 +1,6 @@
 """Rank-to-node placement: tp inside a node, each dp group under as few ToRs as possible, then pp.
 
-Ranks follow the mesh order `rank = (pp_i * dp + dp_i) * tp + tp_i`, and the launcher gives
+Ranks follow the job's one rank order (`layout/grid.py`: tp innermost, then dp, then pp), and the launcher gives
 node k the ranks k*G .. k*G+G-1 (G GPUs per node). So a tensor-parallel group (tp divides G)
 never leaves a node, and the ranks of one pipeline stage (all its dp groups) are a run of
 consecutive logical nodes: a *block*. Placement is then choosing which physical host becomes
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megascale.config.fields import ConfigError
+from megascale.layout.grid import DIMS, RankGrid
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.layout import Layout
 
@@ -81,17 +82,9 @@ def read_hosts(path: str | Path) -> list[Host]:
 
 
 def mesh_groups(layout: Layout) -> dict[str, list[list[int]]]:
-    """Global ranks of every tp, dp and pp group under `rank = (pp_i*dp + dp_i)*tp + tp_i`."""
-    dp, tp, pp = layout.dp, layout.tp, layout.pp
-
-    def rank(p: int, d: int, t: int) -> int:
-        return (p * dp + d) * tp + t
-
-    return {
-        "tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-    }
+    """Global ranks of every tp, dp and pp group, in the job's rank order."""
+    grid = RankGrid.of(layout)
+    return {dim: grid.groups(dim) for dim in DIMS}
 
 
 def place(layout: Layout, hosts: list[Host], gpus_per_node: int) -> Placement:

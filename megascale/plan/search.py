@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 from megascale.config.fields import ConfigError
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.cost import StepEstimate, estimate
-from megascale.plan.layout import Features, Layout, Workload
+from megascale.plan.layout import Features, Layout, Recompute, Workload
 from megascale.plan.system import SystemSpec, ablation_steps, switch_on
 
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER: tuple[Recompute, ...] = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 12
 
@@ -29,7 +29,7 @@ class SearchSpace:
     tps: tuple[int, ...] | None = None  # only these degrees (None: every valid one)
     pps: tuple[int, ...] | None = None
     virtuals: tuple[int, ...] | None = None
-    recompute: tuple[str, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
+    recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
 
 
 def _divisors(n: int) -> list[int]:
@@ -72,7 +72,7 @@ def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
 
 
 def cheapest_fitting(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features,
-                     order: tuple[str, ...] = RECOMPUTE_ORDER) -> StepEstimate | None:
+                     order: tuple[Recompute, ...] = RECOMPUTE_ORDER) -> StepEstimate | None:
     """The layout with the least recomputation that fits in memory, or None."""
     for recompute in order:
         est = estimate(work, replace(layout, recompute=recompute), cluster, features)

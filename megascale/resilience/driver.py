@@ -28,7 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from megascale.config.handoff import with_overrides
+from megascale.config.fields import ConfigError
+from megascale.config.handoff import attempt_config
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence
@@ -417,18 +418,17 @@ class Driver(RecoveryPaths):
         active = s.role(ACTIVE)
         try:
             s.layout = layout_for(self.cfg, len(active), s.ranks_per_node)
-        except PlacementError as exc:
+            # ranks of a failed attempt must die on SIGTERM, not wait for peers to agree on a save:
+            # the driver stops them itself and restarts from the last committed checkpoint
+            password = self.cfg.parallel.redis_password() if self.cfg.parallel.store == "redis" else None
+            config = attempt_config(s.train_config, dp=s.layout["dp"], run_dir=s.run_dir, redis_password=password)
+        except (PlacementError, ConfigError) as exc:
             return self._finish(FAILED, str(exc))
         active = self._in_planned_order(active)
         s.master = {"addr": active[0].address, "port": rendezvous_port(self.rcfg.rendezvous_port, s.attempt)}
         env = {"WORLD_SIZE": str(len(active) * s.ranks_per_node), "MASTER_ADDR": s.master["addr"],
                "MASTER_PORT": str(s.master["port"]), "MEGASCALE_JOB_ID": s.job_id,
                "MEGASCALE_RESTART_ATTEMPT": str(s.attempt)}
-        # ranks of a failed attempt must die on SIGTERM, not wait for peers to agree on a save:
-        # the driver stops them itself and restarts from the last committed checkpoint
-        config = with_overrides(s.train_config, {"parallel.dp": s.layout["dp"], "train.run_dir": s.run_dir,
-                                                 "checkpoint.resume": "auto", "checkpoint.save_on_signal": False})
-        password = self.cfg.parallel.redis_password() if self.cfg.parallel.store == "redis" else None
         for node in active:
             self._send(node.node_id, "start", attempt=s.attempt, ranks=slot_ranks(node.slot, s.ranks_per_node),
                        env=env, plan_env=self.plan_env, config=config, redis_password=password,

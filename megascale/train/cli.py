@@ -22,7 +22,10 @@ from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig, default_config_path, load_config
 from megascale.config.handoff import config_text, write_rank_files
+from megascale.config.operations import checkpoint_root
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
+from megascale.layout.grid import RankGrid
+from megascale.layout.launch import LaunchEnv
 from megascale.plan.env import format_applied, launch_env, with_defaults
 
 
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
         return serve()
     path = args.config or default_config_path()
-    under_launcher = "RANK" in os.environ
+    under_launcher = LaunchEnv.from_env().launched
     if not under_launcher:  # ranks started by a launcher read the file it resolved: it said this
         print(f"megascale train: config {path}{'' if args.config else ' (packaged default)'} "
               f"with {len(args.overrides)} override(s); the log lists what differs from the built-in defaults",
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if cfg.checkpoint.init_from and not _init_from_fits(cfg):
         return 2
-    world = cfg.parallel.world_size
+    world = RankGrid.of(cfg.parallel).world_size
     nproc = args.nproc or (world if world > 1 and not under_launcher else 0)
     if nproc and not under_launcher:
         if nproc != world:
@@ -159,7 +162,7 @@ def what_was_saved(cfg: JobConfig) -> str:
     metrics = Path(cfg.train.run_dir) / "metrics.jsonl"
     with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
         reached = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    fs, root = open_root(cfg.checkpoint.dir or str(Path(cfg.train.run_dir) / "checkpoints"))
+    fs, root = open_root(checkpoint_root(cfg.checkpoint, cfg.train.run_dir))
     found = candidates(fs, root)
     if not found:
         return "nothing is saved; the same command starts from scratch"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import random
 import signal
 import socket
@@ -30,7 +29,7 @@ from megascale.config.help import non_defaults
 from megascale.data import TokenBatch, build_loaders
 from megascale.diagnostics.mfu import mfu, peak_flops
 from megascale.diagnostics.timers import Timers, set_timers
-from megascale.diagnostics.watchdog import Watchdog
+from megascale.diagnostics.watchdog import Watchdog, enable_flight_recorder
 from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
@@ -44,14 +43,6 @@ from megascale.train.stop import StopOnSignal
 log = logging.getLogger("megascale")
 
 
-def resolve_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device='cuda' but CUDA is not available; use train.device='cpu'")
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -63,13 +54,13 @@ class Trainer:
         """`replicas`: the peer copies this process keeps across recoveries (a rank under an
         executor); they are made and restored from only when given."""
         self.cfg = cfg
-        self.device = resolve_device(cfg.train.device)
+        if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
+            enable_flight_recorder()
+        self.mesh = init_mesh(cfg.parallel, device=cfg.train.device)
+        self.device = self.mesh.device  # the mesh's one choice (mesh.launch: LOCAL_RANK, read once)
         if cfg.train.attention == "flex" and self.device.type != "cuda":
             raise ConfigError("train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
                               "use 'auto' (band-masked SDPA on CPU) or 'sdpa'")
-        if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-        self.mesh = init_mesh(cfg.parallel, device=self.device.type)
         # when this rank joined and had its state back: the driver's recovery phases read it
         self.start_record: dict = {"joined_at": time.time(), "restored_at": None, "source": None, "step": None}
         self.rank = self.mesh.rank

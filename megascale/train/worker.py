@@ -28,6 +28,7 @@ from megascale.config.private_files import open_private
 from megascale.data import corpus
 from megascale.data.shards import DataError
 from megascale.diagnostics.mfu import peak_flops
+from megascale.layout.launch import LaunchEnv
 from megascale.plan.env import format_applied
 from megascale.resilience.faults import StepHook, rank_step_hook
 from megascale.resilience.protocol import Assign, Rejoin
@@ -104,7 +105,7 @@ def generation(config: str, replicas: ReplicaStore, control: RankControl) -> int
             trainer.abandon()
         trainer = None
         gc.collect()  # the groups' sockets close with their last reference
-        (status or StatusWriter(int(os.environ.get("RANK", 0)))).paused()
+        (status or StatusWriter(LaunchEnv.from_env().rank)).paused()
         return PAUSED
     trainer.close()
     if not trainer.final_save.saved:

@@ -109,3 +109,58 @@ def test_the_packaged_default_is_used_from_any_directory(tmp_path, monkeypatch):
     assert f"config {default_config_path()} (packaged default) with 1 override(s)" in done.stderr
     assert "config error: train.steps must be >= 1" in done.stderr
     assert load_config(default_config_path()).model.window == 128  # not the built-in full attention
+
+
+def test_the_packaged_default_holds_only_what_differs_from_the_schema():
+    """default.toml repeats no schema default, and the generated reference (in the doc and in
+    --help) states exactly what `megascale train` runs differently from the keys it lists."""
+    from pathlib import Path
+
+    from megascale.config.help import _flatten, keys, markdown_reference, packaged_default_line
+    from megascale.config.loader import tomllib  # tomli before Python 3.11
+
+    written = _flatten(tomllib.loads(default_config_path().read_text()))
+    defaults = {k.name: k.default for k in keys()}
+    repeated = [k for k, v in written.items() if defaults[k] == v]
+    assert not repeated, f"default.toml repeats the schema's defaults of {repeated}: drop them"
+    line = packaged_default_line()
+    assert all(f"`{k} = " in line for k in written) and line.count(" = ") == len(written)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    assert markdown_reference() in doc, "docs/configuration.md is stale: run python -m megascale.config.help"
+
+
+def test_one_checkpoint_root(tmp_path):
+    from megascale.config.operations import CheckpointConfig, checkpoint_root
+
+    assert checkpoint_root(CheckpointConfig(), tmp_path / "run") == str(tmp_path / "run" / "checkpoints")
+    assert checkpoint_root(CheckpointConfig(dir="s3://bucket/ck"), tmp_path) == "s3://bucket/ck"
+
+
+def test_the_driver_edits_a_typed_validated_config():
+    """An attempt's config is the job's, changed as a JobConfig and checked: a dp the job's batch
+    cannot take fails in the driver, naming the key, instead of reaching the ranks as text."""
+    from megascale.config.handoff import attempt_config, config_text
+    from megascale.config.loader import config_from_toml
+
+    job = load_config(None, ["--train.global_batch=8", "--train.micro_batch=2", "--parallel.redis_url=redis://:pw@h:1/0"])
+    cfg = config_from_toml(attempt_config(config_text(job), dp=2, run_dir="/r"), "attempt")
+    assert (cfg.parallel.dp, cfg.train.run_dir, cfg.checkpoint.resume, cfg.checkpoint.save_on_signal) == (
+        2, "/r", "auto", False)
+    assert cfg.model == job.model and "pw" not in cfg.parallel.redis_url
+    with pytest.raises(ConfigError, match=r"train.global_batch=8 must be a multiple of .* parallel.dp"):
+        attempt_config(config_text(job), dp=3, run_dir="/r")
+
+
+def test_an_attempt_is_checked_with_the_password_the_ranks_get_apart(monkeypatch):
+    """The ranks' text has no Redis password (it travels as a file): the driver's check of an
+    attempt counts the one it hands them, as the ranks' own check will."""
+    from megascale.config.handoff import attempt_config, config_text
+
+    for name in ("MEGASCALE_REDIS_PASSWORD", "MEGASCALE_REDIS_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    job = load_config(None, ["--parallel.store=redis", "--parallel.redis_start=true",
+                             "--parallel.redis_url=redis://:s3cret@10.0.0.1:6380/0"])
+    text = config_text(job)
+    assert "s3cret" not in attempt_config(text, dp=1, run_dir="/r", redis_password="s3cret")
+    with pytest.raises(ConfigError, match="without a password"):
+        attempt_config(text, dp=1, run_dir="/r")

@@ -20,6 +20,7 @@ TRAIN = ["--model.layers=4", "--model.hidden=32", "--model.heads=2", "--model.se
          "--checkpoint.every=0", "--optim.warmup_steps=0", "--parallel.pp=2", "--parallel.tp=2"]
 
 
+@pytest.mark.slow
 def test_report_of_a_pp2_tp2_training_run(tmp_path, capsys) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

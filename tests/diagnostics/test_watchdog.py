@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
 from megascale.diagnostics.timers import Timers
-from megascale.diagnostics.watchdog import Watchdog
+from megascale.diagnostics.watchdog import FLIGHT_RECORDER_ENTRIES, Watchdog, enable_flight_recorder
 from megascale.layout.grid import RankGrid
+from megascale.plan.env import communication_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,3 +55,15 @@ def test_step_overrun_without_open_span(tmp_path) -> None:
     dump = wait_for(tmp_path / "hang" / "rank0.json")
     dog.stop()
     assert dump["waiting"] is None and "step not finished" in dump["reason"]
+
+
+def test_the_flight_recorder_has_one_size(monkeypatch):
+    """The trainer turns the recorder on with the size the planner tells clusters to set."""
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    enable_flight_recorder()
+    size = os.environ["TORCH_FR_BUFFER_SIZE"]
+    assert size == str(FLIGHT_RECORDER_ENTRIES)
+    assert {s.name: s.value for s in communication_env()}["TORCH_FR_BUFFER_SIZE"] == size
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "7")
+    enable_flight_recorder()  # a size the environment chose is kept
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "7"

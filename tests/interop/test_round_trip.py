@@ -38,6 +38,7 @@ def _generated(argv: list[str], capsys) -> list[int]:
     return [int(i) for i in capsys.readouterr().out.strip().splitlines()[-1].split()]
 
 
+@pytest.mark.slow
 def test_import_train_tp2_pp2_export_and_generate(tmp_path, capsys):
     corpus = _corpus(300)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(corpus, vocab=300),

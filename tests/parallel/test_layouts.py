@@ -49,6 +49,7 @@ def _matrix(world: int, layouts: list[Case], reference: dict, extra: tuple[Case,
         print(f"parity {case}: loss rel {errs['loss_rel']:.1e}, param abs {errs['param_abs']:.1e}")
 
 
+@pytest.mark.slow
 def test_layouts_of_4_ranks(reference):
     _matrix(4, LAYOUTS_4, reference, extra=tuple(LLAMA_4))
 

@@ -65,6 +65,7 @@ def _check(results: list[dict], pp: int, dp: int, tp: int) -> None:
                 assert r["reduced"][dim] == (sum(members), len(members), len(members)), dim
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [(1, 2, 2), (2, 1, 2)])
 def test_mesh_four_ranks(layout):
     _check(run_local(_probe, 4, layout, timeout_s=300), *layout)

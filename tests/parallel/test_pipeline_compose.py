@@ -78,7 +78,7 @@ def _tp_rank_main() -> list[float]:
     try:
         torch.manual_seed(0)
         model = GPT(cfg.model)
-        apply_tensor_parallel(model, cfg, mesh)
+        apply_tensor_parallel(model, cfg.parallel, mesh)
         runner = PipelineRunner(split_model(model, 2, 2, mesh.pp_rank), cfg, mesh)
         opt = build_optimizer(runner.optimizer_tensors(), cfg.optim)
         params = [t for _, t in runner.optimizer_tensors()]

@@ -86,6 +86,7 @@ def _prefix_keys(url: str, pattern: str) -> int:
     return sum(1 for _ in redis.Redis.from_url(url).scan_iter(match=pattern))
 
 
+@pytest.mark.slow
 def test_restart_does_not_pick_up_previous_attempt(redis_server):
     """Attempt 0 dies half-way through rendezvous; attempt 1 on the same server starts clean."""
     job = {"MEGASCALE_JOB_ID": "restart-job"}
@@ -161,7 +162,7 @@ def _world() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_redis_and_tcp_store_give_identical_results(redis_server, world):
     out = run_with_stores(_parity_run, world, redis_server.url, args=(5,), timeout_s=300)
     assert out["tcp"] == out["redis"]  # bit-identical, every rank

@@ -132,7 +132,7 @@ def _parity_rank(tp: int) -> list[str]:
             reference = GPT(mcfg)
             model = copy.deepcopy(reference)
             want = forward_backward(reference, tokens, labels)
-            apply_tensor_parallel(model, job_config(mcfg, tp, sp, overlap, chunks), mesh)
+            apply_tensor_parallel(model, job_config(mcfg, tp, sp, overlap, chunks).parallel, mesh)
             got = forward_backward(model, tokens, labels, mesh)
             compare(got, want, label)
             flagged = [n for n, p in model.named_parameters() if shard_spec(p).sp_partial]
@@ -153,14 +153,14 @@ def _parity_rank(tp: int) -> list[str]:
             reference = GPT(mcfg)
             model = copy.deepcopy(reference)
             want = forward_backward(reference, tokens, labels, bf16=True)
-            apply_tensor_parallel(model, job_config(mcfg, tp, True, True, 2), mesh)
+            apply_tensor_parallel(model, job_config(mcfg, tp, True, True, 2).parallel, mesh)
             got = forward_backward(model, tokens, labels, mesh, bf16=True)
             compare(got, want, f"tp={tp} {block} bf16 autocast", rtol=3e-2)
             done.append(f"tp={tp} {block} bf16")
         # a model the mesh cannot split stops before any collective: the group stays in step
         five_heads = model_config(hidden=40, heads=5)
         with pytest.raises(ConfigError, match=rf"tp={tp} must divide model.heads=5"):
-            apply_tensor_parallel(GPT(five_heads), job_config(five_heads, tp, True, True), mesh)
+            apply_tensor_parallel(GPT(five_heads), job_config(five_heads, tp, True, True).parallel, mesh)
         check = torch.ones(1)
         torch.distributed.all_reduce(check, group=mesh.tp_group)
         assert check.item() == tp
@@ -224,7 +224,7 @@ def _training_rank() -> list[tuple[str, list[float], list[float]]]:
             reference = GPT(mcfg)
             model = copy.deepcopy(reference)
             want = _train(reference, optim, 10, mcfg.vocab_size)
-            apply_tensor_parallel(model, job_config(mcfg, 2, sp, True), mesh)
+            apply_tensor_parallel(model, job_config(mcfg, 2, sp, True).parallel, mesh)
             got = _train(model, optim, 10, mcfg.vocab_size, mesh)
             # the weights after ten steps, too (Adam turns near-zero gradient noise into O(lr) steps)
             for name_, p in model.named_parameters():

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from megascale.config import ConfigError
+from megascale.layout.grid import RankGrid
 from megascale.plan import ecmp
 from megascale.plan.env import collective_timeout_s, communication_env, rdma_ride_out_s
 from megascale.plan.layout import Layout
@@ -106,3 +107,11 @@ def test_communication_env_rides_out_flaps():
     assert float(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"].value) > timeout
     assert collective_timeout_s(None) == 600
     assert all(s.why for s in env.values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.label)
+def test_mesh_groups_are_the_rank_grids(layout):
+    """The planner places the groups the mesh creates: one rank order (layout/grid.py)."""
+    grid = RankGrid.of(layout)
+    assert layout.world == grid.world_size
+    assert mesh_groups(layout) == {dim: grid.groups(dim) for dim in ("tp", "dp", "pp")}

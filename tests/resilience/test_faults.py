@@ -65,6 +65,7 @@ SEQUENCE = ("kill:rank=1:step=3; raise:rank=2:step=5:attempt=1; stop:rank=3:step
             "corrupt:rank=3:step=13:attempt=4; kill:rank=1:step=13:attempt=4")
 
 
+@pytest.mark.slow
 def test_rank_faults_in_sequence_recover_in_place(job_factory, reference):
     """Every fault keeps the healthy ranks alive and restores the others from peer memory (or
     storage when the newest copies fail their check); no node is taken out (max_node_faults=10)."""

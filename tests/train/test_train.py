@@ -71,7 +71,9 @@ def test_cuda_requested_without_cuda_is_a_clear_error(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    with pytest.raises(RuntimeError, match="train.device='cuda'"):
+    from megascale.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.device='cuda' but CUDA is not available"):
         _trainer(tmp_path, "--train.device=cuda")
 
 
