@@ -223,7 +223,7 @@ class Fleet:
                 missing = sum(n.stats.registered_s is None for n in self.nodes)
                 raise TimeoutError(f"{missing} of {len(self.nodes)} nodes not registered within {timeout_s:.0f} s")
             await asyncio.sleep(0.1)
-        return max(n.stats.registered_s for n in self.nodes)
+        return max(n.stats.registered_s or 0.0 for n in self.nodes)
 
     def heartbeats(self) -> int:
         return sum(len(n.stats.rtts) for n in self.nodes)
