@@ -15,6 +15,7 @@ import time
 import pytest
 
 from megascale.config import load_config
+from megascale.config.handoff import config_text
 from megascale.resilience import protocol
 from megascale.resilience.driver import Driver
 from megascale.resilience.state import JobState, JobStore
@@ -27,7 +28,8 @@ def driver_for(tmp_path, nodes: int, ranks_per_node: int, *flags: str) -> Driver
     world = nodes * ranks_per_node
     cfg = load_config(None, [f"--parallel.dp={world}", f"--train.global_batch={world}", "--train.micro_batch=1",
                              "--train.steps=1000000000", "--resilience.hang_floor_s=600", *flags])
-    state = JobState("j", nodes, ranks_per_node, {"dp": world, "tp": 1, "pp": 1}, run_dir=str(tmp_path))
+    state = JobState("j", nodes, ranks_per_node, {"dp": world, "tp": 1, "pp": 1}, train_config=config_text(cfg),
+                     run_dir=str(tmp_path))
     return Driver(cfg, state, JobStore(tmp_path / "driver.sqlite"))
 
 
