@@ -9,6 +9,7 @@ import contextlib
 import os
 import resource
 import socket
+import threading
 import time
 
 import pytest
@@ -57,3 +58,62 @@ def test_3000_idle_connections_without_a_token_cost_the_node_no_heartbeat(driver
     assert held < Limits().max_unauthenticated + 100, held
     driver.untouched()
     assert "connections without a token yet: closed the oldest" in driver.log()
+
+
+def test_requests_whose_clients_left_are_dropped_unrun_and_the_queue_is_bounded(tmp_path):
+    """One handler thread, held busy: 20 clients send a request and leave, 12 more wait for
+    their answer. The 20 are never run once the handler is free (today every one ran, after
+    its client had gone), at most `max_pending` are queued and the rest get a 503 at once."""
+    from megascale.resilience.api_server import ApiServer, Route
+    from megascale.resilience.credentials import ensure_secret, load_secret, server_context
+    from tests.security.live import request_bytes
+
+    secret = load_secret(ensure_secret(tmp_path / "secret", ["127.0.0.1"]), need_key=True)
+    gate, ran = threading.Event(), []
+
+    def handler(body: dict) -> tuple[int, dict]:
+        ran.append(time.monotonic())
+        gate.wait(20)
+        return 200, {"ok": True}
+
+    server = ApiServer("127.0.0.1", 0, secret.token, {("GET", "/v1/x"): Route(handler)}, server_context(secret),
+                       Limits(handler_threads=1, max_pending=8)).start()
+    request = request_bytes("GET", "/v1/x", token=secret.token)
+    try:
+        first = attacker_tls(server.port)
+        first.sendall(request)
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(20):  # sent, then the client gives up
+            with attacker_tls(server.port) as sock:
+                sock.sendall(request)
+                time.sleep(0.02)
+        time.sleep(0.5)
+        waiting = []
+        for _ in range(12):
+            sock = attacker_tls(server.port, timeout_s=30)
+            sock.sendall(request)
+            waiting.append(sock)
+        time.sleep(0.5)
+        gate.set()
+        statuses = [_status(sock) for sock in waiting]
+        first.close()
+        for sock in waiting:
+            sock.close()
+    finally:
+        gate.set()
+        server.close()
+    assert len(ran) <= 1 + 8, len(ran)  # the first, and no more than the queue held of the waiting ones
+    assert statuses.count(503) >= 12 - 8 and statuses.count(200) >= 1, statuses
+
+
+def _status(sock) -> int:
+    """The status of the response on `sock` (its head is enough; a kept-alive answer never ends)."""
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return int(data.split()[1])
