@@ -33,6 +33,7 @@ from megascale.config.handoff import attempt_config
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence
+from megascale.resilience.attempt import AttemptWatch
 from megascale.resilience.attribution import Verdict, attribute
 from megascale.resilience.ettr import job_summary
 from megascale.resilience.paths import RecoveryPaths
@@ -41,7 +42,6 @@ from megascale.resilience.recovery import recovery_phases, start_marks
 from megascale.resilience.rules import (
     Finding,
     TrafficRule,
-    abnormal_exits,
     error_lines,
     hang_rule,
     interface_bytes,
@@ -100,8 +100,8 @@ class Driver(RecoveryPaths):
         self.tick_failure, self.tick_failure_logged = "", 0.0
         self.background_checks: dict[str, tuple[str, float]] = {}  # suspect node -> (command, deadline)
         self.reprobes = 0  # stops sent again because no node got the first (paths.py)
-        self.fresh: set[str] = set()  # nodes that reported since the last tick
-        self._watch_attempt(state.role(ACTIVE) if state.phase == RUNNING else [])
+        self.attempt_watch = AttemptWatch(state.ranks_per_node, cfg.train.steps)
+        self.attempt_watch.watch([n.node_id for n in state.role(ACTIVE)] if state.phase == RUNNING else [])
         now = time.time()
         self.registering_since = now  # the start-up timeout counts from here, and from each registration
         self.active_count = sum(1 for n in state.nodes.values() if n.role == ACTIVE)  # kept while STARTING
@@ -157,7 +157,7 @@ class Driver(RecoveryPaths):
             now = time.time()
             self.last_seen[node_id] = now
             self.reports[node_id] = body
-            self.fresh.add(node_id)
+            self.attempt_watch.fresh.add(node_id)
             sent = {c["id"] for c in self.outbox.get(node_id, [])}
             for command_id, result in body["done"].items():
                 if command_id in sent:  # not a result for a command another node (or nobody) got
@@ -326,8 +326,8 @@ class Driver(RecoveryPaths):
     def _findings(self, now: float) -> list[Finding]:
         out = [Finding("heartbeat_lost", "fault", f"no heartbeat from {node} for {now - t:.1f} s", node)
                for node, t in self._lost(now)]
-        out += self._take_fresh_reports()
-        all_alive = not self.unreported and not self.not_alive
+        out += self.attempt_watch.judge(self.reports, self.state.attempt)
+        all_alive = self.attempt_watch.all_alive
         out += self.errors
         self.errors = []
         hang = None if self.silence.correlated else self.hang.check(now, all_alive)
@@ -345,37 +345,11 @@ class Driver(RecoveryPaths):
         self.hang.last_progress += gap
         return lost
 
-    def _take_fresh_reports(self) -> list[Finding]:
-        """Judge the reports that came since the last tick (O(their ranks), not O(all ranks)):
-        abnormal exits, and which nodes have every rank alive or every rank done. Forgotten only
-        once judged: a tick that raised sees them again."""
-        out, done, attempt = [], self.cfg.train.steps, self.state.attempt
-        for node_id in self.fresh:
-            report = self.reports.get(node_id, {})
-            if node_id not in self.attempt_nodes or report.get("attempt") != attempt:
-                continue
-            ranks = report.get("ranks", [])
-            self.unreported.discard(node_id)
-            # a crash in teardown after the last step loses nothing
-            out += abnormal_exits(node_id, [r for r in ranks if (r.get("step") or 0) < done])
-            alive = all(r.get("alive") for r in ranks)
-            (self.not_alive.discard if alive else self.not_alive.add)(node_id)
-            finished = len(ranks) >= self.state.ranks_per_node and not any(
-                r.get("alive") or (r.get("step") or 0) < done for r in ranks)
-            (self.finished_nodes.add if finished else self.finished_nodes.discard)(node_id)
-        self.fresh = set()
-        return out
-
-    def _watch_attempt(self, nodes: list[Node]) -> None:
-        """The nodes of the attempt now running: none has reported on it yet."""
-        self.attempt_nodes = {n.node_id for n in nodes}
-        self.unreported, self.not_alive, self.finished_nodes = set(self.attempt_nodes), set(), set()
-
     def _complete(self) -> bool:
-        """O(1) per tick: every node of the attempt has reported all its ranks done."""
-        if not self.attempt_nodes or len(self.finished_nodes) < len(self.attempt_nodes):
+        """O(1) per tick until every node of the attempt has reported all its ranks done."""
+        if not self.attempt_watch.complete:
             return False
-        ranks = [r for n in self.attempt_nodes for r in self.reports.get(n, {}).get("ranks", [])]
+        ranks = [r for n in self.attempt_watch.nodes for r in self.reports.get(n, {}).get("ranks", [])]
         for r in ranks:
             if r.get("exitcode") != 0:
                 self.store.event("alert", {"kind": "exit_after_last_step", "severity": "alert",
@@ -434,7 +408,7 @@ class Driver(RecoveryPaths):
                        env=env, plan_env=self.plan_env, config=config, redis_password=password,
                        keep=(keep or {}).get(node.node_id, []))
         s.phase, s.attempt_started = RUNNING, now
-        self._watch_attempt(active)
+        self.attempt_watch.watch([n.node_id for n in active])
         self.hang.reset(now)
         self.slow.reset()
         self.traffic.clear()

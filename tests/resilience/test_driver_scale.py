@@ -106,7 +106,7 @@ def test_registration_costs_the_same_for_the_400th_node_as_for_the_first(tmp_pat
     first, last = sum(costs[10:60]), sum(costs[-50:])
     assert last < 1.6 * first + 0.01, (first, last)
     driver.tick(time.time())
-    assert driver.state.phase == "running" and len(driver.attempt_nodes) == 400
+    assert driver.state.phase == "running" and len(driver.attempt_watch.nodes) == 400
     again = JobStore(tmp_path / "driver.sqlite").load()  # every registration was committed
     assert len(again.nodes) == 400 and sorted(n.slot for n in again.nodes.values()) == list(range(400))
 
