@@ -57,15 +57,27 @@ class SilenceWatch:
             out.append((node, t))
         return out
 
+    def quiet(self, now: float) -> int:
+        """Nodes not heard from for half the timeout: a healthy node beats several times in that
+        while, so many of them at once is one cause, even before each crosses the timeout (their
+        last beats were up to a period apart: judging the first to cross alone would evict it)."""
+        count = 0
+        for t in self.last_seen.values():
+            if now - t <= self.timeout_s / 2:
+                break
+            count += 1
+        return count
+
     def lost(self, now: float) -> tuple[list[tuple[str, float]], float]:
         """The nodes to judge lost now, and the seconds of this tick that had no evidence at all
         (the end of a correlated silence: the hang window moves on by that much)."""
         silent = self.silent(now)
         watched = len(self.last_seen)
-        correlated = watched >= 2 and len(silent) >= max(2.0, self.fraction * watched)
+        correlated = watched >= 2 and self.quiet(now) >= max(2.0, self.fraction * watched)
         if correlated:
             if self.since is None:
-                self.since, self.episodes, self._logged = min(t for _, t in silent), self.episodes + 1, 0.0
+                first = next(iter(self.last_seen.values()))
+                self.since, self.episodes, self._logged = first, self.episodes + 1, 0.0
             if now - self._logged >= LOG_EVERY_S:
                 log.warning("%d of %d nodes silent at once for %.1f s: suspecting the driver or the network, "
                             "not the nodes; waiting for their heartbeats (nobody is evicted on this)",

@@ -38,9 +38,14 @@ def test_one_silent_node_is_lost_but_most_nodes_silent_together_is_nobodys_fault
     assert watch.lost(108.0) == ([], 0.0) and watch.correlated  # all three: the driver's stall, or the network's
     watch.last_seen["b"], watch.last_seen["c"] = 110.0, 110.0  # heartbeats are back, but not a's
     assert watch.lost(110.5) == ([], 10.5) and not watch.correlated  # 10.5 s without evidence
+    watch.last_seen["b"], watch.last_seen["c"] = 112.0, 112.0
     assert watch.lost(113.0)[0] == []  # a is judged from the episode's end
-    watch.last_seen["b"], watch.last_seen["c"] = 113.0, 113.0
+    watch.last_seen["b"], watch.last_seen["c"] = 113.4, 113.4
     assert watch.lost(113.6)[0] == [("a", 100.0)]
+    watch = SilenceWatch(timeout_s=4.0, fraction=0.5)  # last beats a period apart, then all stop
+    for node, t in (("a", 200.0), ("b", 200.6), ("c", 200.9)):
+        watch.last_seen[node] = t
+    assert watch.lost(204.1) == ([], 0.0) and watch.correlated  # a crossed first: not judged alone
 
 
 def test_hang_no_false_alarm_on_a_slow_first_step():
