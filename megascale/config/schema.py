@@ -24,6 +24,10 @@ from megascale.config.operations import CheckpointConfig, DiagnosticsConfig, Res
 REDIS_PASSWORD_ENV = "MEGASCALE_REDIS_PASSWORD"
 REDIS_PASSWORD_FILE_ENV = "MEGASCALE_REDIS_PASSWORD_FILE"
 
+# Tokens per chunk of the head and loss: 1024 x vocabulary 128k is 0.5 GiB of fp32 logits, and
+# still a large GEMM (1024 rows) for a GPU.
+DEFAULT_LOSS_CHUNK = 1024
+
 
 def redacted_url(url: str, mask: str | None = "***") -> str:
     """`url` with its password replaced by `mask` (messages, logs, written configs), or removed
@@ -149,7 +153,7 @@ class OptimConfig:
     """LAMB or AdamW, the learning-rate schedule and gradient clipping."""
 
     name: Literal["lamb", "adamw"] = opt("lamb", "lamb (layer-wise trust ratio, large batches) or adamw")
-    lr: float = opt(2e-3, "peak learning rate")
+    lr: float = opt(2e-3, "peak learning rate (0 keeps the weights as they are: an evaluation run)")
     min_lr_ratio: float = opt(0.1, "cosine decays to lr * min_lr_ratio")
     warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
     decay_steps: int = opt(0, "cosine decay length in steps; 0 = train.steps")
@@ -160,8 +164,8 @@ class OptimConfig:
     grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if self.lr < 0:
+            raise ConfigError(f"optim.lr must be >= 0 (0 leaves the weights as they are), got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for key in ("beta1", "beta2"):
@@ -301,7 +305,11 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile each block (fuses LayerNorm, GeLU, residual adds)")
     fuse_input_gemm: bool = opt(
         False, "parallel block: QKV and MLP up-projection as one GEMM (tensor parallel always does)")
-    attention: Literal["auto", "sdpa", "flex"] = opt("auto", "attention kernel: auto, sdpa, or flex (CUDA only)")
+    attention: Literal["auto", "sdpa", "flex", "sliding"] = opt(
+        "auto", "attention kernel: auto, sdpa (SWA band-masked: O(s^2)), flex (CUDA only), or sliding "
+        "(SWA in query blocks, O(s*w), any device; auto's choice off CUDA)")
+    loss_chunk: int = opt(DEFAULT_LOSS_CHUNK, "tokens per chunk of the head and loss: whole logits never exist "
+                          "(a chunk's are loss_chunk x vocab/tp fp32 values)")
     eval_every: int = opt(50, "evaluate every N steps; 0 = never")
     eval_batches: int = opt(4, "batches per evaluation")
     log_every: int = opt(1, "progress line every N steps")
@@ -315,7 +323,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every", "max_skipped_steps",
-                                 "spike_skip_batches", "max_rollbacks"])
+                                 "spike_skip_batches", "max_rollbacks", "loss_chunk"])
         for key in ("eval_every", "eval_batches", "gc_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
@@ -379,9 +387,12 @@ class JobConfig:
                 f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"
             )
         if p.pp > 1 and m.tie_embeddings:
+            fix = ("this checkpoint's head is its embedding (checkpoint.init_from), so keep parallel.pp=1 and "
+                   "use parallel.tp or parallel.dp" if self.checkpoint.init_from else
+                   "set model.tie_embeddings=false or parallel.pp=1")
             raise ConfigError(
                 "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live "
-                "on different pipeline stages); set model.tie_embeddings=false"
+                f"on different pipeline stages); {fix}"
             )
 
 

@@ -18,10 +18,10 @@ from megascale.data.loader import EvalLoader, Source, TrainLoader
 from megascale.data.shards import DataError, TokenStore
 from megascale.data.sharing import find_group, job_store, open_ring
 from megascale.data.sources import OwnReads, RingReader, RingWriter, Shape
-from megascale.data.tokenizer import describe, load_tokenizer
+from megascale.data.tokenizer import describe, manifest_tokenizer
 
 RING_SLOTS = 3  # shared-memory slots: the reader may run two steps ahead of the slowest rank
-VOCAB_PAD = 128  # a model vocabulary may be padded up to a multiple of this for GEMM efficiency
+VOCAB_PAD = 128  # a model's vocabulary may be up to this much larger (padding, added tokens)
 
 
 def dataset_paths(cfg: JobConfig) -> tuple[list[Path], list[float]]:
@@ -46,7 +46,7 @@ def check_tokenizer(stores: list[TokenStore], cfg: JobConfig) -> None:
                 f"a mixture needs one tokenizer: prep every dataset with the same one"
             )
     if cfg.data.tokenizer:
-        expected = load_tokenizer(cfg.data.tokenizer).identity()
+        expected = manifest_tokenizer(first, cfg.data.tokenizer).identity()
         if _differences(expected, first):
             raise DataError(
                 f"{stores[0].root / 'manifest.json'}: made with tokenizer {describe(first)}, but "
@@ -56,15 +56,16 @@ def check_tokenizer(stores: list[TokenStore], cfg: JobConfig) -> None:
             )
     vocab, model_vocab = int(first["vocab_size"]), cfg.model.vocab_size
     padded = -(-vocab // VOCAB_PAD) * VOCAB_PAD
-    if not vocab <= model_vocab <= padded:
+    if not vocab <= model_vocab <= vocab + VOCAB_PAD:
         raise DataError(
             f"{stores[0].root / 'manifest.json'}: tokenizer {first.get('name')!r} has "
             f"{vocab} tokens but model.vocab_size={model_vocab}; set model.vocab_size to {vocab} "
-            f"(or up to {padded}, padded to a multiple of {VOCAB_PAD})"
+            f"(or up to {VOCAB_PAD} more, e.g. {padded}, a multiple of {VOCAB_PAD})"
         )
 
 
-_IDENTITY_KEYS = {"kind": "kind", "vocab_size": "vocabulary", "eod": "end-of-document id", "sha256": "sha256"}
+_IDENTITY_KEYS = {"kind": "kind", "vocab_size": "vocabulary", "eod": "end-of-document id", "bos": "BOS id",
+                  "sha256": "sha256"}
 
 
 def _differences(a: dict, b: dict) -> list[str]:

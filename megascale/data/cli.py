@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--field", default="text", help="JSON key / Parquet or Arrow column of the text")
     parser.add_argument("--tokenizer", default="bytes",
                         help="'bytes' (built in, vocabulary 257) or a Hugging Face tokenizer.json")
+    parser.add_argument("--eod-token", metavar="TOKEN",
+                        help="end every document with this token of the tokenizer (default: the EOS its "
+                             "tokenizer_config.json names, as transformers reads it)")
+    parser.add_argument("--bos", metavar="TOKEN|none",
+                        help="put this token before every document, or 'none' (default: the BOS the tokenizer "
+                             "adds to a sequence, as transformers' AutoTokenizer does)")
     parser.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
                         help="train a byte-level BPE of this size on the inputs and use it")
     parser.add_argument("--on-error", default="stop", choices=["stop", "skip"],
@@ -57,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("pass --tokenizer or --train-tokenizer, not both")
     if args.workers < 0 or args.shard_tokens < 1:
         return fail("--workers must be >= 0 (0 = automatic) and --shard-tokens >= 1")
-    options = Options(args.format, args.field, args.on_error, args.replace_invalid)
+    options = Options(args.format, args.field, args.on_error, args.replace_invalid, args.eod_token, args.bos)
     try:
         manifest = prepare(args.inputs, args.out, args.tokenizer, options=options, workers=args.workers,
                            train_vocab=args.train_tokenizer, shard_tokens=args.shard_tokens,
@@ -81,6 +87,9 @@ def summary(manifest: dict, out: str) -> str:
     lines = [f"wrote {out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
              f"{len(manifest['shards'])} shard(s) of {manifest['dtype']}, tokenizer {tok['name']} "
              f"(vocabulary {tok['vocab_size']})",
+             f"documents end with id {tok['eod']}" + (f" {tok['eod_token']!r}" if tok.get("eod_token") else "")
+             + (f" and start with BOS id {tok['bos']} {tok.get('bos_token')!r}" if tok.get("bos") is not None
+                else ", no BOS"),
              f"read {counts['bytes_read']:,} bytes from {source['files']} file(s): "
              f"{counts['documents_in']:,} documents"]
     not_written = {"empty documents": counts["empty_documents"],

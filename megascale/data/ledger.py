@@ -1,7 +1,7 @@
 """What `prep` read, wrote and skipped, and the check that these add up on every run.
 
 Documents in = documents written + empty + encoded to nothing + skipped (by reason); tokens
-written = tokens the tokenizer produced + one end-of-document token per document; stored bytes
+written = tokens the tokenizer produced (with any BOS) + one end-of-document token per document; stored bytes
 read = the inputs' sizes. Rejected records stop the run with their place (file and line, or
 global row), or with `--on-error=skip` are counted and listed in `rejected.jsonl`.
 """

@@ -28,7 +28,7 @@ from megascale.data.ledger import REJECTED, Ledger
 from megascale.data.records import Encoder, Job, TaskResult
 from megascale.data.shards import DataError, ShardWriter, dtype_for_vocab
 from megascale.data.tasks import Task, plan
-from megascale.data.tokenizer import load_tokenizer
+from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 CHUNK_MIN, CHUNK_MAX = 256 << 10, 4 << 20  # bytes of input per task
 
@@ -39,6 +39,8 @@ class Options:
     field: str = "text"
     on_error: str = "stop"  # stop | skip: what a bad record does
     replace_invalid: bool = False  # invalid UTF-8 and lone surrogates become U+FFFD (counted)
+    eod_token: str | None = None  # --eod-token: end documents with this token (None: the tokenizer's own)
+    bos: str | None = None  # --bos: this token, or "none", before every document (None: the tokenizer's own)
 
 
 def auto_workers(total: int) -> int:
@@ -70,13 +72,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
     chunk = chunk_bytes or chunk_size(total, workers)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: the output is shared as any new directory is
     spill = tempfile.mkdtemp(prefix=f".{out.name}-spill-", dir=out.parent)
-    job = Job(tokenizer, options.field, options.replace_invalid)
+    job = Job(tokenizer, options.field, options.replace_invalid, options.eod_token, options.bos)
     try:
         if train_vocab:
             job = replace(job, tokenizer=str(train_tokenizer(plan(found.files, options.field, chunk, spill),
                                                              job, train_vocab, tmp)))
-        tok = load_tokenizer(job.tokenizer)
+        tok = load_tokenizer(job.tokenizer, job.eod_token, job.bos)
         for note in tok.notes:
             say(f"megascale prep: note: {note}")
         writer = ShardWriter(tmp, dtype_for_vocab(tok.vocab_size), tok.eod, shard_tokens)
@@ -84,11 +87,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
         try:
             previous: Task | None = None
             for task, result in run_tasks(plan(found.files, options.field, chunk, spill), job, workers,
-                                          total, progress):
+                                          total, progress, tok):
                 if previous is not None and previous.index != task.index:
                     _drop_spill(previous.file, spill)
                 ledger.add(task, result)
-                writer.add_packed(result.packed, result.lengths)
+                if result.continues:
+                    writer.add_open(result.packed)
+                else:
+                    writer.add_packed(result.packed, result.lengths)
                 previous = task
         finally:
             ledger.close()
@@ -119,6 +125,12 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
     return manifest
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def train_tokenizer(tasks: Iterator[Task], job: Job, vocab_size: int, out: Path) -> Path:
     """A byte-level BPE of `vocab_size` tokens trained on the inputs, saved as tokenizer.json.
     Bad records are left out here; the encoding pass reports or counts them."""
@@ -130,7 +142,7 @@ def train_tokenizer(tasks: Iterator[Task], job: Job, vocab_size: int, out: Path)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    reader = Encoder(replace(job, tokenizer="bytes"))
+    reader = Encoder(replace(job, tokenizer="bytes", eod_token=None, bos=None))
 
     def texts() -> Iterator[str]:
         for task in tasks:
@@ -159,12 +171,13 @@ def _encode(task: Task) -> TaskResult:
     return _ENCODER(task)
 
 
-def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int,
-              progress: bool | object) -> Iterator[tuple[Task, TaskResult]]:
-    """(task, result) in task order; with workers > 1, at most 2 x workers tasks in flight."""
+def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int, progress: bool | object,
+              tok: ByteTokenizer | HFTokenizer | None = None) -> Iterator[tuple[Task, TaskResult]]:
+    """(task, result) in task order; with workers > 1, at most 2 x workers tasks in flight;
+    with one, in this process with `tok` (the job's tokenizer, if loaded already)."""
     with _progress_bar(total, progress) as advance:
         if workers <= 1:
-            encode = Encoder(job)
+            encode = Encoder(job, tok)
             for task in tasks:
                 result = encode(task)
                 advance(task.size)
@@ -191,6 +204,9 @@ def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int,
 @contextmanager
 def _progress_bar(total: int, progress: bool | object) -> Iterator[Callable[[int], None]]:
     """A bar over the stored bytes of all inputs (compressed size for compressed files)."""
+    if progress is False:  # no bar: rich is not even imported (0.1 s of a short run)
+        yield lambda n: None
+        return
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megascale.data.pieces import Cutter
 from megascale.data.shards import dtype_for_vocab, with_eod
 from megascale.data.tasks import Task, open_arrow
 from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -42,6 +43,8 @@ class Job:
     tokenizer: str
     field: str = "text"
     replace_invalid: bool = False  # invalid UTF-8 / lone surrogates -> U+FFFD (counted) instead of a reject
+    eod_token: str | None = None  # the user's end-of-document token (None: the tokenizer's own)
+    bos: str | None = None  # the user's BOS token, or "none" (None: the tokenizer's own)
 
 
 @dataclass
@@ -61,7 +64,8 @@ class TaskResult:
     no_tokens: int = 0  # documents with text that the tokenizer turned into no tokens
     replaced: int = 0  # invalid bytes or lone surrogates replaced by U+FFFD
     eod_inside: int = 0  # end-of-document ids the tokenizer produced inside documents
-    tokens_in: int = 0  # tokens the tokenizer produced for the written documents
+    tokens_in: int = 0  # tokens the tokenizer produced for the written documents, BOS included
+    continues: bool = False  # a piece of a long document that the next task goes on with (no EOD yet)
     packed: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint16))
     lengths: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # EOD included
     rejects: list[Reject] = field(default_factory=list)
@@ -70,19 +74,24 @@ class TaskResult:
 class Encoder:
     """Turns one task into a TaskResult with this process's tokenizer."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, tok: ByteTokenizer | HFTokenizer | None = None):
+        """`tok`: the job's tokenizer, already loaded (prep with one worker: not loaded twice)."""
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; workers are the parallelism
         self.job = job
-        self.tok: ByteTokenizer | HFTokenizer = load_tokenizer(job.tokenizer)
+        self.tok: ByteTokenizer | HFTokenizer = tok or load_tokenizer(job.tokenizer, job.eod_token, job.bos)
         self.dtype = dtype_for_vocab(self.tok.vocab_size)
 
     def __call__(self, task: Task) -> TaskResult:
         result = TaskResult(task.size)
         if task.failure is not None:
             result.documents_in = 1  # the unreadable rest of the file counts as one record
-            result.rejects.append(Reject(0, "unreadable", task.failure))
+            result.rejects.append(Reject(0, task.failure_kind, task.failure))
             return result
         _replaced[0] = 0
+        if task.piece:
+            self._encode_piece(task, result)
+            result.replaced = _replaced[0]
+            return result
         docs: list = []
         units: list[int] = []
         for unit, value in self.records(task, result):
@@ -166,7 +175,10 @@ class Encoder:
         unit = 0
         try:
             for batch in _row_batches(task, self.job.field):
-                column = batch.column(batch.schema.get_field_index(self.job.field)).cast(pa.large_binary())
+                column = batch.column(batch.schema.get_field_index(self.job.field))
+                if pa.types.is_dictionary(column.type):  # a Categorical column: its values, row by row
+                    column = column.dictionary_decode()
+                column = column.cast(pa.large_binary())
                 for value in column.to_pylist():
                     result.documents_in += 1
                     if value is None:
@@ -220,12 +232,45 @@ class Encoder:
         if not ids_parts:
             return
         ids, lengths = np.concatenate(ids_parts), np.concatenate(length_parts)
-        result.tokens_in = len(ids)
         result.eod_inside = int(np.count_nonzero(ids == self.tok.eod)) if self.tok.takes_text else 0
         result.no_tokens = int(np.count_nonzero(lengths == 0))
         lengths = lengths[lengths > 0]
-        result.packed = with_eod(ids, lengths, self.tok.eod, self.dtype)
-        result.lengths = lengths + 1
+        bos = self.tok.bos
+        result.tokens_in = len(ids) + (0 if bos is None else len(lengths))
+        result.packed = with_eod(ids, lengths, self.tok.eod, self.dtype, bos)
+        result.lengths = lengths + (1 if bos is None else 2)
+
+    def _encode_piece(self, task: Task, result: TaskResult) -> None:
+        """One piece of a long text document: BOS before the first, EOD after the last; a piece
+        that is not valid text is a record of its own, rejected (the document goes on)."""
+        assert task.file.path is not None
+        first, last = task.start == 0, task.stop >= task.file.size
+        result.units = result.documents_in = int(first)
+        result.continues = not last
+        cutter = Cutter(task.file.path, task.file.size, self._encode_texts, self.tok.takes_text)
+        bounds = cutter.bounds(task.start, task.piece)
+        ids = np.empty(0, np.int64)
+        if bounds is not None:
+            with open(task.file.path, "rb") as f:
+                f.seek(bounds[0])
+                data = f.read(bounds[1] - bounds[0])
+            doc = self._convert(data, 0, result) if data else None
+            if doc is None and data:
+                result.documents_in += 1  # the rejected piece, counted as a record
+            elif doc is not None:
+                ids = self.tok.encode_batch([doc])[0]
+        bos = [self.tok.bos] if first and self.tok.bos is not None else []
+        eod = [self.tok.eod] if last else []
+        result.tokens_in = len(ids) + len(bos)
+        result.eod_inside = int(np.count_nonzero(ids == self.tok.eod)) if self.tok.takes_text else 0
+        result.packed = np.concatenate([np.asarray(bos, np.int64), ids, np.asarray(eod, np.int64)]).astype(self.dtype)
+        result.lengths = np.empty(0, np.int64)
+        if last:  # the document ends here: its length counts from this task's tokens on (the writer has the rest)
+            result.lengths = np.array([len(result.packed)], np.int64)
+
+    def _encode_texts(self, texts: list[str]) -> list[np.ndarray]:
+        ids, lengths = self.tok.encode_batch(texts)
+        return np.split(ids, np.cumsum(lengths)[:-1])
 
     def _encode_batch(self, docs: list, units: list[int], result: TaskResult) -> tuple[np.ndarray, np.ndarray]:
         try:

@@ -39,13 +39,18 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     raise DataError(f"vocabulary of {vocab_size} tokens does not fit in 32 bits")
 
 
-def with_eod(ids: np.ndarray, lengths: np.ndarray, eod: int, dtype: np.dtype) -> np.ndarray:
-    """Documents laid end to end (`ids`, `lengths` tokens each) with `eod` after each one."""
-    ends = np.cumsum(lengths)
-    out = np.empty(len(ids) + len(lengths), dtype=dtype)
-    eod_at = ends + np.arange(len(lengths))
+def with_eod(ids: np.ndarray, lengths: np.ndarray, eod: int, dtype: np.dtype, bos: int | None = None) -> np.ndarray:
+    """Documents laid end to end (`ids`, `lengths` tokens each) with `eod` after each one (and
+    `bos` before each one, unless None)."""
+    extra = 1 if bos is None else 2
+    starts = np.cumsum(lengths) - lengths + np.arange(len(lengths)) * extra
+    eod_at = starts + lengths + extra - 1
+    out = np.empty(len(ids) + len(lengths) * extra, dtype=dtype)
     mask = np.ones(len(out), dtype=bool)
     mask[eod_at] = False
+    if bos is not None:
+        mask[starts] = False
+        out[starts] = bos
     out[mask] = ids
     out[eod_at] = eod
     return out
@@ -101,6 +106,17 @@ class ShardWriter:
             if self._tokens >= self.shard_tokens:
                 self._close_shard()
             pos, doc = stop, last + 1
+
+    def add_open(self, packed: np.ndarray) -> None:
+        """Write the first tokens of a document that goes on in the next call (a long document's
+        pieces): the shard cannot end inside it."""
+        if self._file is None:
+            self._open_shard()
+        view = memoryview(np.ascontiguousarray(packed, dtype=self.dtype)).cast("B")
+        self._file.write(view)
+        self._hash.update(view)
+        self._tokens += len(packed)
+        self.tokens_written += len(packed)
 
     @property
     def pending_tokens(self) -> int:

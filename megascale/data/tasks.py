@@ -1,7 +1,8 @@
 """Input files cut into tasks that workers tokenise independently, so one file feeds every core.
 
 A local uncompressed file is cut without reading it: line-aligned byte ranges of JSON lines or
-text lines, groups of Parquet row groups, groups of Arrow record batches. A compressed or remote
+text lines, groups of Parquet row groups, groups of Arrow record batches, and a long text
+document into pieces that workers cut at safe boundaries (pieces.py). A compressed or remote
 file cannot be entered in the middle, so the parent reads it once as a stream and hands out its
 decompressed text in line-aligned chunks; a compressed or remote Parquet or Arrow file is first
 copied (decompressed) into a local spill file. Each task also carries the share of the stored
@@ -19,6 +20,7 @@ from megascale.data.inputs import InputFile
 from megascale.data.shards import DataError
 
 READ_BLOCK = 1 << 20
+PIECE_MAX = 256 << 10  # bytes of a long text document tokenised at a time (pieces.py)
 TEXT_TYPES = ("string", "large_string", "binary", "large_binary", "string_view", "binary_view")
 
 
@@ -31,6 +33,8 @@ class Task:
     stop: int = 0  # end byte offset; end row group / record batch
     payload: bytes | None = None  # the text itself, read by the parent (compressed or remote input)
     failure: str | None = None  # the input could not be read from here on: why
+    failure_kind: str = "unreadable"  # the count's key: unreadable | truncated | UTF-16
+    piece: int = 0  # > 0: this task is bytes start..stop of one long text document cut in pieces of this size
 
 
 def plan(files: list[InputFile], field: str, chunk: int, spill_dir: str) -> Iterator[Task]:
@@ -38,12 +42,39 @@ def plan(files: list[InputFile], field: str, chunk: int, spill_dir: str) -> Iter
     for index, file in enumerate(files):
         if file.kind in ("parquet", "arrow"):
             yield from _tabular(file, index, field, chunk, spill_dir)
+        elif file.splittable and (utf16 := utf16_failure(file, _head(file))):
+            yield Task(file, index, file.size, failure=utf16, failure_kind="UTF-16")
+        elif file.splittable and file.kind == "text" and file.size > (piece := min(chunk, PIECE_MAX)):
+            yield from (Task(file, index, min(start + piece, file.size) - start, start,
+                             min(start + piece, file.size), piece=piece) for start in range(0, file.size, piece))
         elif file.splittable and file.kind == "text":
             yield Task(file, index, file.size, 0, file.size)
         elif file.splittable:
             yield from _line_ranges(file, index, chunk)
         else:
             yield from _streamed(file, index, chunk)
+
+
+UTF16_BOMS = {b"\xff\xfe": "UTF-16 little-endian", b"\xfe\xff": "UTF-16 big-endian"}
+
+
+def utf16_failure(file: InputFile, head: bytes) -> str | None:
+    """Why a file whose first bytes are `head` is UTF-16 text (a byte-order mark, or every other
+    byte NUL), which prep does not read; None for any other file."""
+    kind = UTF16_BOMS.get(head[:2])
+    sample = head[:64]
+    if kind is None and len(sample) >= 8 and sample.count(0) * 2 >= len(sample) - 1:
+        kind = "UTF-16 little-endian" if sample[1::2].count(0) > sample[::2].count(0) else "UTF-16 big-endian"
+    if kind is None:
+        return None
+    return (f"{file.name} is {kind} text (as PowerShell and some Windows tools write it), not UTF-8; "
+            f"convert it first, e.g. `iconv -f UTF-16 -t UTF-8 IN > OUT`")
+
+
+def _head(file: InputFile) -> bytes:
+    assert file.path is not None
+    with open(file.path, "rb") as f:
+        return f.read(64)
 
 
 def _line_ranges(file: InputFile, index: int, chunk: int) -> Iterator[Task]:
@@ -60,12 +91,17 @@ def _line_ranges(file: InputFile, index: int, chunk: int) -> Iterator[Task]:
 
 
 def _streamed(file: InputFile, index: int, chunk: int) -> Iterator[Task]:
-    """Chunks of whole lines (or, for a text document, all of it) read through the decompressor."""
+    """Chunks of whole lines (or, for a text document, all of it) read through the decompressor.
+    Damaged or truncated data ends the file with a failure task, after the whole lines before it."""
     counted = 0  # stored bytes accounted for by the tasks handed out so far
-    carry = b""
+    carry, first = b"", True
     raw = file.open_raw()
     try:
         for block in decompressed(raw, file):
+            if first and (utf16 := utf16_failure(file, block[:64])):
+                yield Task(file, index, file.size, failure=utf16, failure_kind="UTF-16")
+                return
+            first = False
             carry += block
             if file.kind == "text" or len(carry) < chunk:
                 continue
@@ -75,7 +111,11 @@ def _streamed(file: InputFile, index: int, chunk: int) -> Iterator[Task]:
                 yield Task(file, index, position - counted, payload=carry[:cut])
                 counted, carry = position, carry[cut:]
     except DataError as exc:
-        yield Task(file, index, file.size - counted, failure=str(exc))
+        cut = carry.rfind(b"\n") + 1 if file.kind != "text" else 0
+        if cut:  # the records before the damage are kept; they account for none of the stored bytes
+            yield Task(file, index, 0, payload=carry[:cut])
+        kind = "truncated" if isinstance(exc.__cause__, EOFError) else "unreadable"
+        yield Task(file, index, file.size - counted, failure=str(exc), failure_kind=kind)
         return
     finally:
         raw.close()
@@ -92,7 +132,10 @@ def decompressed(raw, file: InputFile) -> Iterator[bytes]:
         else:
             stream = _stdlib_stream(raw, file.compression)  # read1: what came before damage is kept
             yield from iter(lambda: stream.read1(READ_BLOCK), b"")
-    except Exception as exc:  # each codec has its own error classes (EOFError, OSError, LZMAError...)
+    except EOFError as exc:
+        raise DataError(f"truncated file: its {file.compression} data ends before the end of the stream ({exc}); "
+                        f"with --on-error=skip the whole records before the cut are kept") from exc
+    except Exception as exc:  # each codec has its own error classes (OSError, LZMAError...)
         raise DataError(f"cannot read the {file.compression or 'stored'} data: {exc}") from exc
 
 
@@ -216,6 +259,11 @@ def open_arrow(path: str | None):
 def check_column(file: InputFile, field: str, schema) -> None:
     if field not in schema.names:
         raise DataError(f"{file.name} has no column {field!r} (columns: {schema.names}); pass --field NAME")
-    kind = str(schema.field(field).type)
+    import pyarrow as pa
+
+    kind = schema.field(field).type
+    if pa.types.is_dictionary(kind):  # pandas' Categorical, a dictionary-encoded column: its values count
+        kind = kind.value_type
+    kind = str(kind)
     if kind not in TEXT_TYPES:
         raise DataError(f"{file.name}: column {field!r} holds {kind}, not text; pass --field NAME")

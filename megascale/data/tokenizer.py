@@ -2,15 +2,16 @@
 
 Byte-level is built in (ids 0..255 are the bytes, 256 ends a document). Any Hugging Face
 `tokenizer.json` goes through the `tokenizers` package, with the truncation and padding that
-many shipped files carry switched off: prep encodes every document in full. A dataset's
-identity in the manifest (name, path, model, vocabulary, end-of-document id, the file's sha256)
-lets it be matched against the tokenizer a model is configured with.
+many shipped files carry switched off: prep encodes every document in full. Its end-of-document
+and beginning-of-sequence tokens come from its own files, as `transformers.AutoTokenizer` reads
+them (`special_tokens.py`), unless the user names others. A dataset's identity in the manifest
+(name, path, model, vocabulary, end-of-document and BOS ids, the file's sha256) lets it be
+matched against the tokenizer a model is configured with.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from itertools import chain
 from pathlib import Path
 from typing import Protocol
@@ -18,15 +19,16 @@ from typing import Protocol
 import numpy as np
 
 from megascale.data.shards import DataError
+from megascale.data.special_tokens import SpecialTokens
 
 EOD = 256  # byte-level end-of-document token
 BYTE_VOCAB = 257
-EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "<eod>")
 
 
 class Tokenizer(Protocol):
     vocab_size: int
     eod: int
+    bos: int | None  # put before every document (and a generate prompt), or None
     takes_text: bool  # documents go in as str (True) or as raw bytes (False)
     notes: list[str]  # what prep changed about the tokenizer as loaded (said once, kept in the manifest)
 
@@ -40,6 +42,7 @@ class ByteTokenizer:
 
     vocab_size = BYTE_VOCAB
     eod = EOD
+    bos = None
     takes_text = False
     notes: list[str] = []
 
@@ -63,7 +66,8 @@ class HFTokenizer:
 
     takes_text = True
 
-    def __init__(self, path: str | Path, eod_token: str | None = None):
+    def __init__(self, path: str | Path, eod_token: str | None = None, bos: str | None = None):
+        """`eod_token` / `bos` (a token, or "none" for no BOS) override the tokenizer's own choice."""
         from tokenizers import Tokenizer as _Tok
 
         self.path = Path(path)
@@ -76,16 +80,11 @@ class HFTokenizer:
                             f"can load ({reason}); pass the tokenizer.json saved by tokenizers or "
                             f"transformers' save_pretrained, or 'bytes'") from exc
         self.notes = self._switch_off_truncation_and_padding()
-        names = [eod_token] if eod_token else list(EOD_NAMES)
-        found = [(n, self._tok.token_to_id(n)) for n in names]
-        hits = [(n, i) for n, i in found if i is not None]
-        if hits:
-            self.eod_token, self.eod = hits[0]
-            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        else:  # no EOS in the vocabulary: one id past the end
-            self.eod_token = None
-            self.eod = self._tok.get_vocab_size(with_added_tokens=True)
-            self.vocab_size = self.eod + 1
+        self.special = SpecialTokens(self._tok, self.path, eod_token, bos)
+        self.notes += self.special.notes
+        self.eod_token, self.eod = self.special.eod_token, self.special.eod
+        self.bos_token, self.bos = self.special.bos_token, self.special.bos
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True) + (self.eod_token is None)
         self.sha256 = hashlib.sha256(raw).hexdigest()
 
     def _switch_off_truncation_and_padding(self) -> list[str]:
@@ -119,10 +118,11 @@ class HFTokenizer:
         return self._tok.id_to_token(token_id)
 
     def identity(self) -> dict:
-        model = json.loads(self._tok.to_str()).get("model", {}).get("type") or "unknown"
+        model = type(self._tok.model).__name__  # BPE, WordPiece, Unigram, WordLevel (no re-serialising)
         return {"kind": "hf", "name": f"{self.path.resolve().parent.name}/{self.path.name}",
                 "path": str(self.path.resolve()), "model": model, "vocab_size": self.vocab_size,
-                "eod": self.eod, "eod_token": self.eod_token, "sha256": self.sha256}
+                "eod": self.eod, "eod_token": self.eod_token, "bos": self.bos, "bos_token": self.bos_token,
+                "chosen": self.special.chosen, "sha256": self.sha256}
 
 
 def describe(identity: dict) -> str:
@@ -131,18 +131,31 @@ def describe(identity: dict) -> str:
         return (f"'bytes' (built-in byte-level, vocabulary {identity.get('vocab_size')}, "
                 f"end-of-document id {identity.get('eod')})")
     eod_token = f" {identity['eod_token']!r}" if identity.get("eod_token") else ""
+    bos = f", BOS id {identity['bos']} {identity.get('bos_token')!r}" if identity.get("bos") is not None else ""
     sha = str(identity.get("sha256", ""))[:12]
     where = f", {identity['path']}" if identity.get("path") else ""
     return (f"{identity.get('name')!r} ({identity.get('model', 'hf')}, vocabulary "
-            f"{identity.get('vocab_size')}, end-of-document id {identity.get('eod')}{eod_token}, "
+            f"{identity.get('vocab_size')}, end-of-document id {identity.get('eod')}{eod_token}{bos}, "
             f"sha256 {sha}{where})")
 
 
-def load_tokenizer(spec: str, eod_token: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """`bytes` or a path to a `tokenizer.json`."""
+def load_tokenizer(spec: str, eod_token: str | None = None, bos: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """`bytes` or a path to a `tokenizer.json`; `eod_token`/`bos` as the user chose them (None: the
+    tokenizer's own)."""
     if spec in ("", "bytes", "byte"):
+        if eod_token or bos not in (None, "none"):
+            raise DataError("the built-in 'bytes' tokenizer has a fixed end-of-document id (256) and no BOS: "
+                            "--eod-token and --bos need a tokenizer.json")
         return ByteTokenizer()
     path = Path(spec)
     if not path.is_file():
         raise DataError(f"tokenizer file {path} does not exist (pass a tokenizer.json or 'bytes')")
-    return HFTokenizer(path, eod_token)
+    return HFTokenizer(path, eod_token, bos)
+
+
+def manifest_tokenizer(identity: dict, spec: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a manifest's identity describes (or the file `spec` with the choices the user
+    made for that data: --eod-token, --bos)."""
+    spec = spec or ("bytes" if identity.get("kind") == "bytes" else str(identity["path"]))
+    chosen = (identity.get("chosen") or {}) if spec not in ("", "bytes", "byte") else {}
+    return load_tokenizer(spec, chosen.get("eod_token"), chosen.get("bos"))

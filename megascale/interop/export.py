@@ -6,7 +6,10 @@ export is that architecture: its model_type, config keys and parameter names, lo
 with a sliding window, RMSNorm with GeLU, ...) it is model_type `megascale` with
 `configuration_megascale.py` and `modeling_megascale.py` beside the weights and an `auto_map`,
 loadable with `trust_remote_code=True`. Either way the run's tokenizer is written too, and
-`megascale import`/`checkpoint.init_from` read the export back.
+`megascale import`/`checkpoint.init_from` read the export back. A run that started from a
+transformers checkpoint (`checkpoint.init_from`) keeps that config.json's settings -- its
+`max_position_embeddings`, BOS/EOS/pad ids and every key megascale does not model -- with only
+what training set written over them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from megascale.checkpoint.export import whole_tensors
 from megascale.config.loader import from_dict, to_dict
 from megascale.config.schema import ModelConfig
+from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from megascale.interop.architectures import standard_architecture
 from megascale.interop.hf_files import write_safetensors
 from megascale.interop.pretrained import MEGASCALE_TYPE, MODEL_KEY
@@ -29,6 +33,7 @@ from megascale.interop.tokenizer_files import run_tokenizer, write_tokenizer
 REMOTE = Path(__file__).resolve().parent / "remote"
 REMOTE_FILES = ("configuration_megascale.py", "modeling_megascale.py")
 DEFAULT_SHARD_BYTES = 5 << 30  # transformers' own default shard size
+KEPT_FILES = ("generation_config.json",)  # copied from the checkpoint a run started from
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -43,20 +48,33 @@ class Exported:
 
 def export(url: str, out: Path, dtype: torch.dtype | None = None, tokenizer: str | None = None,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Exported:
-    """Write the newest valid checkpoint at `url` (or that checkpoint) to `out`, with `tokenizer`
-    (default: the run's)."""
-    tensors, manifest = whole_tensors(url)
+    """Write the newest valid checkpoint at `url` (a checkpoint, a checkpoint root or a run
+    directory) to `out`, with `tokenizer` (default: the run's)."""
+    tensors, manifest = whole_tensors(checkpoint_root(url))
     model = from_dict(ModelConfig, manifest["config"]["model"], prefix="model.")
     weights = {param: t if dtype is None else t.to(dtype) for (param, _), t in tensors.items()}
-    spec = tokenizer or run_tokenizer(manifest["config"])
-    return write_export(model, weights, out, spec, int(manifest["step"]), max_shard_bytes)
+    tok = load_tokenizer(tokenizer) if tokenizer else run_tokenizer(manifest["config"])
+    started = manifest["config"].get("checkpoint", {}).get("init_from") or None
+    return write_export(model, weights, out, tok, int(manifest["step"]), max_shard_bytes,
+                        Path(started) if started else None)
 
 
-def write_export(model: ModelConfig, weights: dict[str, torch.Tensor], out: Path, tokenizer: str, step: int,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Exported:
-    """`weights`: whole parameters by single-process name (a tied head stored once)."""
+def checkpoint_root(url: str) -> str:
+    """A run directory (train.run_dir) stands for its `checkpoints/` root."""
+    local = Path(url)
+    if "://" not in url and not (local / "manifest.json").is_file() and (local / "checkpoints").is_dir():
+        return str(local / "checkpoints")
+    return url
+
+
+def write_export(model: ModelConfig, weights: dict[str, torch.Tensor], out: Path,
+                 tokenizer: str | ByteTokenizer | HFTokenizer, step: int, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 started_from: Path | None = None) -> Exported:
+    """`weights`: whole parameters by single-process name (a tied head stored once);
+    `started_from`: the transformers checkpoint the run was initialised from, if any."""
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     out.mkdir(parents=True, exist_ok=True)
-    _, eod = write_tokenizer(tokenizer, out, model.seq_len)
+    write_tokenizer(tok, out, model.seq_len)
     arch = standard_architecture(model)
     if arch is None:
         config = remote_code_config(model)
@@ -69,10 +87,40 @@ def write_export(model: ModelConfig, weights: dict[str, torch.Tensor], out: Path
         named = [(hf, t) for name in sorted(weights) for hf, t in
                  zip(rules[name].sources, rules[name].split(weights[name]), strict=True)]
     stored = next(iter(weights.values())).dtype
-    config.update(eos_token_id=eod, torch_dtype=DTYPE_NAMES.get(stored, "float32"))
+    config.update(eos_token_id=tok.eod, bos_token_id=tok.bos, torch_dtype=DTYPE_NAMES.get(stored, "float32"))
+    config = kept_settings(config, started_from, out)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     files = write_safetensors(named, out, max_shard_bytes, metadata={"format": "pt", "megascale_step": str(step)})
-    return Exported(out, step, config["model_type"], files, tokenizer)
+    source = "bytes" if isinstance(tok, ByteTokenizer) else str(tok.path)
+    return Exported(out, step, config["model_type"], files, source)
+
+
+def kept_settings(config: dict, started_from: Path | None, out: Path) -> dict:
+    """`config` over the config.json of the checkpoint the run started from (same model_type):
+    what training did not set stays as it was; the position limit never shrinks to the
+    training length; the EOS/BOS ids stay when the run's tokenizer has the same EOS."""
+    original = started_from / "config.json" if started_from is not None else None
+    if original is None or not original.is_file():
+        return config
+    try:
+        base = json.loads(original.read_text())
+    except (OSError, ValueError):
+        return config
+    if base.get("model_type") != config["model_type"]:
+        return config
+    merged = {**base, **config}
+    for key in ("max_position_embeddings", "n_positions"):
+        if isinstance(base.get(key), int) and key in config:
+            merged[key] = max(base[key], config[key])
+    eos = base.get("eos_token_id")
+    if config["eos_token_id"] == eos or (isinstance(eos, list) and config["eos_token_id"] in eos):
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if key in base:
+                merged[key] = base[key]
+    for name in KEPT_FILES:
+        if (started_from / name).is_file():
+            shutil.copyfile(started_from / name, out / name)
+    return merged
 
 
 def remote_code_config(model: ModelConfig) -> dict:

@@ -15,8 +15,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint directory (step_N), or a checkpoint "
-                        "root whose newest valid checkpoint is exported; local path or fsspec URL")
+    parser.add_argument("checkpoint", help="a checkpoint directory (step_N), a checkpoint root or a run "
+                        "directory (train.run_dir) whose newest valid checkpoint is exported; local path or fsspec URL")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as saved)")
     parser.add_argument("--tokenizer", help="tokenizer.json or 'bytes' to ship (default: the run's, "

@@ -3,7 +3,8 @@
 Training records its tokenizer twice: `data.tokenizer` (a tokenizer.json, e.g. set by
 `megascale import`) and the prepared data's manifest (kind and path of the tokenizer prep used).
 An export gets that tokenizer.json with its tokenizer_config.json and special_tokens_map.json when
-they sit beside it, or a minimal tokenizer_config.json, so `AutoTokenizer` loads it. The built-in
+they sit beside it, or a minimal tokenizer_config.json, so `AutoTokenizer` loads it; the EOS and
+BOS the data was prepared with (`--eod-token`, `--bos`) come from the manifest. The built-in
 byte-level tokenizer (ids 0-255 are the bytes, 256 ends a document) is written as the equivalent
 `tokenizers` byte-level BPE with no merges: the same ids for any text.
 """
@@ -15,49 +16,58 @@ import shutil
 from pathlib import Path
 
 from megascale.data.shards import MANIFEST
-from megascale.data.tokenizer import EOD, load_tokenizer
+from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, manifest_tokenizer
 
 BYTE_EOD_TOKEN = "<|endoftext|>"
 COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")
 
 
-def run_tokenizer(job: dict) -> str:
-    """`bytes` or the path of the tokenizer.json a run (its config as a dict) trained with."""
+def run_tokenizer(job: dict) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a run (its config as a dict) trained with: `data.tokenizer` or the prepared
+    data's, with the end-of-document and BOS tokens that data was prepared with."""
     data = job.get("data", {})
-    if data.get("tokenizer"):
-        return str(data["tokenizer"])
     datasets = list(data.get("mixture") or {}) or ([data["path"]] if data.get("path") else [])
+    identity = _manifest_identity(Path(datasets[0])) if datasets else None
+    if data.get("tokenizer"):
+        spec = str(data["tokenizer"])
+        if identity and spec not in ("bytes", "byte"):
+            return manifest_tokenizer(identity, spec)
+        return load_tokenizer(spec)
     if not datasets:
-        return "bytes"  # the embedded default corpus is byte-level
-    manifest = Path(datasets[0]) / MANIFEST
+        return load_tokenizer("bytes")  # the embedded default corpus is byte-level
+    if identity is None:
+        raise FileNotFoundError(f"cannot tell the run's tokenizer: {Path(datasets[0]) / MANIFEST} is unreadable; "
+                                "pass --tokenizer")
+    return manifest_tokenizer(identity)
+
+
+def _manifest_identity(dataset: Path) -> dict | None:
     try:
-        identity = json.loads(manifest.read_text())["tokenizer"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise FileNotFoundError(f"cannot tell the run's tokenizer: {manifest} is unreadable ({exc}); "
-                                "pass --tokenizer") from exc
-    return "bytes" if identity.get("kind") == "bytes" else str(identity["path"])
+        return json.loads((dataset / MANIFEST).read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
-def write_tokenizer(spec: str, out: Path, max_length: int) -> tuple[str, int]:
-    """The tokenizer files in `out`; returns (end-of-document token, its id)."""
-    if spec in ("", "bytes", "byte"):
+def write_tokenizer(tok: ByteTokenizer | HFTokenizer, out: Path, max_length: int) -> None:
+    """The tokenizer files in `out`: the tokenizer.json with the config files that sit beside it
+    (or a minimal tokenizer_config.json naming its EOS and BOS)."""
+    if isinstance(tok, ByteTokenizer):
         (out / "tokenizer.json").write_text(byte_tokenizer_json())
-        eod_token, eod = BYTE_EOD_TOKEN, EOD
+        eod_token, bos_token = BYTE_EOD_TOKEN, None
     else:
-        source = Path(spec)
-        tok = load_tokenizer(spec)  # checks it is a tokenizer.json the library loads
-        shutil.copyfile(source, out / "tokenizer.json")
+        shutil.copyfile(tok.path, out / "tokenizer.json")
         for name in COMPANIONS:
-            if (source.parent / name).is_file():
-                shutil.copyfile(source.parent / name, out / name)
-        eod_token, eod = tok.eod_token, tok.eod
+            if (tok.path.parent / name).is_file():
+                shutil.copyfile(tok.path.parent / name, out / name)
+        eod_token, bos_token = tok.eod_token, tok.bos_token
     if not (out / "tokenizer_config.json").is_file():
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
                   "clean_up_tokenization_spaces": False}
         if eod_token:
             config["eos_token"] = eod_token
+        if bos_token:
+            config["bos_token"] = bos_token
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    return eod_token, eod
 
 
 def tokenizer_spec(tokenizer_json: Path) -> str:

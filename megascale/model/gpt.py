@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megascale.config.schema import ModelConfig
-from megascale.model.attention import causal_attention
+from megascale.config.schema import DEFAULT_LOSS_CHUNK, ModelConfig
+from megascale.model.attention import KVCache, causal_attention
 from megascale.model.init import initial_value
+from megascale.model.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the labels' ignore value
+from megascale.model.loss import chunked_cross_entropy
 from megascale.model.rotary import apply_rotary, rotary_tables, scaling_key
-
-IGNORE_INDEX = -100
 
 
 class Embedding(nn.Module):
@@ -34,10 +34,11 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.positions == "learned" else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """`offset`: the position of the first token (generation with a KV cache)."""
         h = self.tokens(tokens)
         if self.positions is not None:
-            h = h + self.positions.weight[: tokens.shape[1]]
+            h = h + self.positions.weight[offset: offset + tokens.shape[1]]
         return h
 
 
@@ -68,6 +69,7 @@ class Attention(nn.Module):
         self.rotary = cfg.positions == "rotary"
         self.rope = (cfg.rotary_dim, cfg.rope_base, scaling_key(cfg.rope_scaling))
         self.kernel = "auto"
+        self.cache: KVCache | None = None  # set while generating (interop.generate)
         self.qkv = Linear(cfg.hidden, cfg.qkv_width, bias=cfg.bias or cfg.qkv_bias)
         self.proj = Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
@@ -85,10 +87,14 @@ class Attention(nn.Module):
         grouped = qkv.view(b, s, groups, per_group + 2, self.head_dim)
         q = grouped[:, :, :, :per_group].reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
         k, v = grouped[:, :, :, per_group].transpose(1, 2), grouped[:, :, :, per_group + 1].transpose(1, 2)
+        past = self.cache.seen if self.cache is not None else 0
         if self.rotary:
-            cos, sin = rotary_tables(s, *self.rope, qkv.device, qkv.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = causal_attention(q, k, v, self.window, self.kernel)
+            cos, sin = rotary_tables(past + s, *self.rope, qkv.device, qkv.dtype)
+            q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
+        if self.cache is not None:
+            out = self.cache.attend(q, k, v, self.kernel)
+        else:
+            out = causal_attention(q, k, v, self.window, self.kernel)
         return out.transpose(1, 2).reshape(b, s, groups * per_group * self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,12 +170,14 @@ def _joined_bias(*layers: nn.Linear) -> torch.Tensor | None:
 
 
 class Head(nn.Module):
-    """Final norm, vocabulary projection and the summed token loss."""
+    """Final norm, vocabulary projection and the summed token loss. The loss runs the projection
+    `loss_chunk` tokens at a time (`train.loss_chunk`): whole logits never exist in training."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = make_norm(cfg)
         self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.loss_chunk = DEFAULT_LOSS_CHUNK
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(h))
@@ -177,10 +185,8 @@ class Head(nn.Module):
     def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum (not mean) of token losses: the trainer divides by the global token count, so
         the loss is the true mean over the global batch whatever the layout."""
-        logits = self.logits(h).float()
-        return F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        x = self.norm(h).flatten(0, 1)
+        return chunked_cross_entropy(x, self.out.weight, labels.flatten(), self.loss_chunk)
 
 
 class GPT(nn.Module):

@@ -25,7 +25,7 @@ class Lamb(torch.optim.Optimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.0,
     ):
-        if lr <= 0 or eps <= 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
+        if lr < 0 or eps <= 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 

@@ -14,7 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megascale.config.schema import JobConfig
-from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_gemms, set_attention_kernel
+from megascale.model.efficiency import (
+    apply_compile,
+    apply_recompute,
+    fuse_parallel_gemms,
+    set_attention_kernel,
+    set_loss_chunk,
+)
 from megascale.model.init import SeededValues, ValueSource
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
@@ -33,6 +39,7 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None, values: ValueSourc
     runner = _parallel_runner(model, cfg, mesh, values or SeededValues(cfg.model, cfg.train.seed))
     for chunk in runner.chunks:
         set_attention_kernel(chunk, cfg.train.attention)
+        set_loss_chunk(chunk, cfg.train.loss_chunk)
         blocks = getattr(chunk, "blocks", None)
         if blocks is None:
             continue

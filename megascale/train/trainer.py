@@ -61,7 +61,7 @@ class Trainer:
         self.device = self.mesh.device  # the mesh's one choice (mesh.launch: LOCAL_RANK, read once)
         if cfg.train.attention == "flex" and self.device.type != "cuda":
             raise ConfigError("train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
-                              "use 'auto' (band-masked SDPA on CPU) or 'sdpa'")
+                              "use 'auto' (the sliding-chunks kernel for SWA off CUDA) or 'sliding'")
         # when this rank joined and had its state back: the driver's recovery phases read it
         self.start_record: dict = {"joined_at": time.time(), "restored_at": None, "source": None, "step": None}
         self.rank = self.mesh.rank

@@ -23,7 +23,7 @@ def _error(overrides, path=None):
         (["--model.layers=2.5"], ["model.layers", "int"]),
         (["--model.block=diagonal"], ["model.block", "serial", "parallel"]),
         (["--optim.name=sgd"], ["optim.name", "lamb", "adamw"]),
-        (["--optim.lr=0"], ["optim.lr"]),
+        (["--optim.lr=-0.1"], ["optim.lr"]),
         (["--optim.beta2=1.5"], ["optim.beta2"]),
         (["--train.global_batch=10", "--train.micro_batch=4"], ["train.global_batch", "train.micro_batch"]),
         (["--parallel.tp=3"], ["parallel.tp", "model.heads"]),

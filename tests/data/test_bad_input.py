@@ -67,6 +67,14 @@ def test_manifest_tokenizer_differs_from_the_config(two_shards, tmp_path):
         build_loaders(job(data__mixture=mixture, model__vocab_size=280), None)
 
 
+def test_the_model_vocabulary_may_be_up_to_128_larger(two_shards):
+    """docs/interop.md's rule: a model with added rows (Mistral's 32,001 over its 32,000-token
+    tokenizer) trains on the tokenizer's data; 129 more is refused."""
+    build_loaders(job(two_shards, model__vocab_size=257 + 128), None)[0].close()
+    with pytest.raises(DataError, match=r"has 257 tokens but model\.vocab_size=386; .* \(or up to 128 more"):
+        build_loaders(job(two_shards, model__vocab_size=257 + 129), None)
+
+
 def test_not_a_prepared_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"empty/manifest\.json is missing"):

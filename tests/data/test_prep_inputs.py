@@ -127,3 +127,48 @@ def test_prep_does_not_import_torch(tmp_path):
             "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pyarrow', 'fsspec')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "0 []"
+
+
+def test_pandas_categorical_parquet_column_is_read_as_its_values(tmp_path):
+    import pandas as pd
+
+    docs = ["alpha beta", "gamma", "alpha beta", "delta epsilon", "gamma"]
+    frame = pd.DataFrame({"text": pd.Categorical(docs), "n": range(len(docs))})
+    frame.to_parquet(tmp_path / "cat.parquet")
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "cat.parquet").field("text").type)
+    prepare([str(tmp_path / "cat.parquet")], tmp_path / "out", progress=False)
+    assert [bytes(d) for d in written_documents(tmp_path / "out")] == [d.encode() for d in docs]
+
+
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-le", "utf-16-be"])
+@pytest.mark.parametrize("compressed", [False, True])
+def test_utf16_jsonl_is_refused_by_name(tmp_path, codec, compressed):
+    """PowerShell's `Out-File` writes UTF-16 with a byte-order mark; `-le`/`-be` have none."""
+    text = "".join(json.dumps({"text": f"line {i} é"}) + "\r\n" for i in range(50)).encode(codec)
+    path = tmp_path / ("w.jsonl.gz" if compressed else "w.jsonl")
+    path.write_bytes(gzip.compress(text) if compressed else text)
+    with pytest.raises(DataError, match=r"w\.jsonl(\.gz)? is UTF-16 (little|big)-endian text .* not UTF-8; "
+                                        r"convert it first, e\.g\. `iconv -f UTF-16 -t UTF-8"):
+        prepare([str(path)], tmp_path / "out", progress=False)
+    manifest = prepare([str(path), str(_utf8_file(tmp_path))], tmp_path / "out", progress=False,
+                       options=Options(on_error="skip"))
+    assert manifest["counts"]["skipped"] == {"UTF-16": 1} and manifest["documents"] == 1
+
+
+def _utf8_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n")
+    return path
+
+
+def test_prepared_directory_follows_the_umask(tmp_path):
+    import os
+
+    (tmp_path / "a.txt").write_text("shared with the team\n")
+    old = os.umask(0o022)
+    try:
+        prepare([str(tmp_path / "a.txt")], tmp_path / "out", progress=False)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in (tmp_path / "out").iterdir())

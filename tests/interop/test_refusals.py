@@ -117,3 +117,15 @@ def test_trainer_starts_from_the_imported_weights(tmp_path):
             assert torch.equal(got[name], value), name
     finally:
         trainer.close()
+
+
+def test_a_tied_model_on_two_stages_is_refused_with_advice_import_takes(tmp_path, capsys):
+    hf_dir = saved(random_hf_model(CASES["qwen2-tied"][1]()), tmp_path / "hf")
+    assert main(["import", str(hf_dir), "--out", str(tmp_path / "pp"), "--parallel.pp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "keep parallel.pp=1 and use parallel.tp or parallel.dp" in err and "tie_embeddings=false" not in err
+    # what the old advice led to: an option that changes the weights, which import refuses
+    assert main(["import", str(hf_dir), "--out", str(tmp_path / "untied"), "--parallel.pp=2",
+                 "--model.tie_embeddings=false"]) == 2
+    assert "model.tie_embeddings is False here but True in that checkpoint" in capsys.readouterr().err
+    assert main(["import", str(hf_dir), "--out", str(tmp_path / "tp"), "--parallel.tp=2"]) == 0  # the advice works

@@ -82,6 +82,16 @@ def test_trust_ratio_makes_the_step_scale_free():
 
 def test_lamb_rejects_bad_hyperparameters():
     with pytest.raises(ValueError):
-        Lamb([torch.zeros(2)], lr=0.0)
+        Lamb([torch.zeros(2)], lr=-1e-3)
     with pytest.raises(ValueError):
         Lamb([torch.zeros(2)], betas=(1.0, 0.9))
+
+
+def test_lamb_with_lr_zero_leaves_the_weights():
+    """optim.lr=0 (an evaluation run) is allowed and changes nothing, weight decay included."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    before = p.detach().clone()
+    opt = Lamb([p], lr=0.0, weight_decay=0.1)
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    assert torch.equal(p.detach(), before)
