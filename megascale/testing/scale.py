@@ -125,9 +125,9 @@ def run_size(nodes: int, window_s: float, extra: list[str], repo: Path = REPO,
                     raise RuntimeError((Path(tmp) / "driver.log").read_text()[-3000:])
                 time.sleep(0.05)
             info = json.loads((run_dir / "resilience" / "driver.json").read_text())
-            secret = load_secret(info["secret_dir"], need_key=False)
+            secret = load_secret(info["secret_dir"], need_key=True)  # the operator token, for status
             fleet = Fleet(info["url"], secret.token, secret.cert_pem, nodes, RANKS_PER_NODE)
-            client = ApiClient(info["url"], secret.token, secret.cert_pem, timeout_s=60)
+            client = ApiClient(info["url"], secret.operator or secret.token, secret.cert_pem, timeout_s=60)
             harness0 = time.process_time()
             result = asyncio.run(fleet.run(lambda f: measure(f, proc.pid, client, window_s, nodes,
                                                              heartbeat_timeout_s)))

@@ -48,6 +48,7 @@ class SimNode:
         self.ranks: list[int] = []
         self.started = 0.0
         self.last_ok = 0.0  # monotonic time of the last heartbeat the driver answered
+        self.credential = ""  # this node's own, from its registration's reply (identity.py)
         self.done: dict[str, Any] = {}
         self.silent = asyncio.Event()
         self.heartbeat_s = 1.0
@@ -58,7 +59,8 @@ class SimNode:
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """One request on the node's kept-alive connection (re-opened once if the driver closed it)."""
         raw = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: driver\r\nAuthorization: Bearer {self.fleet.token_for(self.node_id)}"
+        credential = self.credential or self.fleet.token_for(self.node_id)  # the join token until registered
+        head = (f"POST {path} HTTP/1.1\r\nHost: driver\r\nAuthorization: Bearer {credential}"
                 f"\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode()
         for last_try in (False, True):
             try:
@@ -102,6 +104,7 @@ class SimNode:
             if status != 200:
                 raise RuntimeError(f"{self.node_id}: registration refused: {status} {reply}")
             self.heartbeat_s = reply["heartbeat_s"]
+            self.credential = reply.get("credential", "")
             self.stats.registered_s = time.monotonic() - self.fleet.began
             return
 

@@ -66,19 +66,21 @@ def test_requests_whose_clients_left_are_dropped_unrun_and_the_queue_is_bounded(
     its client had gone), at most `max_pending` are queued and the rest get a 503 at once."""
     from megascale.resilience.api_server import ApiServer, Route
     from megascale.resilience.credentials import ensure_secret, load_secret, server_context
+    from megascale.resilience.identity import OPERATOR, Identities
     from tests.security.live import request_bytes
 
     secret = load_secret(ensure_secret(tmp_path / "secret", ["127.0.0.1"]), need_key=True)
     gate, ran = threading.Event(), []
 
-    def handler(body: dict) -> tuple[int, dict]:
+    def handler(body: dict, who) -> tuple[int, dict]:
         ran.append(time.monotonic())
         gate.wait(20)
         return 200, {"ok": True}
 
-    server = ApiServer("127.0.0.1", 0, secret.token, {("GET", "/v1/x"): Route(handler)}, server_context(secret),
+    routes = {("GET", "/v1/x"): Route(handler, callers=frozenset({OPERATOR}))}
+    server = ApiServer("127.0.0.1", 0, Identities(secret, "j").authenticate, routes, server_context(secret),
                        Limits(handler_threads=1, max_pending=8)).start()
-    request = request_bytes("GET", "/v1/x", token=secret.token)
+    request = request_bytes("GET", "/v1/x", token=secret.operator)
     try:
         first = attacker_tls(server.port)
         first.sendall(request)
