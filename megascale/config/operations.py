@@ -87,6 +87,8 @@ class ResilienceConfig:
 
     heartbeat_s: float = opt(1.0, "executor -> driver heartbeat period")
     heartbeat_timeout_s: float = opt(5.0, "no heartbeat for this long: the node is lost")
+    silence_fraction: float = opt(0.5, "this share of the nodes (and at least 2) silent at once is the driver's "
+                                       "or the network's stall: nobody is judged lost, the driver waits")
     startup_timeout_s: float = opt(120.0, "start -> first step; covers a slow first step")
     hang_floor_s: float = opt(10.0, "no step progress for max(floor, factor * max step time): hang")
     hang_factor: float = opt(5.0, "see hang_floor_s")
@@ -143,10 +145,8 @@ class ResilienceConfig:
             )
         if self.hang_factor < 1 or self.slow_factor <= 1:
             raise ConfigError("resilience.hang_factor must be >= 1 and resilience.slow_factor > 1")
-        if not 0 < self.traffic_fall_ratio < 1:
-            raise ConfigError(
-                f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
-            )
+        _share("silence_fraction", self.silence_fraction, one_allowed=True)
+        _share("traffic_fall_ratio", self.traffic_fall_ratio, one_allowed=False)
         self._validate_fail_slow()
         if self.max_step_rate <= 0:
             raise ConfigError(f"resilience.max_step_rate must be > 0, got {self.max_step_rate}")
@@ -160,11 +160,16 @@ class ResilienceConfig:
                 raise ConfigError(f"resilience.{key} must be a port in [0, 65535]")
 
     def _validate_fail_slow(self) -> None:
-        if not 0 < self.selfcheck_min_ratio < 1:
-            raise ConfigError(f"resilience.selfcheck_min_ratio must be in (0, 1), got {self.selfcheck_min_ratio}")
+        _share("selfcheck_min_ratio", self.selfcheck_min_ratio, one_allowed=False)
         if self.straggler_threshold <= 1:
             raise ConfigError(f"resilience.straggler_threshold must be > 1 (a factor over the peers' median), "
                               f"got {self.straggler_threshold}")
         for key in ("straggler_window_steps", "straggler_windows"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"resilience.{key} must be >= 1, got {getattr(self, key)}")
+
+
+def _share(key: str, value: float, one_allowed: bool) -> None:
+    """A share of something: in (0, 1], or (0, 1) when 1 would make the rule meaningless."""
+    if not (0 < value <= 1 if one_allowed else 0 < value < 1):
+        raise ConfigError(f"resilience.{key} must be in (0, 1{']' if one_allowed else ')'}, got {value}")

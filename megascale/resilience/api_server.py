@@ -8,6 +8,14 @@ deadlines; bodies and headers are capped; at the connection cap (set below the d
 limit, which is raised at start) the oldest idle connection is closed to make room, so a new
 client is always served. Handlers run in a small thread pool (they take the driver's lock) and
 get only bodies their route's schema accepted; every refusal is logged (rate-limited).
+
+Under load the clients that hold the token come first. Connections that have not yet shown the
+token (in the handshake, or connected and silent) are capped apart (`max_unauthenticated`):
+past it the oldest of them is closed, and they are closed before any authenticated one at the
+connection cap, so a flood of idle sockets costs the flood, not the executors' kept-alive
+connections. The handlers' queue is bounded too (`max_pending`; past it a 503 at once, which
+executors retry) and a request is dropped unrun when its client has gone (its connection
+closed) or it waited longer than the request timeout: the client gave up on it.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ class Limits:
     handshake_timeout_s: float = 5.0
     request_timeout_s: float = 10.0  # from an idle connection to a whole request
     max_connections: int = 4096  # lowered to what the descriptor limit allows
+    max_unauthenticated: int = 512  # connected, not yet past a request with the token
+    max_pending: int = 1024  # requests queued for the handlers
     handler_threads: int = 4
 
 
@@ -87,6 +97,9 @@ class ApiServer:
         self._sock.setblocking(False)
         self.host, self.port = self._sock.getsockname()[:2]
         self.conns: dict[_Connection, None] = {}  # oldest first: the first idle one is evicted
+        self.unauthenticated: dict[_Connection, None] = {}  # oldest first, a subset of conns
+        self.pending = 0  # requests submitted to the pool and not yet answered
+        self.shed = 0  # requests refused or dropped for load (503)
         self.refusals = _RateLimitedLog(per_s=10)
         self.at_cap = _RateLimitedLog(per_s=2)  # apart: a flood of bad requests never hides the cap
         self._loop = asyncio.new_event_loop()
@@ -143,12 +156,19 @@ class ApiServer:
                 self.at_cap.note("api: connection from %s refused: %d connections, all busy", _peer(peer), self.cap)
                 sock.close()
                 continue
+            if len(self.unauthenticated) >= self.limits.max_unauthenticated:
+                oldest = next(iter(self.unauthenticated))
+                self.at_cap.note("api: %d connections without a token yet: closed the oldest, from %s",
+                                 len(self.unauthenticated), oldest.peer)
+                oldest.abort()
             conn = _Connection(self, sock, _peer(peer))
             self.conns[conn] = None
+            self.unauthenticated[conn] = None
             self._loop.create_task(conn.handshake())
 
     def evict_idle(self) -> bool:
-        victim = next((c for c in self.conns if not c.busy), None)
+        """Make room at the cap: the oldest connection without a token, else the oldest idle one."""
+        victim = next(iter(self.unauthenticated), None) or next((c for c in self.conns if not c.busy), None)
         if victim is not None:
             self.at_cap.note("api: at the cap of %d connections: closed the oldest idle one, from %s",
                                self.cap, victim.peer)
@@ -175,8 +195,12 @@ class ApiServer:
             return 413, f"body of {int(length)} bytes exceeds {self.limits.max_body}"
         return who
 
-    def call(self, method: str, path: str, body: bytes, who: Principal) -> tuple[int, dict[str, Any]]:
+    def call(self, method: str, path: str, body: bytes, who: Principal,
+             queued: float = 0.0) -> tuple[int, dict[str, Any]]:
         """Validate and handle one request (in a pool thread); never raises."""
+        if queued and time.monotonic() - queued > self.limits.request_timeout_s:
+            self.shed += 1  # its client has given up on it: an answer now would only cost the others
+            return 503, {"error": f"waited over {self.limits.request_timeout_s:g} s for the driver; retry"}
         route = self.routes[(method, path)]
         try:
             if route.schema is None:
@@ -193,8 +217,22 @@ class ApiServer:
             log.exception("api: %s %s failed", method, path)
             return 500, {"error": "internal error; the driver's log has the details"}
 
-    def submit(self, method: str, path: str, body: bytes, who: Principal) -> Future:
-        return self._pool.submit(self.call, method, path, body, who)
+    def submit(self, method: str, path: str, body: bytes, who: Principal) -> Future | None:
+        """Queue a request for the handlers; None when `max_pending` are queued already."""
+        if self.pending >= self.limits.max_pending:
+            self.shed += 1
+            return None
+        self.pending += 1
+        future = self._pool.submit(self.call, method, path, body, who, time.monotonic())
+        future.add_done_callback(self._answered)
+        return future
+
+    def _answered(self, future: Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
+            self._loop.call_soon_threadsafe(self._count_answered)
+
+    def _count_answered(self) -> None:
+        self.pending -= 1
 
 
 class _Connection(asyncio.Protocol):
@@ -210,6 +248,7 @@ class _Connection(asyncio.Protocol):
         self.who: Principal | None = None
         self.body = bytearray()
         self.timer: asyncio.TimerHandle | None = None
+        self.future: Future | None = None
 
     async def handshake(self) -> None:
         try:
@@ -232,6 +271,9 @@ class _Connection(asyncio.Protocol):
 
     def _forget(self) -> None:
         self.server.conns.pop(self, None)
+        self.server.unauthenticated.pop(self, None)
+        if self.future is not None:
+            self.future.cancel()  # not run if it has not started: its client is gone
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -268,6 +310,8 @@ class _Connection(asyncio.Protocol):
                 self.request = (event.method.decode(errors="replace"),
                                 event.target.decode(errors="replace").split("?")[0])
                 checked = self.server.check(*self.request, list(event.headers))
+                if isinstance(checked, Principal) or checked[0] != 401:
+                    self.server.unauthenticated.pop(self, None)  # it holds a credential
                 if not isinstance(checked, Principal):
                     return self._refuse(*checked)
                 self.who = checked
@@ -286,9 +330,13 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
         self.transport.pause_reading()
         future = self.server.submit(*self.request, bytes(self.body), self.who)
+        if future is None:
+            return self._refuse(503, f"{self.server.limits.max_pending} requests queued already; retry")
+        self.future = future
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._reply, f))
 
     def _reply(self, future: Future) -> None:
+        self.future = None
         if self.closed:
             return
         status, data = future.result() if not future.cancelled() else (503, {"error": "shutting down"})

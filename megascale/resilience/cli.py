@@ -134,7 +134,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
     driver = Driver(cfg, state, store)
-    limits = Limits(request_timeout_s=rcfg.api_request_timeout_s, handshake_timeout_s=rcfg.api_request_timeout_s)
+    # every node of the job may connect at once (a registration storm): the cap on connections
+    # without a token yet is twice that, and never below the default
+    nodes = state.nodes_wanted + spares
+    limits = Limits(request_timeout_s=rcfg.api_request_timeout_s, handshake_timeout_s=rcfg.api_request_timeout_s,
+                    max_unauthenticated=max(Limits.max_unauthenticated, 2 * nodes))
     identities = Identities(secret, state.job_id)
     server = ApiServer(host, state.api.get("port") or rcfg.api_port, identities.authenticate,
                        _routes(driver, identities), server_context(secret), limits).start()
@@ -153,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         code = driver.run()
     except KeyboardInterrupt:
         driver.on_stop({"reason": "interrupted (Ctrl-C)"})
+        driver.write_summary()
         code = 130
     finally:
         deadline = time.monotonic() + 15

@@ -9,6 +9,11 @@ asks for it, every rank restarted from the newest valid checkpoint), then RUNNIN
 k+1. The state is written to SQLite on each change, so a restarted driver resumes where its
 predecessor stopped (a fast recovery it interrupted is redone as a restart); executors simply
 keep sending heartbeats until one answers.
+Bounded under load and over time: the lock guards memory only (a registration's row is written
+after it, before the reply; status is built from a snapshot after it; evidence and Rendezvous
+clean-up go to one bounded background queue); per heartbeat the work is O(the node's report),
+per tick O(what changed), and every rule keeps windows, not histories. Most nodes silent at once
+is taken for the driver's or the network's stall, never for their fault (`silence.py`).
 Handlers get bodies the API's schemas (`protocol.py`) accepted; ranks get their config as one
 TOML text per attempt (their executor writes it to a 0600 file), with no secret in it.
 """
@@ -19,6 +24,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from megascale.config.handoff import attempt_config
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence
+from megascale.resilience.attempt import AttemptWatch
 from megascale.resilience.attribution import Verdict, attribute
 from megascale.resilience.ettr import job_summary
 from megascale.resilience.identity import admission
@@ -38,13 +45,12 @@ from megascale.resilience.recovery import recovery_phases, start_marks
 from megascale.resilience.rules import (
     Finding,
     TrafficRule,
-    abnormal_exits,
     error_lines,
     hang_rule,
     interface_bytes,
-    missing_heartbeats,
     slow_rule,
 )
+from megascale.resilience.silence import SilenceWatch
 from megascale.resilience.state import (
     ACTIVE,
     CANCELLED,
@@ -67,6 +73,8 @@ from megascale.resilience.straggler_rule import straggler_findings, straggler_ru
 
 log = logging.getLogger("megascale.driver")
 TICK_S = 0.25
+STATUS_EVENTS = ("fault", "stopped", "decide", "selfcheck", "resumed", "alert")  # what `recovery_phases` reads
+EVIDENCE_WAIT_S = 30.0  # at the end, for queued evidence whose alerts belong in the summary
 
 
 class Driver(RecoveryPaths):
@@ -74,7 +82,8 @@ class Driver(RecoveryPaths):
         self.cfg, self.rcfg, self.state, self.store = cfg, cfg.resilience, state, store
         self.lock = threading.RLock()
         self.reports: dict[str, dict[str, Any]] = {}
-        self.last_seen: dict[str, float] = {}
+        self.silence = SilenceWatch(self.rcfg.heartbeat_timeout_s, self.rcfg.silence_fraction)
+        self.last_seen = self.silence.last_seen  # node -> when last heard from, oldest first
         self.outbox: dict[str, list[dict[str, Any]]] = {}
         self.results: dict[str, dict[str, Any]] = {}  # command id -> executor's result
         self.errors: list[Finding] = []
@@ -89,14 +98,19 @@ class Driver(RecoveryPaths):
         self.manual_evictions: dict[str, str] = {}
         self.current_fault: dict[str, Any] | None = None
         self.check_ring: list[str] = []
-        self.evidence_threads: list[threading.Thread] = []
+        self.background = evidence.BackgroundQueue()
         self.resumed_pending: dict[str, Any] | None = None
         self.plan_env = launch_env(state.run_dir, cfg.diagnostics.flight_recorder)
         self.held_faults: list[Finding] = []  # faults awaiting every node's evidence (attribution)
         self.held_since = 0.0
         self.tick_failure, self.tick_failure_logged = "", 0.0
         self.background_checks: dict[str, tuple[str, float]] = {}  # suspect node -> (command, deadline)
+        self.reprobes = 0  # stops sent again because no node got the first (paths.py)
+        self.attempt_watch = AttemptWatch(state.ranks_per_node, cfg.train.steps)
+        self.attempt_watch.watch([n.node_id for n in state.role(ACTIVE)] if state.phase == RUNNING else [])
         now = time.time()
+        self.registering_since = now  # the start-up timeout counts from here, and from each registration
+        self.active_count = sum(1 for n in state.nodes.values() if n.role == ACTIVE)  # kept while STARTING
         for node in state.nodes.values():
             if node.role != EVICTED:
                 self.last_seen[node.node_id] = now  # a restarted driver gives everyone a grace
@@ -113,8 +127,11 @@ class Driver(RecoveryPaths):
 
     # ------------------------------------------------------------------ API handlers
     def on_register(self, body: dict[str, Any], proven: bool = False) -> tuple[int, dict[str, Any]]:
-        """`proven`: the caller holds this node's own credential (`identity.py`), not the join token."""
+        """`proven`: the caller holds this node's own credential (`identity.py`), not the join token.
+        O(1) under the lock; the node's row is committed after it and before the reply, so a
+        node told its role is a node a restarted driver knows."""
         node_id, address = body["node_id"], body["address"]
+        now = time.time()
         with self.lock:
             known = self.state.nodes.get(node_id)
             if (known and known.role == EVICTED) or address in self.state.blocked:
@@ -123,17 +140,21 @@ class Driver(RecoveryPaths):
             if refusal is not None:
                 return refusal
             if known is None:
-                known = Node(node_id, address, body["host"], registered=time.time())
+                known = Node(node_id, address, body["host"], registered=now)
                 self.state.nodes[node_id] = known
-                if self.state.phase == STARTING and len(self.state.role(ACTIVE)) < self.state.nodes_wanted:
-                    known.role, known.slot = ACTIVE, len(self.state.role(ACTIVE))
+                if self.state.phase == STARTING and self.active_count < self.state.nodes_wanted:
+                    known.role, known.slot = ACTIVE, self.active_count
+                    self.active_count += 1
+                    self.registering_since = now
             known.address, known.host, known.pid = address, body["host"], body["pid"]
-            self.last_seen[node_id] = time.time()
-            self._save()
-            self.store.event("register", {"node": node_id, "address": address, "role": known.role})
-            log.info("node %s registered from %s as %s", node_id, address, known.role)
-            return 200, {"role": known.role, "keywords": self.rcfg.error_keywords,
-                         "heartbeat_s": self.rcfg.heartbeat_s, "standby": self._standby_for(known)}
+            self.last_seen[node_id] = now
+            row, seq = json.dumps(asdict(known)), self.store.sequence()
+            reply = {"role": known.role, "keywords": self.rcfg.error_keywords,
+                     "heartbeat_s": self.rcfg.heartbeat_s, "standby": self._standby_for(known)}
+        self.store.save_node(row, node_id, seq)
+        self.store.event("register", {"node": node_id, "address": address, "role": reply["role"]}, now)
+        log.info("node %s registered from %s as %s", node_id, address, reply["role"])
+        return 200, reply
 
     def on_heartbeat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         node_id = body["node_id"]
@@ -149,6 +170,7 @@ class Driver(RecoveryPaths):
                 return 422, {"error": f"implausible progress from {node_id}: {implausible}"}
             self.last_seen[node_id] = now
             self.reports[node_id] = body
+            self.attempt_watch.fresh.add(node_id)
             sent = {c["id"] for c in self.outbox.get(node_id, [])}
             for command_id, result in body["done"].items():
                 if command_id in sent:  # not a result for a command another node (or nobody) got
@@ -180,24 +202,30 @@ class Driver(RecoveryPaths):
         return self.rcfg.heartbeat_s / 5 if recovering else self.rcfg.heartbeat_s
 
     def on_status(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The lock is held for a shallow copy (references to nodes and reports, which are
+        replaced, never changed in place, by heartbeats); the reply is built after it."""
         with self.lock:
             s = self.state
             now = time.time()
-            events = self.store.events()
-            return 200, {
-                "job_id": s.job_id, "phase": s.phase, "attempt": s.attempt, "restarts": s.restarts,
-                "restart_budget": s.restart_budget, "layout": s.layout, "reason": s.reason,
-                "nodes": {n.node_id: {"role": n.role, "slot": n.slot, "address": n.address,
-                                      "host": n.host, "faults": n.faults, "pid": n.pid,
-                                      "last_seen_s": round(now - self.last_seen.get(n.node_id, 0), 1),
-                                      "attempt": self.reports.get(n.node_id, {}).get("attempt"),
-                                      "ranks": self.reports.get(n.node_id, {}).get("ranks", [])}
-                          for n in s.nodes.values()},
-                "evicted": s.evicted, "blocked": s.blocked, "step": self.hang.last_step,
-                "faults": [{**f, **recovery_phases(f, events)} for f in events if f["event"] == "fault"],
-                "alerts": [e for e in events if e["event"] == "alert"],
-                "master": s.master,
-            }
+            head = {"job_id": s.job_id, "phase": s.phase, "attempt": s.attempt, "restarts": s.restarts,
+                    "restart_budget": s.restart_budget, "layout": dict(s.layout), "reason": s.reason,
+                    "blocked": list(s.blocked), "step": self.hang.last_step, "master": dict(s.master),
+                    "silence": {"correlated": self.silence.correlated, "episodes": self.silence.episodes}}
+            nodes = [(n.node_id, n.role, n.slot, n.address, n.host, n.faults, n.pid) for n in s.nodes.values()]
+            seen, reports = dict(self.last_seen), dict(self.reports)
+        events = self.store.events(STATUS_EVENTS)
+        return 200, {
+            **head,
+            "nodes": {node: {"role": role, "slot": slot, "address": address, "host": host, "faults": faults,
+                             "pid": pid, "last_seen_s": round(now - seen.get(node, 0), 1),
+                             "attempt": reports.get(node, {}).get("attempt"),
+                             "ranks": [{k: v for k, v in r.items() if k != "recent"}
+                                       for r in reports.get(node, {}).get("ranks", [])]}
+                      for node, role, slot, address, host, faults, pid in nodes},
+            "evicted": [node for node, role, *_ in nodes if role == EVICTED],
+            "faults": [{**f, **recovery_phases(f, events)} for f in events if f["event"] == "fault"],
+            "alerts": [e for e in events if e["event"] == "alert"],
+        }
 
     def on_evict(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         node_id = body["node_id"]
@@ -210,7 +238,7 @@ class Driver(RecoveryPaths):
     def on_stop(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
             self._finish(CANCELLED, log_safe(body.get("reason") or "stopped by an operator"))
-        return 200, {"ok": True}
+        return 200, {"ok": True}  # the summary is written once the control loop has seen the exits out
 
     # ------------------------------------------------------------------ observations
     def _observe_progress(self, node_id: str, body: dict[str, Any], now: float) -> None:
@@ -247,6 +275,8 @@ class Driver(RecoveryPaths):
                 if self.state.phase in FINISHED and not any(self.outbox.values()):
                     break
             stop.wait(TICK_S)
+        if self.state.phase in FINISHED:
+            self.write_summary()
         return 0 if self.state.phase == COMPLETE else 1
 
     def _guarded_tick(self, now: float) -> None:
@@ -273,12 +303,13 @@ class Driver(RecoveryPaths):
             self._drain_exits(now)
 
     def _tick_starting(self, now: float) -> None:
-        active = self.state.role(ACTIVE)
-        if len(active) >= self.state.nodes_wanted:
+        """O(1) until every node is in. The timeout is progress-based: it runs from the driver's
+        start and from each registration, so a slow but steady registration is no failure."""
+        if self.active_count >= self.state.nodes_wanted:
             self._start_attempt(now)
-        elif now - self.state.created > self.rcfg.startup_timeout_s:
-            self._finish(FAILED, f"only {len(active)} of {self.state.nodes_wanted} nodes registered "
-                                 f"within {self.rcfg.startup_timeout_s:.0f} s")
+        elif now - self.registering_since > self.rcfg.startup_timeout_s:
+            self._finish(FAILED, f"only {self.active_count} of {self.state.nodes_wanted} nodes registered: "
+                                 f"none for {self.rcfg.startup_timeout_s:.0f} s (resilience.startup_timeout_s)")
 
     def _tick_running(self, now: float) -> None:
         for node_id, reason in list(self.manual_evictions.items()):
@@ -308,22 +339,13 @@ class Driver(RecoveryPaths):
             self._finish(COMPLETE, "training complete")
 
     def _findings(self, now: float) -> list[Finding]:
-        out: list[Finding] = []
-        watched = {n.node_id: t for n_id, t in self.last_seen.items()
-                   if (n := self.state.nodes[n_id]).role != EVICTED}
-        out += missing_heartbeats(watched, now, self.rcfg.heartbeat_timeout_s)
-        all_alive = True
-        for node in self.state.role(ACTIVE):
-            report = self.reports.get(node.node_id, {})
-            if report.get("attempt") != self.state.attempt:
-                all_alive = False
-                continue
-            done = self.cfg.train.steps  # a crash in teardown after the last step loses nothing
-            out += abnormal_exits(node.node_id, [r for r in report.get("ranks", []) if (r.get("step") or 0) < done])
-            all_alive &= all(r.get("alive") for r in report.get("ranks", []))
+        out = [Finding("heartbeat_lost", "fault", f"no heartbeat from {node} for {now - t:.1f} s", node)
+               for node, t in self._lost(now)]
+        out += self.attempt_watch.judge(self.reports, self.state.attempt)
+        all_alive = self.attempt_watch.all_alive
         out += self.errors
         self.errors = []
-        hang = self.hang.check(now, all_alive)
+        hang = None if self.silence.correlated else self.hang.check(now, all_alive)
         if hang is not None:
             out.append(hang)
         slow = self.slow.check()
@@ -334,14 +356,18 @@ class Driver(RecoveryPaths):
                                       self.state.attempt, self.hang.last_step, now)
         return out
 
+    def _lost(self, now: float) -> list[tuple[str, float]]:
+        """Nodes silent past the timeout while their peers are heard from; during a correlated
+        silence none (and the hang window does not count the seconds without evidence)."""
+        lost, gap = self.silence.lost(now)
+        self.hang.last_progress += gap
+        return lost
+
     def _complete(self) -> bool:
-        ranks = [r for n in self.state.role(ACTIVE)
-                 for r in self.reports.get(n.node_id, {}).get("ranks", [])
-                 if self.reports[n.node_id].get("attempt") == self.state.attempt]
-        world = self.state.ranks_per_node * len(self.state.role(ACTIVE))
-        if len(ranks) < world or any(r.get("alive") or (r.get("step") or 0) < self.cfg.train.steps
-                                     for r in ranks):
+        """O(1) per tick until every node of the attempt has reported all its ranks done."""
+        if not self.attempt_watch.complete:
             return False
+        ranks = [r for n in self.attempt_watch.nodes for r in self.reports.get(n, {}).get("ranks", [])]
         for r in ranks:
             if r.get("exitcode") != 0:
                 self.store.event("alert", {"kind": "exit_after_last_step", "severity": "alert",
@@ -353,16 +379,18 @@ class Driver(RecoveryPaths):
         log.warning("ALERT %s: %s", finding.kind, finding.detail)
         if finding.kind != "slow":
             return self.store.event("alert", finding.to_dict(), now)
-        self._in_background(lambda: self.store.event("alert", {
-            **finding.to_dict(), "stragglers": evidence.straggler_evidence(
-                self.state.run_dir, Path(self.state.run_dir) / "config.toml")}, now))
+        run_dir = self.state.run_dir
+        if not self._in_background("stragglers", lambda: self.store.event("alert", {
+                **finding.to_dict(), "stragglers": evidence.straggler_evidence(
+                    run_dir, Path(run_dir) / "config.toml")}, now)):
+            self.store.event("alert", {**finding.to_dict(), "stragglers": None,
+                                       "evidence": "skipped: straggler evidence was taken moments ago"}, now)
 
-    def _in_background(self, work) -> None:
+    def _in_background(self, kind: str, work, limited: bool = True) -> bool:
         """Evidence reads files and imports the diagnostics (and torch): seconds that must not
-        be spent holding the lock every heartbeat needs."""
-        thread = threading.Thread(target=work, name="evidence", daemon=True)
-        thread.start()
-        self.evidence_threads.append(thread)
+        be spent holding the lock every heartbeat needs. Queued (`evidence.BackgroundQueue`):
+        False when refused (a burst of one kind, or a full queue)."""
+        return self.background.submit(kind, work, limited)
 
     def _attribute(self, faults: list[Finding], now: float) -> Verdict | None:
         """Hold this attempt's faults until every node's evidence is in (error lines are handed
@@ -398,17 +426,21 @@ class Driver(RecoveryPaths):
                        env=env, plan_env=self.plan_env, config=config, redis_password=password,
                        keep=(keep or {}).get(node.node_id, []))
         s.phase, s.attempt_started = RUNNING, now
+        self.attempt_watch.watch([n.node_id for n in active])
         self.hang.reset(now)
         self.slow.reset()
         self.straggler.reset({r: n.node_id for n in active for r in slot_ranks(n.slot, s.ranks_per_node)}, s.layout)
         self.traffic.clear()
         self.waiting_for = {}
+        checks = {command for command, _ in self.background_checks.values()}
+        self.results = {c: r for c, r in self.results.items() if c in checks}  # the old attempt's are done with
         if self.current_fault is not None:
             self.resumed_pending = {"attempt": s.attempt, "fault_detected": self.current_fault["detected"]}
             self.current_fault = None
         if self.cfg.parallel.store == "redis" and s.attempt > 0:
             previous = s.attempt - 1  # bound now: the thread may run after a further restart
-            self._in_background(lambda: self._clear_rendezvous(previous))
+            if not self._in_background("rendezvous", lambda: self._clear_rendezvous(previous), limited=False):
+                log.warning("attempt %d's rendezvous keys left in Redis: the background queue is full", previous)
         self.store.event("attempt", {"attempt": s.attempt, "layout": s.layout, "master": s.master,
                                      "nodes": [n.node_id for n in active]}, now)
         log.info("attempt %d: %s on %s (rendezvous %s:%d); %s", s.attempt, s.layout,
@@ -456,15 +488,21 @@ class Driver(RecoveryPaths):
             if node.role != EVICTED:
                 self._send(node.node_id, "exit")
         self.phase_deadline = s.finished + self.rcfg.stop_timeout_s
-        for thread in self.evidence_threads:  # their alerts belong in the summary
-            thread.join(30)
+        self._save()
+
+    def write_summary(self) -> dict[str, Any]:
+        """resilience/summary.json of a finished job; never under the lock: it waits (bounded)
+        for queued evidence, whose alerts belong in it."""
+        if not self.background.drain(EVIDENCE_WAIT_S):
+            log.warning("evidence still running after %.0f s: the summary goes without it", EVIDENCE_WAIT_S)
+        s = self.state
         summary = self.summary()
         self.store.event("finish", summary)
         (Path(s.run_dir) / "resilience").mkdir(parents=True, exist_ok=True)
         (Path(s.run_dir) / "resilience" / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        log.log(logging.INFO if phase == COMPLETE else logging.ERROR, "job %s: %s (ETTR %.3f)",
-                phase, reason, summary["ettr"]["ettr"])
-        self._save()
+        log.log(logging.INFO if s.phase == COMPLETE else logging.ERROR, "job %s: %s (ETTR %.3f)",
+                s.phase, s.reason, summary["ettr"]["ettr"])
+        return summary
 
     def _drain_exits(self, now: float) -> None:
         if now >= self.phase_deadline:

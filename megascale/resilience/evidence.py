@@ -4,19 +4,79 @@ stage peers, from the per-rank timers).
 
 Each runs in a child process: the diagnostics import torch, and seconds of import inside the
 driver would hold up every heartbeat it must answer. Best effort: any failure yields nothing.
+The driver hands such work to one `BackgroundQueue`: one worker thread, a bounded queue and a
+minimum interval per kind, so alerts in a burst cost one torch-importing child at a time (each
+~200 MB), not one each at once; what is refused is recorded without its evidence.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("megascale.driver")
 TIMEOUT_S = 120
+
+
+class BackgroundQueue:
+    """Work the driver must not do under its lock, run one item at a time in arrival order."""
+
+    def __init__(self, depth: int = 4, min_interval_s: float = 30.0) -> None:
+        self.min_interval_s = min_interval_s
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(depth)
+        self._last: dict[str, float] = {}  # kind -> when its last item was taken
+        self._idle = threading.Condition()
+        self._pending = 0
+        self.refused = 0
+        self._thread = threading.Thread(target=self._work, name="driver-background", daemon=True)
+        self._thread.start()
+
+    def submit(self, kind: str, work: Callable[[], None], limited: bool = True) -> bool:
+        """Queue `work`; False (nothing queued) when the queue is full or, if `limited`, an item
+        of this kind was taken less than `min_interval_s` ago."""
+        now = time.monotonic()
+        if limited and now - self._last.get(kind, -self.min_interval_s) < self.min_interval_s:
+            self.refused += 1
+            return False
+        with self._idle:
+            try:
+                self._queue.put_nowait(work)
+            except queue.Full:
+                self.refused += 1
+                return False
+            self._pending += 1
+        self._last[kind] = now
+        return True
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait (never under the driver's lock) until every queued item ran; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def _work(self) -> None:
+        while True:
+            work = self._queue.get()
+            try:
+                work()
+            except Exception:
+                log.exception("background work failed")
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
 
 def hang_evidence(run_dir: str | Path, layout: dict[str, int]) -> dict[str, Any] | None:

@@ -64,6 +64,12 @@ log = logging.getLogger("megascale.executor")
 KILL_GRACE_S = 1.0
 CREDENTIAL = "credential"  # the node's own credential, in its work directory (0600)
 UNTRUSTED_LOG_EVERY_S = 30.0
+# A heartbeat the driver did not answer is retried at once and then after a growing pause, all
+# well inside the driver's heartbeat timeout (5 s by default): one lost request, or a driver
+# busy for a moment, must not cost the node its place. The request timeout is short for the
+# same reason (`executor_cli.py`).
+REQUEST_TIMEOUT_S = 2.0
+RETRY_S = (0.0, 0.25, 0.5, 1.0)
 
 
 @dataclass
@@ -136,8 +142,9 @@ class Executor:
     def run(self) -> int:
         """Heartbeat until told to exit; returns the process exit code."""
         psutil.cpu_percent(None)
+        failures = 0
         while not self.exit_requested.is_set():
-            started = time.monotonic()
+            started, unanswered = time.monotonic(), False
             try:
                 reply = HeartbeatReply.model_validate(self.client.call("POST", "/v1/heartbeat", self.report()))
                 self._acknowledge(reply.ack)
@@ -157,9 +164,16 @@ class Executor:
                     self.stop_ranks()
                     return 3
                 log.warning("heartbeat rejected: %s", exc)
+                unanswered = exc.status == 503  # the driver sheds load: soon again, not in a period
             except OSError as exc:
                 log.warning("driver unreachable (%s); ranks keep running", exc)
-            self._report_now.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
+                unanswered = True
+            failures = failures + 1 if unanswered else 0
+            if unanswered:
+                pause = min(RETRY_S[min(failures, len(RETRY_S)) - 1], self.heartbeat_s)
+            else:
+                pause = max(0.0, self.heartbeat_s - (time.monotonic() - started))
+            self._report_now.wait(pause)
             self._report_now.clear()
         self.stop_ranks()
         return 0  # the standbys end with this process (PR_SET_PDEATHSIG)

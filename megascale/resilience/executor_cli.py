@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from megascale.config.private_files import UnsafePathError
 from megascale.resilience.api import ApiClient, ApiError
 from megascale.resilience.credentials import SecretError, load_secret
-from megascale.resilience.executor import Executor
+from megascale.resilience.executor import REQUEST_TIMEOUT_S, Executor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     os.umask(0o077)  # what the executor and its ranks write is this user's only
     try:
         secret = load_secret(args.secret_dir, need_key=False)
-        client = ApiClient(args.driver, secret.token, secret.cert_pem)
+        client = ApiClient(args.driver, secret.token, secret.cert_pem, timeout_s=REQUEST_TIMEOUT_S)
         address = args.address or route_address(args.driver)
         workdir = Path(args.workdir) if args.workdir else default_workdir(args.node_id)
         executor = Executor(client, args.node_id, address, workdir, shared_network=args.shared_network)

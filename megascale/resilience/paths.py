@@ -45,6 +45,7 @@ from megascale.resilience.state import (
 )
 
 log = logging.getLogger("megascale.driver")
+REPROBES = 3  # a stop that reached no node is sent again this often (each after stop_timeout_s)
 
 
 class RecoveryPaths:
@@ -59,8 +60,8 @@ class RecoveryPaths:
             record["culprits"] = hang_culprits({n.node_id: self.reports.get(n.node_id, {})
                                                 for n in self.state.role(ACTIVE)})
             run_dir, layout = self.state.run_dir, dict(self.state.layout)
-            self._in_background(lambda: self.store.event("hang_analysis", {
-                "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}))
+            self._in_background("hang", lambda: self.store.event("hang_analysis", {
+                "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}), limited=False)
         if finding.node in self.state.nodes:
             self.state.nodes[finding.node].faults += 1
         if finding.kind == "manual_evict":
@@ -79,7 +80,7 @@ class RecoveryPaths:
         log.error("FAULT %s: %s -- stopping attempt %d", finding.kind, finding.detail, self.state.attempt)
         log.info("%s; recovery path: %s (%s)", check.describe(), path.path, path.reason)
         self.store.event("fault", record, now)
-        self.current_fault = record
+        self.current_fault, self.reprobes = record, 0
         if path.path == IN_PLACE:
             return self._pause(path, now)
         self.state.phase = STOPPING
@@ -103,10 +104,14 @@ class RecoveryPaths:
         return command["id"]
 
     def _phase_done(self, now: float) -> bool:
-        return now >= self.phase_deadline or all(c in self.results for c in self.waiting_for.values())
+        """Every command of the phase answered, or its deadline passed; a command that reached
+        no node at all (every node silent) is not done: it waits for the deadline."""
+        answered = bool(self.waiting_for) and all(c in self.results for c in self.waiting_for.values())
+        return answered or now >= self.phase_deadline
 
     def _tick_stopping(self, now: float) -> None:
-        if not self.waiting_for and now >= self.phase_deadline:  # after a driver restart
+        if not self.waiting_for and now >= self.phase_deadline and self.reprobes < REPROBES:
+            self.reprobes += 1  # after a driver restart, or a stop no node was there to get
             return self._broadcast_phase_command("stop", self._live_nodes(now), now, self.rcfg.stop_timeout_s)
         if not self._phase_done(now):
             return
@@ -117,10 +122,12 @@ class RecoveryPaths:
             self._evict_failed({}, {n: {"ok": True} for n in stopped}, now)
             return self._restart(now, check)
         live = [n for n in self._live_nodes(now) if n.node_id in stopped]
+        reached = {n.node_id for n in live}  # by id: `n in live` would compare every field, O(N) each
         # Lost active nodes are judged (no result) but not paired: a link test with a node that
         # cannot answer would only cost its neighbours a rendezvous timeout.
-        active, spares = self.state.role(ACTIVE), [n for n in self.state.role(SPARE) if n in live]
-        ring = [n for n in active if n in live] + spares
+        active = self.state.role(ACTIVE)
+        spares = [n for n in self.state.role(SPARE) if n.node_id in reached]
+        ring = [n for n in active if n.node_id in reached] + spares
         plan = selfcheck_plan.build(ring, self.state.ranks_per_node, self.rcfg)
         self.check_ring = [n.node_id for n in active + spares]
         self.state.phase = CHECKING
@@ -141,7 +148,8 @@ class RecoveryPaths:
 
     def _evict_failed(self, failed: dict[str, str], answered: dict[str, Any], now: float) -> None:
         """Evict the nodes the self-check failed, lost nodes (no heartbeat, or no answer to the
-        phase's command), the node of a manual eviction and nodes at `max_node_faults`."""
+        phase's command), the node of a manual eviction and nodes at `max_node_faults`. The state
+        is not saved per eviction (O(nodes) each): the caller's `_restart` saves it once."""
         fault = self.current_fault or {}
         for node in list(self.state.nodes.values()):
             if node.role == EVICTED:
@@ -155,9 +163,9 @@ class RecoveryPaths:
             if node.faults >= self.rcfg.max_node_faults:
                 why = why or f"{node.faults} faults blamed on it (resilience.max_node_faults)"
             if why:
-                self._evict(node, why)
+                self._evict(node, why, save=False)  # saved once, by the restart that follows
 
-    def _evict(self, node: Node, why: str) -> None:
+    def _evict(self, node: Node, why: str, save: bool = True) -> None:
         log.error("evicting %s (%s): %s", node.node_id, node.address, why)
         shared = any(n.address == node.address and n.role != EVICTED and n is not node
                      for n in self.state.nodes.values())
@@ -165,11 +173,13 @@ class RecoveryPaths:
         # join-token holder block a real spare's address in advance by registering it and going silent
         claimed = node.role == SPARE
         node.role, node.slot = EVICTED, -1
+        self.silence.forget(node.node_id)  # no longer watched: its silence is nobody's evidence
         if not shared and not claimed and node.address not in self.state.blocked:
             self.state.blocked.append(node.address)  # addresses shared (local mode) stay open
         self._send(node.node_id, "exit")
         self.store.event("evict", {"node": node.node_id, "address": node.address, "reason": why})
-        self._save()
+        if save:
+            self._save()
 
     def _restart(self, now: float, check: dict[str, Any] | None = None, reason: str = "") -> None:
         """Restart every rank (the path that always works): attempt k+1 on the nodes left."""

@@ -51,11 +51,6 @@ def error_lines(node: str, lines: Iterable[dict[str, Any]], keywords: list[str])
     return out
 
 
-def missing_heartbeats(last_seen: dict[str, float], now: float, window_s: float) -> list[Finding]:
-    return [Finding("heartbeat_lost", "fault", f"no heartbeat from {node} for {now - t:.1f} s", node)
-            for node, t in sorted(last_seen.items()) if now - t > window_s]
-
-
 @dataclass
 class HangRule:
     """No step progress while every rank lives. The window is learned: before `warmup` steps
@@ -107,40 +102,49 @@ class HangRule:
 
 @dataclass
 class SlowRule:
-    """Recent step times well above the baseline learned after warm-up: an alert only."""
+    """Recent step times well above the baseline learned after warm-up: an alert only.
+
+    Bounded whatever the run's length: only the attempt's earliest `warmup + baseline_steps`
+    steps (the baseline is among them: at most `warmup` distinct steps precede it) and its
+    newest `recent_steps` steps are kept, each with the slowest rank's time. Each observation
+    and each check costs O(warmup + baseline_steps + recent_steps), never O(steps seen)."""
 
     factor: float
     warmup: int
     baseline_steps: int = 4
     recent_steps: int = 4
-    times: dict[int, float] = field(default_factory=dict)
+    early: dict[int, float] = field(default_factory=dict)  # the smallest steps seen
+    late: dict[int, float] = field(default_factory=dict)  # the largest steps seen
     alerted: bool = False
 
     def reset(self) -> None:
-        self.times.clear()
+        self.early.clear()
+        self.late.clear()
         self.alerted = False
 
     @property
     def _first(self) -> int:
         """Warm-up counts from the attempt's first step (a resumed run starts past step 1)."""
-        return min(self.times) + self.warmup if self.times else 0
+        return min(self.early) + self.warmup if self.early else 0
 
     def observe(self, step: int, step_time: float) -> None:
-        self.times[step] = max(step_time, self.times.get(step, 0.0))  # the slowest rank's view
+        _keep(self.early, step, step_time, self.warmup + self.baseline_steps, largest=False)
+        _keep(self.late, step, step_time, self.recent_steps, largest=True)
 
     @property
     def baseline(self) -> float | None:
-        steps = sorted(s for s in self.times if s >= self._first)[: self.baseline_steps]
+        first = self._first
+        steps = sorted(s for s in self.early if s >= first)[: self.baseline_steps]
         if len(steps) < self.baseline_steps:
             return None
-        return statistics.median(self.times[s] for s in steps)
+        return statistics.median(self.early[s] for s in steps)
 
     def check(self) -> Finding | None:
         base = self.baseline
-        recent = sorted(self.times)[-self.recent_steps:]
+        recent = sorted(self.late)
         if base is None or recent[0] < self._first + self.baseline_steps:
             return None
-        now = statistics.median(self.times[s] for s in recent)
+        now = statistics.median(self.late[s] for s in recent)
         slow = now > self.factor * base
         fire = slow and not self.alerted
         self.alerted = slow
@@ -149,6 +153,21 @@ class SlowRule:
         return Finding("slow", "alert",
                        f"steps {recent[0]}-{recent[-1]} take {now:.3f} s, {now / base:.1f}x the "
                        f"baseline {base:.3f} s")
+
+
+def _keep(kept: dict[int, float], step: int, seconds: float, size: int, largest: bool) -> None:
+    """Add (step, seconds) to `kept`, the `size` smallest (or largest) steps seen, each with
+    its slowest time; O(size)."""
+    if step in kept:
+        kept[step] = max(seconds, kept[step])
+        return
+    if len(kept) < size:
+        kept[step] = seconds
+        return
+    edge = min(kept) if largest else max(kept)
+    if (step > edge) if largest else (step < edge):
+        del kept[edge]
+        kept[step] = seconds
 
 
 @dataclass

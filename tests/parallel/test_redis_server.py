@@ -67,8 +67,7 @@ def test_driver_clears_the_previous_attempts_keys(tmp_path, redis_server):
     state.nodes["n0"] = Node("n0", "127.0.0.1", "h", ACTIVE, 0)
     driver = Driver(cfg, state, JobStore(tmp_path / "s.sqlite"))
     driver._start_attempt(time.time())
-    for thread in driver.evidence_threads:
-        thread.join(60)
+    assert driver.background.drain(60)
     keys = redis.Redis.from_url(redis_server.url)
     assert keys.exists(attempt_prefix(job, 0) + "addr") == 0
     assert keys.exists(attempt_prefix(job, 1) + "addr") == 1

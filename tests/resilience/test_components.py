@@ -130,12 +130,15 @@ def test_a_tick_that_raises_is_logged_once_and_the_control_loop_goes_on(tmp_path
     driver.tick(time.time())
     assert state.phase == "running"
     driver.reports["n0"] = {"attempt": 0, "ranks": "abc"}
+    driver.attempt_watch.fresh.add("n0")  # as a heartbeat marks its report for the next tick
     stop = threading.Event()
     loop = threading.Thread(target=driver.run, args=(stop,), daemon=True)
     loop.start()
     time.sleep(1.0)  # four ticks, each failing the same way
     assert loop.is_alive() and caplog.text.count("control loop tick failed") == 1
-    driver.reports["n0"] = {"attempt": 0, "ranks": [{"rank": 0, "alive": False, "exitcode": 0, "step": 10}]}
+    with driver.lock:
+        driver.reports["n0"] = {"attempt": 0, "ranks": [{"rank": 0, "alive": False, "exitcode": 0, "step": 10}]}
+        driver.attempt_watch.fresh.add("n0")
     deadline = time.monotonic() + 5
     while state.phase != "complete" and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -162,6 +162,7 @@ def test_a_killed_process_restarts_without_a_selfcheck_and_the_phases_are_record
 def test_a_lost_node_still_gets_the_selfcheck(tmp_path):
     driver, now = started_driver(tmp_path, "--resilience.in_place=false")
     driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1)]))
+    driver.last_seen["node0"] = now + 5.5  # heard from lately, on the test's clock
     driver.tick(now + 6)  # node1 silent for longer than heartbeat_timeout_s (5 s)
     assert driver.state.phase == "stopping"
     answer_phase(driver, now + 6.5, {"ok": True, "stopped": 2})

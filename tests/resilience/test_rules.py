@@ -9,8 +9,8 @@ from megascale.resilience.rules import (
     error_lines,
     hang_rule,
     interface_bytes,
-    missing_heartbeats,
 )
+from megascale.resilience.silence import SilenceWatch
 
 
 def test_abnormal_exit_by_signal_or_code_but_not_success_or_running():
@@ -30,9 +30,22 @@ def test_error_keyword_matches_configured_keywords_only():
     assert error_lines("node1", lines, ["CUDA error"]) == []
 
 
-def test_heartbeats_missing_for_the_window():
-    found = missing_heartbeats({"a": 100.0, "b": 104.5}, now=105.0, window_s=3.0)
-    assert [f.node for f in found] == ["a"] and found[0].kind == "heartbeat_lost"
+def test_one_silent_node_is_lost_but_most_nodes_silent_together_is_nobodys_fault():
+    watch = SilenceWatch(timeout_s=3.0, fraction=0.5)
+    for node, t in (("a", 100.0), ("b", 104.5), ("c", 104.6)):
+        watch.last_seen[node] = t
+    assert watch.lost(105.0) == ([("a", 100.0)], 0.0) and not watch.correlated
+    assert watch.lost(108.0) == ([], 0.0) and watch.correlated  # all three: the driver's stall, or the network's
+    watch.last_seen["b"], watch.last_seen["c"] = 110.0, 110.0  # heartbeats are back, but not a's
+    assert watch.lost(110.5) == ([], 10.5) and not watch.correlated  # 10.5 s without evidence
+    watch.last_seen["b"], watch.last_seen["c"] = 112.0, 112.0
+    assert watch.lost(113.0)[0] == []  # a is judged from the episode's end
+    watch.last_seen["b"], watch.last_seen["c"] = 113.4, 113.4
+    assert watch.lost(113.6)[0] == [("a", 100.0)]
+    watch = SilenceWatch(timeout_s=4.0, fraction=0.5)  # last beats a period apart, then all stop
+    for node, t in (("a", 200.0), ("b", 200.6), ("c", 200.9)):
+        watch.last_seen[node] = t
+    assert watch.lost(204.1) == ([], 0.0) and watch.correlated  # a crossed first: not judged alone
 
 
 def test_hang_no_false_alarm_on_a_slow_first_step():

@@ -32,7 +32,7 @@ REQUEST_TIMEOUT_S = 1.0
 
 
 class LiveDriver:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, fd_limit: int = FD_LIMIT, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.run_dir = run_dir
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = run_dir.parent / "driver.log"
@@ -40,12 +40,12 @@ class LiveDriver:
                 "--ranks-per-node", "1", "--parallel.dp=1", "--train.steps=1000000", "--parallel.store=redis",
                 f"--parallel.redis_url=redis://:{REDIS_PASSWORD}@127.0.0.1:1/0",
                 "--resilience.hang_floor_s=3600", "--resilience.heartbeat_timeout_s=5",
-                "--resilience.startup_timeout_s=3600", f"--resilience.api_request_timeout_s={REQUEST_TIMEOUT_S}",
+                "--resilience.startup_timeout_s=3600", f"--resilience.api_request_timeout_s={request_timeout_s}",
                 f"--train.run_dir={run_dir}"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
-                                                                               (FD_LIMIT, FD_LIMIT)))
+                                                                               (fd_limit, fd_limit)))
         deadline = time.monotonic() + 60
         while not (run_dir / "resilience" / "driver.json").is_file():
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
@@ -109,6 +109,7 @@ class SimulatedNode(threading.Thread):
         self.start_command: dict[str, Any] | None = None
         self.results: dict[str, Any] = {}
         self.refused: list[str] = []  # heartbeats the driver answered with an error
+        self.answered: list[float] = []  # when each heartbeat's answer came (monotonic)
         self.credential = ""
 
     def run(self) -> None:
@@ -124,6 +125,7 @@ class SimulatedNode(threading.Thread):
                 continue
             except OSError:
                 continue  # a connection lost in a flood: the next beat tries again
+            self.answered.append(time.monotonic())
             for command in reply["commands"]:
                 if command["kind"] == "start":
                     self.start_command = command
