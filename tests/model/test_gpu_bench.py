@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SELECTED = "tiny parallel swa32 compile"
 
 
+@pytest.mark.slow
 def test_gpu_bench_dry_run(tmp_path, cpu_compiler):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "2"}
     done = subprocess.run(

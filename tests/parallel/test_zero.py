@@ -155,6 +155,7 @@ def _check_layout(layouts: list[dict]) -> None:
         assert out["bf16_comm"] and out["bf16_grad_ok"] and out["bf16_refresh_ok"]
 
 
+@pytest.mark.slow
 def test_dp2_matches_one_process(reference):
     # overlap changes when collectives run, not the arithmetic: one synchronous case suffices
     cases = [Case(dp=2, optim="adamw"), Case(dp=2, optim="lamb"),
@@ -162,6 +163,7 @@ def test_dp2_matches_one_process(reference):
     _check_layout(_run(2, cases, reference))
 
 
+@pytest.mark.slow
 def test_dp4_matches_one_process(reference):
     cases = [Case(dp=4, optim=o) for o in ("adamw", "lamb")]
     _check_layout(_run(4, cases, reference))
@@ -174,6 +176,7 @@ def test_reference_is_not_trivially_matched(reference):
     )
 
 
+@pytest.mark.slow
 def test_cli_nproc_2_reports_the_single_process_loss(tmp_path):
     """`megascale train --nproc 2` (torch.distributed.run, dp=2, ZeRO) logs the same global
     mean loss as one process on the same data and global batch."""
@@ -183,6 +186,7 @@ def test_cli_nproc_2_reports_the_single_process_loss(tmp_path):
     assert dp2 == pytest.approx(single, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_bf16_parameters_dp2_stay_close_to_one_process(tmp_path):
     """With bf16 parameters the dp reduction itself runs in bf16: losses stay within bf16's
     precision of the one-process run."""
