@@ -129,6 +129,7 @@ class MegascaleSide(Trainer):
             model = GPT(cfg.model)
         self.runner = build_runner(model, cfg, mesh)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.init_numerics()
 
     def bench_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         shape = (self.cfg.micro_batches, self.cfg.train.micro_batch, self.cfg.model.seq_len)

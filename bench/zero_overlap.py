@@ -65,6 +65,7 @@ class BenchTrainer(Trainer):
         torch.manual_seed(cfg.train.seed)
         self.runner = build_runner(GPT(cfg.model), cfg, mesh)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.init_numerics()
 
 
 def batches(cfg: JobConfig, dp_rank: int, count: int) -> list[TokenBatch]:

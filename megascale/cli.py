@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("megascale.resilience.cli", "run a job under the fault-tolerant driver"),
     "executor": ("megascale.resilience.executor_cli", "run a node's executor (started by a scheduler)"),
     "selfcheck": ("megascale.resilience.selfcheck_cli", "run node and network self-checks"),
-    "secret": ("megascale.resilience.credentials", "make a job's secret: driver token, TLS certificate and key"),
+    "secret": ("megascale.resilience.credentials", "make a job's secret: tokens, TLS certificate and key"),
     "report": ("megascale.diagnostics.cli", "analyse a run: heat map, stragglers, hangs, timeline"),
     "export": ("megascale.interop.export_cli", "write a checkpoint as a Hugging Face model directory"),
     "generate": ("megascale.interop.generate_cli", "text from a checkpoint or a Hugging Face model directory"),

@@ -332,26 +332,44 @@ class CheckpointManager:
         newest = candidates[0][1]["step"] if candidates else None
         if self.replicas is not None and mode == "auto" and self._resume_from_memory(self.comm.broadcast(newest)):
             return True
+        path = self._load_newest(fs, candidates)
+        if path is None:
+            if mode != "auto":
+                raise CheckpointError(f"checkpoint.resume={mode!r}: no valid checkpoint there (see the warnings above)")
+            log.info("no valid checkpoint under %s: starting from scratch", root)
+            return False
+        if posixpath.dirname(path) == open_root(self.root)[1]:
+            self.committed = (self.state.step, path)  # already here: the same state is not saved again
+        return True
+
+    def rollback(self) -> int | None:
+        """Restore the newest valid checkpoint of this run in place (a loss spike): wait for the
+        save in flight, load it into the live state; its step, or None when there is none."""
+        self._wait()
+        fs, root = open_root(self.root)
+        loaded = self._load_newest(fs, catalog.candidates(fs, root) if self.rank == 0 else [])
+        return None if loaded is None else self.state.step
+
+    def _load_newest(self, fs, candidates: list) -> str | None:
+        """Load the first of rank 0's `candidates` that loads on every rank; its path, or None."""
         while True:
             choice = self.comm.broadcast(candidates.pop(0) if candidates else None)
             if choice is None:
-                if mode != "auto":
-                    raise CheckpointError(f"checkpoint.resume={mode!r}: no valid checkpoint there "
-                                          "(see the warnings above)")
-                log.info("no valid checkpoint under %s: starting from scratch", root)
-                return False
+                return None
             path, manifest = choice
             try:
                 self._load(fs, path, manifest)
             except CheckpointError as exc:
-                log.warning("checkpoint %s cannot be used: %s -- trying the previous one",
-                            path, exc)
+                log.warning("checkpoint %s cannot be used: %s -- trying the previous one", path, exc)
                 continue
-            if posixpath.dirname(path) == open_root(self.root)[1]:
-                self.committed = (self.state.step, path)  # already here: the same state is not saved again
             if self.replicas is not None:
                 self.replicas.discard_after(self.state.step)
-            return True
+            return path
+
+    def last_good(self) -> str:
+        """The newest checkpoint this rank knows committed, said for an error message."""
+        known = self.committed and f"step {self.committed[0]} in {self.committed[1]}"
+        return known or ("none committed by this run" if self.rank == 0 else "named in rank 0's log")
 
     def _resume_from_memory(self, storage_step: int | None) -> bool:
         """Restore from the newest generation of peer copies that covers every rank, when it is at

@@ -8,6 +8,8 @@ it ($MEGASCALE_REDIS_PASSWORD_FILE, read by `ParallelConfig.redis_password`).
 
 from __future__ import annotations
 
+import os
+import secrets
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -15,7 +17,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import tomli_w
 
 from megascale.config.loader import to_dict, typed_config
-from megascale.config.private_files import private_dir, write_private
+from megascale.config.private_files import UnsafePathError, private_dir, read_secret, write_private
 from megascale.config.schema import REDIS_PASSWORD_FILE_ENV, JobConfig, redacted_url
 
 
@@ -48,6 +50,23 @@ def _with_password(url: str, password: str | None) -> str:
     parts = urlsplit(url)
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{quote(password, safe='')}@{host}"))
+
+
+def with_generated_password(url: str, keep: str | Path | None = None) -> str:
+    """`url` (a job's own redis-server, `parallel.redis_start`, configured without a password)
+    with a generated password in it: no job's Redis runs without one, as on loopback too every
+    local user could otherwise read and rewrite the rendezvous keys. With `keep`, the password
+    is made once into that 0600 file and read again from it (a restarted driver adopts the
+    server). Ranks never see the URL's password (`config_text` strips it)."""
+    if keep is None:
+        return _with_password(url, secrets.token_urlsafe(32))
+    keep = Path(keep)
+    if not os.path.lexists(keep):
+        write_private(keep, secrets.token_urlsafe(32))
+    password = read_secret(keep, "the job's Redis password").decode(errors="replace").strip()
+    if len(password) < 16:
+        raise UnsafePathError(f"{keep} holds no usable Redis password; remove it to make a new one")
+    return _with_password(url, password)
 
 
 def write_rank_files(directory: str | Path, text: str, password: str | None) -> tuple[Path, dict[str, str]]:

@@ -101,13 +101,18 @@ class ResilienceConfig:
     restart_budget: int = opt(10, "restarts allowed over the whole job")
     max_node_faults: int = opt(2, "faults blamed on one node before it is evicted anyway")
     spares: int = opt(0, "spare nodes that replace evicted ones")
+    spare_pool: int = opt(4, "node ids admitted beyond nodes + spares over the job's life (replacement "
+                             "nodes); any further new id is refused")
+    max_step_rate: float = opt(1000.0, "a rank's reported step may advance at most this many steps per "
+                                       "second since it last advanced (or since the job started); more is refused")
     stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")
     selfcheck_timeout_s: float = opt(60.0, "limit on the self-check diagnostics after a fault")
     selfcheck_expected: str = opt("", "JSON file of expected figures; \"\" = built-in floors")
     api_host: str = opt("127.0.0.1", "the driver's API address (127.0.0.1 unless executors run elsewhere)")
     api_port: int = opt(0, "0 = any free port (written to the state dir)")
     api_request_timeout_s: float = opt(10.0, "a client's TLS handshake, and each request, must finish within this")
-    secret_dir: str = opt("", "token + TLS certificate and key; \"\" = <run_dir>/resilience/secret, made if missing")
+    secret_dir: str = opt("", "join and operator tokens + TLS certificate and key; \"\" = "
+                              "<run_dir>/resilience/secret, made if missing")
     rendezvous_port: int = opt(0, "0 = a free port per attempt; else base + attempt")
     in_place: bool = opt(True, "recover by replacing only the failed ranks (the healthy ones stay alive, state "
                                "from peer memory); false: every fault restarts every rank")
@@ -130,7 +135,9 @@ class ResilienceConfig:
             raise ConfigError(
                 f"resilience.traffic_fall_ratio must be in (0, 1), got {self.traffic_fall_ratio}"
             )
-        for key in ("warmup_steps", "restart_budget", "spares", "standby"):
+        if self.max_step_rate <= 0:
+            raise ConfigError(f"resilience.max_step_rate must be > 0, got {self.max_step_rate}")
+        for key in ("warmup_steps", "restart_budget", "spares", "spare_pool", "standby"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
         if self.max_node_faults < 1:

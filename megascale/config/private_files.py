@@ -94,16 +94,38 @@ def write_private(path: str | Path, data: str | bytes) -> Path:
 
 def read_secret(path: str | Path, what: str) -> bytes:
     """The bytes of a secret file that other users cannot read or change (a link is followed:
-    Kubernetes mounts a Secret's keys as links into a private directory)."""
+    Kubernetes mounts a Secret's keys as links into a private directory). The type is checked
+    on the open descriptor before a byte is read: a FIFO planted in its place must not hang us."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UnsafePathError(f"{what} {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{what} {path} is not a regular file (a FIFO, device or directory); "
+                                  "replace it with the file itself")
+        if st.st_uid not in (0, os.geteuid()):
+            raise UnsafePathError(f"{what} {path} belongs to uid {st.st_uid}, not to this user or root")
+        if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
+            raise UnsafePathError(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can read "
+                                  f"or change it; chmod 600 {path}")
+        return f.read()
+
+
+def check_secret_dir(path: str | Path, what: str) -> None:
+    """A directory holding secrets: ours or root's, and no other user may add or swap its entries
+    (group/world-writable only with the sticky bit, as a Kubernetes Secret volume is mounted)."""
     path = Path(path)
     try:
         st = os.stat(path)
-        data = path.read_bytes()
     except OSError as exc:
         raise UnsafePathError(f"{what} {path}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafePathError(f"{what} {path} is not a regular file")
-    if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
-        raise UnsafePathError(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can read or "
-                              f"change it; chmod 600 {path}")
-    return data
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{what} {path} is not a directory")
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafePathError(f"{what} {path} belongs to uid {st.st_uid}, not to this user or root")
+    if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafePathError(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can replace "
+                              f"its files; chmod 700 {path}")

@@ -24,6 +24,10 @@ from megascale.config.operations import CheckpointConfig, DiagnosticsConfig, Res
 REDIS_PASSWORD_ENV = "MEGASCALE_REDIS_PASSWORD"
 REDIS_PASSWORD_FILE_ENV = "MEGASCALE_REDIS_PASSWORD_FILE"
 
+# Tokens per chunk of the head and loss: 1024 x vocabulary 128k is 0.5 GiB of fp32 logits, and
+# still a large GEMM (1024 rows) for a GPU.
+DEFAULT_LOSS_CHUNK = 1024
+
 
 def redacted_url(url: str, mask: str | None = "***") -> str:
     """`url` with its password replaced by `mask` (messages, logs, written configs), or removed
@@ -283,15 +287,29 @@ class TrainConfig:
     micro_batch: int = opt(4, "sequences per forward/backward on one rank")
     seed: int = opt(1234, "seed of the initial weights and of every rank's RNG")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto (CUDA when available), cpu or cuda")
-    dtype: Literal["fp32", "bf16"] = opt("fp32", "compute dtype: fp32, or bf16 (autocast)")
-    param_dtype: Literal["fp32", "bf16"] = opt(
-        "fp32", "parameters, gradients and their reduction in fp32 or bf16 (fp32 master shards either way)")
+    dtype: str = opt("fp32", "compute dtype: fp32, or bf16 (autocast); fp16 is refused (no loss scaler)")
+    param_dtype: str = opt(
+        "fp32", "parameters and their gradients in fp32 or bf16 (fp32 master weights and optimizer state either way)")
+    reduce_dtype: str = opt(
+        "fp32", "dtype of the data-parallel gradient reduce-scatter: fp32 (bf16 gradients widened first) or bf16")
+    max_skipped_steps: int = opt(
+        5, "stop after this many consecutive steps skipped for a non-finite gradient norm")
+    spike_action: Literal["log", "skip", "rollback"] = opt(
+        "log", "on a loss spike: log it, skip the step, or rollback (restore the last checkpoint, skip the data)")
+    spike_window: int = opt(50, "loss spikes: steps of recent losses the median and MAD are taken over")
+    spike_threshold: float = opt(6.0, "a spike: loss above median + this many robust deviations (1.4826 MAD)")
+    spike_skip_batches: int = opt(1, "rollback: batches skipped, ending with the spike's")
+    max_rollbacks: int = opt(3, "stop when a spike would roll back to the same checkpoint more than this many times")
     recompute: Literal["none", "full", "selective"] = opt(
         "none", "activation recomputation: none, selective (attention core) or full (whole blocks)")
     compile: bool = opt(False, "torch.compile each block (fuses LayerNorm, GeLU, residual adds)")
     fuse_input_gemm: bool = opt(
         False, "parallel block: QKV and MLP up-projection as one GEMM (tensor parallel always does)")
-    attention: Literal["auto", "sdpa", "flex"] = opt("auto", "attention kernel: auto, sdpa, or flex (CUDA only)")
+    attention: Literal["auto", "sdpa", "flex", "sliding"] = opt(
+        "auto", "attention kernel: auto, sdpa (SWA band-masked: O(s^2)), flex (CUDA only), or sliding "
+        "(SWA in query blocks, O(s*w), any device; auto's choice off CUDA)")
+    loss_chunk: int = opt(DEFAULT_LOSS_CHUNK, "tokens per chunk of the head and loss: whole logits never exist "
+                          "(a chunk's are loss_chunk x vocab/tp fp32 values)")
     eval_every: int = opt(50, "evaluate every N steps; 0 = never")
     eval_batches: int = opt(4, "batches per evaluation")
     log_every: int = opt(1, "progress line every N steps")
@@ -304,10 +322,28 @@ class TrainConfig:
         "online", "online, or offline: written under run_dir for a later `wandb sync`")
 
     def validate(self) -> None:
-        positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every"])
+        positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every", "max_skipped_steps",
+                                 "spike_skip_batches", "max_rollbacks", "loss_chunk"])
         for key in ("eval_every", "eval_batches", "gc_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("dtype", "param_dtype", "reduce_dtype"):
+            check_dtype(f"train.{key}", getattr(self, key))
+        if self.spike_window < 8:
+            raise ConfigError(f"train.spike_window must be >= 8 (a median of fewer losses is noise), "
+                              f"got {self.spike_window}")
+        if self.spike_threshold <= 0:
+            raise ConfigError(f"train.spike_threshold must be > 0, got {self.spike_threshold}")
+
+
+def check_dtype(key: str, value: str) -> None:
+    """fp32 or bf16. fp16 would need a dynamic loss scaler (its range is too small for
+    gradients), which megascale does not have: refused by name rather than trained badly."""
+    if value == "fp16":
+        raise ConfigError(f"{key}='fp16' is not supported: fp16 needs a dynamic loss scaler, which "
+                          "megascale does not offer; use 'bf16' (same memory, fp32's range, no scaler needed)")
+    if value not in ("fp32", "bf16"):
+        raise ConfigError(f"{key} must be one of ['fp32', 'bf16'], got {value!r}")
 
 
 @dataclass
@@ -340,6 +376,9 @@ class JobConfig:
                 f"train.global_batch={t.global_batch} must be a multiple of "
                 f"train.micro_batch * parallel.dp = {t.micro_batch} * {p.dp} = {per_step}"
             )
+        if t.spike_action == "rollback" and self.checkpoint.every <= 0:
+            raise ConfigError("train.spike_action='rollback' restores the last checkpoint: it needs "
+                              "checkpoint.every > 0 (or use spike_action='skip')")
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and self.micro_batches % p.pp:

@@ -75,6 +75,11 @@ class TrainLoader:
             self._credit.release()
         return batch
 
+    @property
+    def position(self) -> int:
+        """Batches handed out so far: the next batch's position in the data order."""
+        return self._step
+
     def state_dict(self) -> dict:
         return {"step": self._step, "consumed": ",".join(map(str, self._consumed)),
                 "fingerprint": self.fingerprint}

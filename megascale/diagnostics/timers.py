@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import os
 import socket
 import threading
 import time
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megascale.config.private_files import open_private
 
 KINDS = ("compute", "comm", "p2p", "data", "optimizer", "other")
 _NULL = nullcontext()
@@ -94,7 +97,7 @@ class Timers:
         if enabled and out_dir is not None:
             self.path = Path(out_dir) / "timers" / f"rank{rank:05d}.jsonl"
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - kept open
+            self._file = os.fdopen(open_private(self.path), "a", buffering=1 << 16)  # kept open; never a link
 
     # ---- recording -------------------------------------------------------------------------
     def span(self, name: str, kind: str = "compute", **attrs: Any) -> AbstractContextManager:

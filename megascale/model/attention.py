@@ -1,8 +1,10 @@
 """Causal self-attention, full or sliding-window, on whatever kernel the hardware has.
 
-Sliding-window attention (SWA): query i attends to keys i-w+1..i. On CPU a band mask through
-SDPA is exact and cheap enough; on GPU FlexAttention's block mask skips the blocks outside the
-band so the cost really is O(s*w). The choice of kernel never changes the result (tests check
+Sliding-window attention (SWA): query i attends to keys i-w+1..i, at a cost of O(s*w) on every
+device: on CUDA FlexAttention's block mask skips the blocks outside the band; everywhere else
+the sliding-chunks kernel (`sliding_window.py`, plain PyTorch, forward and backward) computes
+only each query block's window. SDPA with a dense band mask is the reference (O(s^2): slower
+than full causal attention). The choice of kernel never changes the result (tests check
 parity), only the speed.
 """
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megascale.model.eager_cache import eager_cache
+from megascale.model.sliding_window import sliding_window_attention
 
 
 @eager_cache(maxsize=16)
@@ -77,8 +80,11 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, kernel: str = "auto"
 ) -> torch.Tensor:
-    """Dispatch to a kernel. `auto`: SDPA (FlashAttention on GPU) for full causal attention,
-    FlexAttention for SWA on CUDA, the band-masked SDPA for SWA elsewhere."""
+    """Dispatch to a kernel. `auto`: SDPA (FlashAttention on GPU) for full causal attention and
+    for windows as long as the sequence; for SWA, FlexAttention on CUDA and the sliding-chunks
+    kernel elsewhere. `sliding`: that kernel on any device. `sdpa`: SDPA, band-masked for SWA."""
     if kernel == "flex" or (kernel == "auto" and window is not None and q.is_cuda):
         return flex_attention(q, k, v, window)
+    if kernel in ("auto", "sliding") and window is not None and window < q.shape[-2]:
+        return sliding_window_attention(q, k, v, window)
     return sdpa_attention(q, k, v, window)

@@ -63,6 +63,14 @@ def set_attention_kernel(module: nn.Module, kernel: str) -> None:
             sub.kernel = kernel
 
 
+def set_loss_chunk(module: nn.Module, tokens: int) -> None:
+    """Tokens per chunk of the head and loss (train.loss_chunk) for every head in `module`: the
+    model's `Head` or the tensor-parallel one, both of which carry `loss_chunk`."""
+    for sub in module.modules():
+        if hasattr(sub, "loss_chunk"):
+            sub.loss_chunk = tokens
+
+
 def _items(blocks):
     return list(blocks.items()) if isinstance(blocks, nn.ModuleDict) else list(enumerate(blocks))
 

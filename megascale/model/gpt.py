@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megascale.config.schema import ModelConfig
+from megascale.config.schema import DEFAULT_LOSS_CHUNK, ModelConfig
 from megascale.model.attention import causal_attention
 from megascale.model.init import initial_value
+from megascale.model.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the labels' ignore value
+from megascale.model.loss import chunked_cross_entropy
 from megascale.model.rotary import apply_rotary, rotary_tables, scaling_key
-
-IGNORE_INDEX = -100
 
 
 class Embedding(nn.Module):
@@ -164,12 +164,14 @@ def _joined_bias(*layers: nn.Linear) -> torch.Tensor | None:
 
 
 class Head(nn.Module):
-    """Final norm, vocabulary projection and the summed token loss."""
+    """Final norm, vocabulary projection and the summed token loss. The loss runs the projection
+    `loss_chunk` tokens at a time (`train.loss_chunk`): whole logits never exist in training."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = make_norm(cfg)
         self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.loss_chunk = DEFAULT_LOSS_CHUNK
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(h))
@@ -177,10 +179,8 @@ class Head(nn.Module):
     def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum (not mean) of token losses: the trainer divides by the global token count, so
         the loss is the true mean over the global batch whatever the layout."""
-        logits = self.logits(h).float()
-        return F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        x = self.norm(h).flatten(0, 1)
+        return chunked_cross_entropy(x, self.out.weight, labels.flatten(), self.loss_chunk)
 
 
 class GPT(nn.Module):

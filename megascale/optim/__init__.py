@@ -6,10 +6,11 @@ from collections.abc import Iterable
 
 import torch
 
+from megascale.config import ConfigError
 from megascale.config.schema import OptimConfig
 from megascale.layout.shard import shard_spec
 from megascale.optim.lamb import Lamb
-from megascale.optim.norms import clip_grad_norm_, global_grad_norm, whole_sq_norms
+from megascale.optim.norms import clip_grad_norm_, clip_to_norm_, global_grad_norm, whole_sq_norms
 from megascale.optim.schedule import lr_at
 
 
@@ -27,6 +28,11 @@ def build_optimizer(
     decay: list[torch.Tensor] = []
     no_decay: list[torch.Tensor] = []
     for name, tensor in named:
+        if tensor.dtype != torch.float32 and tensor.dtype != torch.float64:
+            raise ConfigError(
+                f"optim.name={cfg.name!r} would step on {name} in {tensor.dtype} and keep its state in it: "
+                "the optimizer needs fp32 master weights (train.param_dtype=bf16 keeps them in the ZeRO "
+                "shards; an optimizer given the bf16 parameters themselves cannot)")
         (decay if decays(name, tensor) else no_decay).append(tensor)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
@@ -39,6 +45,6 @@ def build_optimizer(
 
 
 __all__ = [
-    "Lamb", "build_optimizer", "clip_grad_norm_", "decays", "global_grad_norm", "lr_at",
+    "Lamb", "build_optimizer", "clip_grad_norm_", "clip_to_norm_", "decays", "global_grad_norm", "lr_at",
     "whole_sq_norms",
 ]

@@ -60,9 +60,14 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients so that their global norm is at most `max_norm`; returns the norm before."""
     norm = global_grad_norm(params, across)
+    clip_to_norm_(params, max_norm, norm)
+    return norm
+
+
+def clip_to_norm_(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale gradients whose global norm is `norm` (from `global_grad_norm`) to at most `max_norm`."""
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale.to(grads[0].device))
-    return norm

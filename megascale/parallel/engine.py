@@ -2,8 +2,9 @@
 
 `build_runner` applies parallelism from outside the model, in a fixed order: tensor parallel
 (layers replaced by sharded ones), pipeline split (keep this rank's chunks), materialization of
-what this rank kept, ZeRO-2 over dp (per chunk), then the speed-only block transformations. The
-trainer only sees the `ModelRunner` it returns (`parallel/runner.py`).
+what this rank kept, ZeRO-2 over dp (per chunk; at dp = 1 over a group of one: it holds the fp32
+master weights in every layout), then the speed-only block transformations. The trainer only
+sees the `ModelRunner` it returns (`parallel/runner.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megascale.config.schema import JobConfig
-from megascale.model.efficiency import apply_compile, apply_recompute, fuse_parallel_gemms, set_attention_kernel
+from megascale.model.efficiency import (
+    apply_compile,
+    apply_recompute,
+    fuse_parallel_gemms,
+    set_attention_kernel,
+    set_loss_chunk,
+)
 from megascale.model.init import SeededValues, ValueSource
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
@@ -32,6 +39,7 @@ def build_runner(model: nn.Module, cfg: JobConfig, mesh=None, values: ValueSourc
     runner = _parallel_runner(model, cfg, mesh, values or SeededValues(cfg.model, cfg.train.seed))
     for chunk in runner.chunks:
         set_attention_kernel(chunk, cfg.train.attention)
+        set_loss_chunk(chunk, cfg.train.loss_chunk)
         blocks = getattr(chunk, "blocks", None)
         if blocks is None:
             continue
@@ -54,8 +62,8 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
         runner = ModelRunner([model], cfg, mesh)
     device = mesh.device if mesh is not None else torch.device("cpu")
     materialize(runner.chunks, values, device)  # only what this rank kept
-    if distributed and mesh.dp_size > 1:
-        runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)  # ZeRO-2 per chunk
+    # ZeRO-2 per chunk; at dp = 1 a group of one, still the home of the fp32 masters
+    runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
     return runner
 
 

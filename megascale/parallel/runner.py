@@ -31,7 +31,7 @@ class ModelRunner:
         self.chunks = chunks
         self.cfg = cfg
         self.mesh = mesh
-        self.grad_sync = None  # set by ZeRO: reduce-scatter after backward, all-gather after step
+        self.grad_sync = None  # build_runner sets ZeRO (the fp32 masters, any dp): reduce-scatter, all-gather
         self._sp_partial: list[torch.Tensor] | None = None  # optimizer tensors with partial grads
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -15,9 +15,11 @@ Layout (Megatron TP + SP; activations `[batch, seq, hidden]`):
 - parallel block: its fused GEMMs (`Block.fuse_gemms`, always on under TP) gather the one
   norm output once and reduce-scatter both branches once (GPT-NeoX's variant, a norm per
   branch, gathers and reduce-scatters each branch);
-- embedding and head split along the vocabulary when tp divides it (the loss is computed
-  from vocabulary-split logits, `tp_comm.vocab_parallel_cross_entropy`); otherwise replicated
-  and, under SP, applied to the local sequence slice only.
+- embedding and head split along the vocabulary when tp divides it: the chunked loss
+  (`model/loss.py`) runs on this rank's rows of the head, its per-token log-sum-exp and target
+  merged over tp (`tp_comm.vocab_combine`), so no rank holds whole logits, nor even its
+  vocabulary slice of them for more than one chunk; otherwise replicated and, under SP, applied
+  to the local sequence slice only.
 
 With SP, replicated parameters used on a sequence slice (LayerNorms, row-parallel biases,
 learned positions, a replicated embedding/head) get a partial gradient on each rank; their
@@ -37,16 +39,18 @@ from torch import nn
 from megascale.config.schema import ParallelConfig, check_tensor_parallel
 from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import ShardSpec, set_shard_spec, shard_spec, tp_slice
-from megascale.model.gpt import GPT, IGNORE_INDEX, Embedding, Head, Linear
+from megascale.model.gpt import GPT, Embedding, Head, Linear
+from megascale.model.loss import chunked_cross_entropy
 from megascale.parallel.collective_gemm import all_gather_matmul, matmul_reduce_scatter
 from megascale.parallel.tp_comm import (
     TPContext,
     copy_to_tp,
     gather_replicated,
+    gather_seq,
     reduce_from_tp,
     reduce_scatter_seq,
     split_along,
-    vocab_parallel_cross_entropy,
+    vocab_combine,
 )
 
 
@@ -120,33 +124,29 @@ class TPHead(nn.Module):
 
     def __init__(self, head: Head, tp: TPContext, vocab_parallel: bool) -> None:
         super().__init__()
-        self.norm, self.out = head.norm, head.out
+        self.norm, self.out, self.loss_chunk = head.norm, head.out, head.loss_chunk
         self.tp, self.vocab_parallel = tp, vocab_parallel
 
-    def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-parallel: `[b, s, V/tp]`; replicated: `[b, s/tp or s, V]`."""
+    def _whole_sequence(self, h: torch.Tensor) -> torch.Tensor:
+        """The normed input of vocabulary-parallel rows: every token, the gradient summed over tp."""
         x = self.norm(h)
-        if not self.vocab_parallel:
-            return self.out(x)
-        if self.tp.sequence_parallel:
-            return all_gather_matmul(x, self.out.weight, None, self.tp)
-        return F.linear(copy_to_tp(x, self.tp), self.out.weight)
+        return gather_seq(x, self.tp) if self.tp.sequence_parallel else copy_to_tp(x, self.tp)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Whole `[b, s, V]` logits on every rank (for inspection; training never gathers)."""
-        z = self._local_logits(h)
+        """Whole `[b, s, V]` logits on every rank (for inspection; training never forms them)."""
         if self.vocab_parallel:
-            return gather_replicated(z, -1, self.tp)
+            return gather_replicated(F.linear(self._whole_sequence(h), self.out.weight), -1, self.tp)
+        z = self.out(self.norm(h))
         return gather_replicated(z, 1, self.tp) if self.tp.sequence_parallel else z
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        z = self._local_logits(h).float()
         if self.vocab_parallel:
-            return vocab_parallel_cross_entropy(z.flatten(0, 1), labels.flatten(), self.tp).sum()
+            weight = self.out.weight
+            return chunked_cross_entropy(self._whole_sequence(h).flatten(0, 1), weight, labels.flatten(),
+                                         self.loss_chunk, self.tp.rank * weight.shape[0], vocab_combine(self.tp))
         if self.tp.sequence_parallel:
             labels = split_along(labels, 1, self.tp)
-        loss = F.cross_entropy(z.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        loss = chunked_cross_entropy(self.norm(h).flatten(0, 1), self.out.weight, labels.flatten(), self.loss_chunk)
         return reduce_from_tp(loss, self.tp) if self.tp.sequence_parallel else loss
 
 

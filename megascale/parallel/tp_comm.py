@@ -7,8 +7,8 @@ backward) in front of a column-parallel layer, `reduce_from_tp` (all-reduce forw
 backward) behind a row-parallel one. Every wait on a collective is a `comm` timer span, so the
 communication that is *exposed* (not hidden behind compute) is what the timers report.
 
-`vocab_parallel_cross_entropy` computes the loss of vocabulary-split logits without ever
-gathering them: three per-token reductions (max, sum of exponentials, target logit) over tp.
+`vocab_combine` lets the chunked loss (`model/loss.py`) run on vocabulary-split weights without
+ever gathering logits: per chunk, one all-gather of each token's local log-sum-exp and target.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from megascale.diagnostics.timers import get_timers
-from megascale.model.gpt import IGNORE_INDEX
 
 # Recent PyTorch names the tensor collectives *_single; older releases (pyproject accepts 2.6+)
 # only have *_tensor. ZeRO uses these too.
@@ -151,6 +150,20 @@ class _ReduceScatterSeq(Function):
         return gather_along(grad, 1, ctx.tp), None
 
 
+class _GatherSeq(Function):
+    """All-gather along the sequence for a consumer that works on vocabulary slices (the chunked
+    loss); the backward sums every rank's partial gradient and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return gather_along(x, 1, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_along(grad.contiguous(), 1, ctx.tp), None
+
+
 class _GatherReplicated(Function):
     """Gather pieces along `dim` for a consumer that every rank runs identically (logits for
     inspection): the gradient of this rank's piece is its slice of the replicated gradient."""
@@ -177,44 +190,21 @@ def reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return x if tp.group is None else _ReduceScatterSeq.apply(x, tp)
 
 
+def gather_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return x if tp.group is None else _GatherSeq.apply(x, tp)
+
+
 def gather_replicated(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
     return x if tp.group is None else _GatherReplicated.apply(x, dim, tp)
 
 
-class _VocabParallelCrossEntropy(Function):
-    """Per-token loss of logits split along the vocabulary; the same values on every tp rank.
+def vocab_combine(tp: TPContext):
+    """For `model.loss.chunked_cross_entropy` on vocabulary-split weights: each token's
+    log-sum-exp and target logit over the whole vocabulary from every rank's slice, with one
+    all-gather (logsumexp of the log-sum-exps; the target is on one rank, 0 on the others)."""
 
-    The gradient is this rank's slice of softmax - onehot(target), so nothing is gathered."""
+    def combine(lse: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = start_all_gather(torch.stack([lse, target]), tp).wait()  # [tp, 2, tokens]
+        return torch.logsumexp(both[:, 0], 0), both[:, 1].sum(0)
 
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, tp: TPContext) -> torch.Tensor:
-        local_vocab = logits.shape[-1]
-        start = tp.rank * local_vocab
-        logits_max = all_reduce(logits.detach().amax(-1), tp.group, dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
-        exp = shifted.exp()
-        local = labels - start
-        inside = (local >= 0) & (local < local_vocab)
-        index = local.clamp(0, local_vocab - 1).unsqueeze(-1)
-        target = shifted.gather(-1, index).squeeze(-1) * inside
-        sums = all_reduce(torch.stack([exp.sum(-1), target]), tp.group)  # one collective for both
-        valid = labels != IGNORE_INDEX
-        loss = (sums[0].log() - sums[1]) * valid
-        softmax = exp.div_(sums[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, index, inside, valid)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        softmax, index, inside, valid = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, index, -inside.unsqueeze(-1).to(grad.dtype))
-        grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, tp: TPContext
-) -> torch.Tensor:
-    """Per-token cross-entropy (0 where `labels == -100`) of `[..., vocab/tp]` logits."""
-    return _VocabParallelCrossEntropy.apply(logits, labels, tp)
+    return combine

@@ -1,11 +1,19 @@
-"""ZeRO-2 over the data-parallel group, per model chunk, with the collectives overlapped.
+"""ZeRO-2 over the data-parallel group, per model chunk, with the collectives overlapped; the
+home of the fp32 master weights in every layout (dp = 1 is ZeRO over a group of one).
 
 Parameters stay whole (replicated over dp) in the model, so forward and backward are the
 single-process code. Gradients are reduce-scattered into per-rank fp32 shards and the optimizer
 (with its state) only sees this rank's shards; after the step the updated shards are
-all-gathered back into the parameters. Both collectives run in the parameters' dtype: with
-`train.param_dtype = "bf16"` they move half the bytes, and only the fp32 master shards and
-their gradients are kept in full precision.
+all-gathered back into the parameters. The shards are the fp32 master weights: with
+`train.param_dtype = "bf16"` the parameters are bf16 copies rounded once per step from them,
+so an update too small for bf16 still accumulates in fp32 (and so do the optimizer's moments,
+created like the tensors they belong to). The reduce-scatter runs in `train.reduce_dtype`
+(fp32 by default: bf16 gradients are widened before they are summed), the all-gather in the
+parameters' dtype (bf16 moves half the bytes). At dp = 1 there is no collective: a shard is
+the whole (tensor-parallel slice of the) parameter, shaped like it; gradients are copied into
+the fp32 shard gradients, and the masters rounded into the parameters. With fp32 parameters at
+dp = 1 the parameter *is* its master (it views the shard's storage), so nothing is copied back
+and nothing is held twice.
 
 Layout: a chunk's parameters are packed, in backward order, into buckets. Inside a bucket each
 parameter (its tensor-parallel slice, flattened and zero-padded to a multiple of dp) is cut into
@@ -38,6 +46,17 @@ from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import set_shard_spec, shard_spec
 from megascale.parallel.tp_comm import all_gather_single, reduce_scatter_single
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _shared(numel: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> list[torch.Tensor]:
+    """`numel`-element buffers of each dtype over one allocation: the reduce-scatter input and
+    the all-gather output of a bucket are never in use at once (a chunk's gather is waited for
+    before its first forward, its reduce-scatter starts after its last backward)."""
+    size = max(torch.empty((), dtype=d).element_size() for d in dtypes)
+    raw = torch.zeros(numel * size, dtype=torch.uint8, device=device)
+    return [raw.view(d)[:numel] for d in dtypes]
+
 
 @dataclass
 class _Slot:
@@ -55,10 +74,12 @@ class _Slot:
 class _Bucket:
     slots: list[_Slot]
     region: int  # elements per rank
-    flat: torch.Tensor  # [dp * region]: reduce-scatter input, all-gather output
     shard: torch.Tensor  # [region] fp32 master values (the optimizer steps on views of it)
     grad: torch.Tensor  # [region] fp32 dp-summed gradients
-    low: torch.Tensor | None = None  # [region] in the communication dtype when it is not fp32
+    send: torch.Tensor  # [dp * region] reduce-scatter input in the reduce dtype (dp = 1: grad)
+    recv: torch.Tensor  # [region] reduce-scatter output in the reduce dtype (grad when fp32)
+    gathered: torch.Tensor  # [dp * region] all-gather output in the parameters' dtype (shares send's memory)
+    low: torch.Tensor  # [region] all-gather input: the masters in the parameters' dtype (shard when fp32)
     ready: int = 0  # slots whose gradient is final this step
     work: dist.Work | None = None
     launched: bool = False
@@ -68,6 +89,7 @@ class _Bucket:
 class _Chunk:
     buckets: list[_Bucket]
     fresh: bool = True  # parameters hold the latest shards
+    aliased: bool = False  # dp = 1 and fp32: the parameters are their masters, always fresh
     gather: list[dist.Work] | None = None  # in-flight all-gather
     hooks: list = field(default_factory=list)
 
@@ -75,17 +97,12 @@ class _Chunk:
 class ZeroGradSync:
     """The `grad_sync` hooks of a runner: ZeRO-2 sharding of gradients and optimizer state."""
 
-    def __init__(
-        self,
-        chunks: list[nn.Module],
-        cfg: JobConfig,
-        mesh,
-    ):
-        if mesh.dp_size < 2:
-            raise ValueError("ZeRO shards over data parallelism: it needs parallel.dp >= 2")
-        self.group = mesh.dp_group
-        self.dp = mesh.dp_size
-        self.dp_rank = mesh.dp_rank
+    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh=None):
+        """`mesh` None (or dp = 1): the group of one, with no collective."""
+        self.group = None if mesh is None else mesh.dp_group
+        self.dp = 1 if mesh is None else mesh.dp_size
+        self.dp_rank = 0 if mesh is None else mesh.dp_rank
+        self.reduce_dtype = REDUCE_DTYPES[cfg.train.reduce_dtype]
         self.overlap = cfg.parallel.dp_overlap
         self.expected_backwards = cfg.micro_batches
         bucket_numel = max(1, int(cfg.parallel.dp_bucket_mb * 2**20) // 4)  # fp32 elements per rank
@@ -105,7 +122,7 @@ class ZeroGradSync:
             region += piece
         if current:
             buckets.append(self._build_bucket(current, region))
-        chunk = _Chunk(buckets)
+        chunk = _Chunk(buckets, aliased=self.dp == 1 and all(p.dtype == torch.float32 for _, p in params))
         if self.overlap:
             for bucket in buckets:
                 for slot in bucket.slots:
@@ -115,24 +132,31 @@ class ZeroGradSync:
 
     def _build_bucket(self, slots: list[_Slot], region: int) -> _Bucket:
         device = slots[0].param.device
-        comm = slots[0].param.dtype  # gradients reduced and parameters gathered in their dtype
-        bucket = _Bucket(
-            slots=slots,
-            region=region,
-            flat=torch.zeros(self.dp * region, dtype=comm, device=device),
-            shard=torch.zeros(region, dtype=torch.float32, device=device),
-            grad=torch.zeros(region, dtype=torch.float32, device=device),
-            low=None if comm == torch.float32 else torch.zeros(region, dtype=comm, device=device),
-        )
+        param_dtype = slots[0].param.dtype  # parameters are gathered in their dtype
+        shard = torch.zeros(region, dtype=torch.float32, device=device)
+        grad = torch.zeros(region, dtype=torch.float32, device=device)
+        if self.dp == 1:  # no collective: gradients go straight into fp32, masters into the parameters
+            send, recv, gathered, low = grad, grad, shard, shard
+        else:
+            send, gathered = _shared(self.dp * region, (self.reduce_dtype, param_dtype), device)
+            recv = grad if self.reduce_dtype == torch.float32 else torch.zeros_like(grad, dtype=self.reduce_dtype)
+            low = shard if param_dtype == torch.float32 else torch.zeros_like(shard, dtype=param_dtype)
+        bucket = _Bucket(slots, region, shard, grad, send, recv, gathered, low)
         for slot in slots:
             p = slot.param
-            shard = bucket.shard[slot.offset: slot.offset + slot.piece]
+            piece = shard[slot.offset: slot.offset + slot.piece]
             with torch.no_grad():
-                shard.copy_(self._pieces(p.detach().reshape(-1), slot.piece)[self.dp_rank])
-            start = self.dp_rank * slot.piece
-            spec = shard_spec(p).with_flat_range(start, start + slot.piece).split_over(self.group)
-            set_shard_spec(shard, spec)
-            slot.shard = shard
+                piece.copy_(self._pieces(p.detach().reshape(-1), slot.piece)[self.dp_rank])
+            if self.dp == 1:  # the whole (tp slice of the) parameter, shaped like it
+                piece = piece.view(p.shape)
+                spec = shard_spec(p)
+                if p.dtype == torch.float32:
+                    p.data = piece  # the parameter is its own master: one copy, none made per step
+            else:
+                start = self.dp_rank * slot.piece
+                spec = shard_spec(p).with_flat_range(start, start + slot.piece).split_over(self.group)
+            set_shard_spec(piece, spec)
+            slot.shard = piece
         return bucket
 
     def _pieces(self, flat: torch.Tensor, piece: int) -> torch.Tensor:
@@ -164,7 +188,9 @@ class ZeroGradSync:
         timers = get_timers()
         for chunk in self._chunks:
             for bucket in chunk.buckets:
-                if not bucket.launched:
+                if not bucket.launched and self.dp == 1:
+                    self._launch_reduce_scatter(bucket)  # a copy into fp32, no collective
+                elif not bucket.launched:
                     with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
                                      group="dp"):
                         self._launch_reduce_scatter(bucket)
@@ -172,17 +198,17 @@ class ZeroGradSync:
                     with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
                                      group="dp"):
                         bucket.work.wait()
-                if bucket.low is not None:
-                    bucket.grad.copy_(bucket.low)  # the fp32 shard gradient the optimizer reads
+                if bucket.recv is not bucket.grad:
+                    bucket.grad.copy_(bucket.recv)  # the fp32 shard gradient the optimizer reads
                 bucket.work, bucket.launched, bucket.ready = None, False, 0
                 for slot in bucket.slots:
-                    slot.shard.grad = bucket.grad[slot.offset: slot.offset + slot.piece]
+                    slot.shard.grad = bucket.grad[slot.offset: slot.offset + slot.piece].view_as(slot.shard)
                     slot.hook_calls = 0
 
     def after_step(self) -> None:
         """The shards were updated: refresh the parameters (chunk 0 now, the rest on demand)."""
         for chunk in self._chunks:
-            chunk.fresh = False
+            chunk.fresh = chunk.aliased
         if self.overlap:
             self._start_gather(0)
             return
@@ -219,7 +245,7 @@ class ZeroGradSync:
     def _launch_reduce_scatter(self, bucket: _Bucket) -> None:
         if bucket.launched:
             return
-        rows = bucket.flat.view(self.dp, bucket.region)
+        rows = bucket.send.view(self.dp, bucket.region)
         for slot in bucket.slots:
             dest = rows[:, slot.offset: slot.offset + slot.piece]
             grad = slot.param.grad
@@ -229,8 +255,8 @@ class ZeroGradSync:
             dest.copy_(self._pieces(grad.reshape(-1), slot.piece))
             slot.param.grad = None  # ZeRO-2: only the shard's gradient outlives the step
         bucket.launched = True
-        out = bucket.grad if bucket.low is None else bucket.low
-        bucket.work = reduce_scatter_single(out, bucket.flat, group=self.group, async_op=self.overlap)
+        if self.dp > 1:
+            bucket.work = reduce_scatter_single(bucket.recv, bucket.send, group=self.group, async_op=self.overlap)
 
     # ------------------------------------------------------------------ all-gather
     def _start_gather(self, index: int) -> None:
@@ -239,11 +265,11 @@ class ZeroGradSync:
             return
         works = []
         for bucket in chunk.buckets:
-            source = bucket.shard
-            if bucket.low is not None:
-                source = bucket.low
-                source.copy_(bucket.shard)  # the updated master values, rounded once
-            works.append(all_gather_single(bucket.flat, source, group=self.group, async_op=True))
+            if self.dp == 1:
+                continue  # the masters are rounded into the parameters when waited for
+            if bucket.low is not bucket.shard:
+                bucket.low.copy_(bucket.shard)  # the updated master values, rounded once
+            works.append(all_gather_single(bucket.gathered, bucket.low, group=self.group, async_op=True))
         chunk.gather = works
 
     @torch.no_grad()
@@ -252,11 +278,12 @@ class ZeroGradSync:
         if chunk.fresh:
             return
         self._start_gather(index)
-        with get_timers().span("dp.all_gather", kind="comm", op="all_gather", group="dp"):
-            for work in chunk.gather:
-                work.wait()
+        if chunk.gather:
+            with get_timers().span("dp.all_gather", kind="comm", op="all_gather", group="dp"):
+                for work in chunk.gather:
+                    work.wait()
         for bucket in chunk.buckets:
-            rows = bucket.flat.view(self.dp, bucket.region)
+            rows = bucket.gathered.view(self.dp, bucket.region)
             for slot in bucket.slots:
                 p = slot.param
                 values = rows[:, slot.offset: slot.offset + slot.piece].reshape(-1)

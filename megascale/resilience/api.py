@@ -1,14 +1,15 @@
 """The driver's HTTPS API, and the client executors and operators use.
 
-Every request carries `Authorization: Bearer <token>` (compared in constant time) inside TLS;
+Every request carries `Authorization: Bearer <credential>` (compared in constant time) inside TLS:
+the operator token, the join token (registration), or the node's own credential (`identity.py`);
 the client accepts only the job's own certificate (pinned from the secret directory, see
 `credentials.py`), so the token never reaches a server that does not hold the driver's key.
 The server (`api_server.py`) binds to loopback unless configured otherwise. Executors only make
 outbound calls (register, heartbeat; commands come back in the reply), so a node behind NAT or
 in a pod needs no open port. Bodies are checked against `protocol.py` on receipt.
 
-    POST /v1/register   executor -> driver   {node_id, address, host, pid}
-    POST /v1/heartbeat  executor -> driver   the node's report; reply {commands: [...]}
+    POST /v1/register   executor -> driver   {node_id, address, host, pid}; reply has its credential
+    POST /v1/heartbeat  executor -> driver   the node's report (its credential); reply {commands: [...]}
     GET  /v1/status     operator             job state, nodes, faults, alerts, ETTR so far
     POST /v1/evict      operator             {node_id, reason}: stop, evict, resume
     POST /v1/stop       operator             stop the job (ranks killed, executors exit)
@@ -54,11 +55,12 @@ class ApiClient:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_run(cls, run_dir: str | Path, timeout_s: float = 5.0) -> ApiClient:
-        """The client of the driver serving RUN_DIR (from its driver.json and secret directory)."""
+    def for_run(cls, run_dir: str | Path, timeout_s: float = 5.0, operator: bool = True) -> ApiClient:
+        """The operator's client of the driver serving RUN_DIR (from its driver.json and secret
+        directory); `operator=False`: an executor's, with the join token."""
         info = json.loads((Path(run_dir) / "resilience" / "driver.json").read_text())
-        secret = load_secret(info["secret_dir"], need_key=False)
-        return cls(info["url"], secret.token, secret.cert_pem, timeout_s)
+        secret = load_secret(info["secret_dir"], need_key=False, operator=operator)
+        return cls(info["url"], secret.operator if operator else secret.token, secret.cert_pem, timeout_s)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import http
 import json
 import logging
@@ -32,10 +31,11 @@ from typing import Any
 import h11
 from pydantic import BaseModel, ValidationError
 
+from megascale.resilience.identity import Principal
 from megascale.resilience.protocol import first_error
 
 log = logging.getLogger("megascale.api")
-Handler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
+Handler = Callable[[dict[str, Any], Principal], tuple[int, dict[str, Any]]]
 RESERVED_FDS = 128  # the driver's own files: SQLite, logs, executors' pipes, evidence readers
 
 
@@ -53,6 +53,7 @@ class Limits:
 class Route:
     handler: Handler
     schema: type[BaseModel] | None = None  # None: the request has no body
+    callers: frozenset[str] = frozenset()  # the principals' roles that may call it (identity.py)
 
 
 def raise_fd_limit() -> int:
@@ -72,12 +73,13 @@ def connection_cap(wanted: int) -> int:
 
 
 class ApiServer:
-    """Serves `routes` ((method, path) -> Route) over TLS to callers holding `token`."""
+    """Serves `routes` ((method, path) -> Route) over TLS to callers `authenticate` knows."""
 
-    def __init__(self, host: str, port: int, token: str, routes: dict[tuple[str, str], Route],
-                 ssl_context: ssl.SSLContext, limits: Limits | None = None) -> None:
+    def __init__(self, host: str, port: int, authenticate: Callable[[bytes], Principal | None],
+                 routes: dict[tuple[str, str], Route], ssl_context: ssl.SSLContext,
+                 limits: Limits | None = None) -> None:
         limits = limits or Limits()
-        self.token, self.routes, self.ctx, self.limits = token.encode(), routes, ssl_context, limits
+        self.authenticate, self.routes, self.ctx, self.limits = authenticate, routes, ssl_context, limits
         self.paths = {path for _, path in routes}
         self.cap = connection_cap(limits.max_connections)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -154,22 +156,26 @@ class ApiServer:
         return victim is not None
 
     # ------------------------------------------------------------------ requests
-    def check(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, str] | None:
-        """The refusal (status, reason) of a request head, before its body is read; None: go on."""
+    def check(self, method: str, path: str,
+              headers: list[tuple[bytes, bytes]]) -> tuple[int, str] | Principal:
+        """The refusal (status, reason) of a request head, before its body is read; else who calls."""
         if sum(len(k) + len(v) for k, v in headers) > self.limits.max_header:  # h11 caps only partial heads
             return 431, f"headers exceed {self.limits.max_header} bytes"
         auth = [v for k, v in headers if k == b"authorization"]
         scheme, _, credential = (auth[0] if len(auth) == 1 else b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(credential.strip(), self.token):
+        who = self.authenticate(credential.strip()) if scheme.lower() == b"bearer" else None
+        if who is None:
             return 401, "missing or wrong token (Authorization: Bearer TOKEN)"
         if (method, path) not in self.routes:
             return (405, f"{path} does not take {method}") if path in self.paths else (404, f"no route {path}")
+        if who.role not in self.routes[(method, path)].callers:
+            return 403, f"{method} {path} is not for a{'n' if who.role[0] in 'aeio' else ''} {who.role} credential"
         length = next((v for k, v in headers if k == b"content-length"), b"0")
         if int(length) > self.limits.max_body:  # h11 has checked it is digits
             return 413, f"body of {int(length)} bytes exceeds {self.limits.max_body}"
-        return None
+        return who
 
-    def call(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    def call(self, method: str, path: str, body: bytes, who: Principal) -> tuple[int, dict[str, Any]]:
         """Validate and handle one request (in a pool thread); never raises."""
         route = self.routes[(method, path)]
         try:
@@ -182,13 +188,13 @@ class ApiServer:
         except ValidationError as exc:
             return 400, {"error": f"bad request: {first_error(exc)}"}
         try:
-            return route.handler(payload)
+            return route.handler(payload, who)
         except Exception:
             log.exception("api: %s %s failed", method, path)
             return 500, {"error": "internal error; the driver's log has the details"}
 
-    def submit(self, method: str, path: str, body: bytes) -> Future:
-        return self._pool.submit(self.call, method, path, body)
+    def submit(self, method: str, path: str, body: bytes, who: Principal) -> Future:
+        return self._pool.submit(self.call, method, path, body, who)
 
 
 class _Connection(asyncio.Protocol):
@@ -201,6 +207,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.busy = self.closed = False
         self.request: tuple[str, str] | None = None
+        self.who: Principal | None = None
         self.body = bytearray()
         self.timer: asyncio.TimerHandle | None = None
 
@@ -260,9 +267,10 @@ class _Connection(asyncio.Protocol):
             if isinstance(event, h11.Request):
                 self.request = (event.method.decode(errors="replace"),
                                 event.target.decode(errors="replace").split("?")[0])
-                refusal = self.server.check(*self.request, list(event.headers))
-                if refusal is not None:
-                    return self._refuse(*refusal)
+                checked = self.server.check(*self.request, list(event.headers))
+                if not isinstance(checked, Principal):
+                    return self._refuse(*checked)
+                self.who = checked
             elif isinstance(event, h11.Data):
                 self.body += event.data
                 if len(self.body) > self.server.limits.max_body:
@@ -277,7 +285,7 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         self.transport.pause_reading()
-        future = self.server.submit(*self.request, bytes(self.body))
+        future = self.server.submit(*self.request, bytes(self.body), self.who)
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._reply, f))
 
     def _reply(self, future: Future) -> None:
@@ -292,7 +300,7 @@ class _Connection(asyncio.Protocol):
             self.h11.start_next_cycle()
         except h11.LocalProtocolError:
             return self._close()
-        self.busy, self.request = False, None
+        self.busy, self.request, self.who = False, None, None
         self.body.clear()
         self.transport.resume_reading()
         self._arm(self.server.limits.request_timeout_s)

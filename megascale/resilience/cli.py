@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megascale.config import ConfigError, JobConfig, load_config
-from megascale.config.handoff import config_text
+from megascale.config.handoff import config_text, with_generated_password
 from megascale.config.private_files import UnsafePathError, private_dir, write_private
 from megascale.config.schema import redacted_url
 from megascale.resilience import protocol
 from megascale.resilience.api_server import ApiServer, Limits, Route
 from megascale.resilience.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
 from megascale.resilience.driver import Driver
+from megascale.resilience.identity import JOIN, NODE, OPERATOR, Identities, for_node, for_operator, registration
 from megascale.resilience.local import Netns, netns_available, netns_down, netns_up, spawn_executor
 from megascale.resilience.placement import PlacementError, layout_for
 from megascale.resilience.state import FINISHED, JobState, JobStore
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"megascale launch: --netns unavailable: {why}", file=sys.stderr)
         return 2
     rcfg = cfg.resilience
-    run_dir = Path(cfg.train.run_dir).resolve()
+    run_dir = Path(os.path.abspath(cfg.train.run_dir))  # not resolve(): a link here must be seen, not followed
     try:
         private_dir(run_dir)
         state_dir = private_dir(run_dir / "resilience")
@@ -116,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
                          run_dir=str(run_dir), restart_budget=rcfg.restart_budget)
         state.api = {"netns": args.netns, "local": not args.external, "count": args.nodes + spares,
                      "topology": args.topology}
+        if not args.external:  # local executors are node0...: no other id is one of the job's
+            state.api["roster"] = [f"node{i}" for i in range(args.nodes + spares)]
     netns = Netns(state.job_id[:4]) if state.api.get("netns") else None
     host = netns.bridge_address if netns and rcfg.api_host == "127.0.0.1" else rcfg.api_host
     try:
@@ -126,14 +129,15 @@ def run(args: argparse.Namespace) -> int:
     if netns is not None and not continuing:
         netns_up(netns, state.api["count"])
     try:
-        redis_server = _job_redis(cfg, state, continuing)
-    except (FileNotFoundError, RuntimeError) as exc:  # no redis-server, or it could not start
+        redis_server = _job_redis(cfg, state, continuing, state_dir)
+    except (OSError, RuntimeError) as exc:  # no redis-server, it could not start, or its password file is unsafe
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
     driver = Driver(cfg, state, store)
     limits = Limits(request_timeout_s=rcfg.api_request_timeout_s, handshake_timeout_s=rcfg.api_request_timeout_s)
-    server = ApiServer(host, state.api.get("port") or rcfg.api_port, secret.token, _routes(driver),
-                       server_context(secret), limits).start()
+    identities = Identities(secret, state.job_id)
+    server = ApiServer(host, state.api.get("port") or rcfg.api_port, identities.authenticate,
+                       _routes(driver, identities), server_context(secret), limits).start()
     url = server.url
     state.api.update(host=server.host, port=server.port, url=url, driver_pid=os.getpid())
     store.save(state)
@@ -166,13 +170,15 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _routes(driver: Driver) -> dict[tuple[str, str], Route]:
-    """The API: each route's handler and the schema its body must pass first."""
-    return {("POST", "/v1/register"): Route(driver.on_register, protocol.Register),
-            ("POST", "/v1/heartbeat"): Route(driver.on_heartbeat, protocol.Heartbeat),
-            ("GET", "/v1/status"): Route(driver.on_status),
-            ("POST", "/v1/evict"): Route(driver.on_evict, protocol.Evict),
-            ("POST", "/v1/stop"): Route(driver.on_stop, protocol.Stop)}
+def _routes(driver: Driver, identities: Identities) -> dict[tuple[str, str], Route]:
+    """The API: each route's handler, the schema its body must pass first, and who may call it."""
+    node, operator = frozenset({NODE}), frozenset({OPERATOR})
+    return {("POST", "/v1/register"): Route(registration(driver.on_register, identities), protocol.Register,
+                                            frozenset({JOIN, NODE})),
+            ("POST", "/v1/heartbeat"): Route(for_node(driver.on_heartbeat), protocol.Heartbeat, node),
+            ("GET", "/v1/status"): Route(for_operator(driver.on_status), None, operator),
+            ("POST", "/v1/evict"): Route(for_operator(driver.on_evict), protocol.Evict, operator),
+            ("POST", "/v1/stop"): Route(for_operator(driver.on_stop), protocol.Stop, operator)}
 
 
 def _job_secret(directory: Path, host: str) -> JobSecret:
@@ -181,11 +187,15 @@ def _job_secret(directory: Path, host: str) -> JobSecret:
     return load_secret(directory, need_key=True)
 
 
-def _job_redis(cfg: JobConfig, state: JobState, continuing: bool) -> RedisServer | None:
-    """The job's redis-server when `parallel.redis_start` asks for one; a restarted driver
-    adopts the one its predecessor started instead of starting a second on the same port."""
+def _job_redis(cfg: JobConfig, state: JobState, continuing: bool, state_dir: Path) -> RedisServer | None:
+    """The job's redis-server when `parallel.redis_start` asks for one, always with a password
+    (a generated one kept in the state directory when none is configured: a restarted driver
+    uses it again); a restarted driver adopts the server its predecessor started instead of
+    starting a second on the same port."""
     if not cfg.parallel.redis_start:  # checked here: the import below brings in torch
         return None
+    if not cfg.parallel.redis_password():  # the driver, its `start`s and the server read it from the URL
+        cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url, state_dir / "redis_password")
     from megascale.resilience.redis_server import RedisServer
 
     server = RedisServer.for_job(cfg.parallel)

@@ -1,10 +1,12 @@
-"""The job's secret: a token both ends hold and the TLS certificate executors pin.
+"""The job's secret: the tokens of executors and operators, and the TLS certificate executors pin.
 
-One directory, shaped like a Kubernetes Secret mounted as a volume: `token` (the bearer token of
-every API call), `tls.crt` (the driver's self-signed certificate) and, on the driver only,
-`tls.key`. The driver serves HTTPS with the key; executors accept no other certificate, so a
-process that takes over the driver's address learns nothing (the token is sent only inside a
-channel whose far end proved it holds the key) and cannot command a node.
+One directory, shaped like a Kubernetes Secret mounted as a volume: `token` (the join token:
+executors register with it), `tls.crt` (the driver's self-signed certificate) and, on the driver
+and operators only, `tls.key` and `operator` (the token of status, evict and stop). The driver
+serves HTTPS with the key; executors accept no other certificate, so a process that takes over
+the driver's address learns nothing (a token is sent only inside a channel whose far end proved
+it holds the key) and cannot command a node. The driver also signs each node's own credential
+with a key derived from `tls.key` (`identity.py`).
 
 The driver makes what is missing (`megascale launch`, local and Slurm runs); on Kubernetes
 `megascale secret DIR --name megascale-driver` makes it once, for `kubectl create secret`.
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import os
 import secrets
@@ -23,9 +27,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megascale.config.private_files import UnsafePathError, private_dir, read_secret, write_private
+from megascale.config.private_files import (
+    UnsafePathError,
+    check_secret_dir,
+    private_dir,
+    read_secret,
+    write_private,
+)
 
-TOKEN, CERT, KEY = "token", "tls.crt", "tls.key"
+TOKEN, CERT, KEY, OPERATOR = "token", "tls.crt", "tls.key", "operator"
 MIN_TOKEN_CHARS = 32
 
 
@@ -38,6 +48,8 @@ class JobSecret:
     directory: Path
     token: str
     cert_pem: bytes
+    operator: str = ""  # the operator token (driver and operators; never an executor)
+    node_key: bytes = b""  # what node credentials are signed with (the driver only)
 
     @property
     def cert_path(self) -> Path:
@@ -49,13 +61,14 @@ class JobSecret:
 
 
 def ensure_secret(directory: str | Path, names: list[str] = ()) -> Path:
-    """Make the parts of a secret directory that are missing: a token, a certificate and key.
-    A complete one (e.g. a mounted Kubernetes Secret, read-only) is left as it is."""
-    if all((Path(directory) / part).exists() for part in (TOKEN, CERT, KEY)):
+    """Make the parts of a secret directory that are missing: the two tokens, a certificate and
+    key. A complete one (e.g. a mounted Kubernetes Secret, read-only) is left as it is."""
+    if all((Path(directory) / part).exists() for part in (TOKEN, OPERATOR, CERT, KEY)):
         return Path(directory)
     directory = private_dir(directory)
-    if not (directory / TOKEN).exists():
-        write_private(directory / TOKEN, secrets.token_urlsafe(32) + "\n")
+    for part in (TOKEN, OPERATOR):
+        if not (directory / part).exists():
+            write_private(directory / part, secrets.token_urlsafe(32) + "\n")
     have_cert, have_key = (directory / CERT).exists(), (directory / KEY).exists()
     if have_cert != have_key:
         raise SecretError(f"{directory} has only one of {CERT} and {KEY}; remove it to make a new pair")
@@ -66,22 +79,41 @@ def ensure_secret(directory: str | Path, names: list[str] = ()) -> Path:
     return directory
 
 
-def load_secret(directory: str | Path, need_key: bool) -> JobSecret:
-    """The token and certificate in `directory`; an empty, short or readable-by-others part is an error."""
+def load_secret(directory: str | Path, need_key: bool, operator: bool = False) -> JobSecret:
+    """The tokens and certificate in `directory` (the key too for the driver, `need_key`; the
+    operator token for the driver and operators); an empty, short, readable-by-others or
+    mismatched part, or a directory others can write, is an error that names it."""
     directory = Path(directory)
     try:
-        token = read_secret(directory / TOKEN, "the driver token").decode(errors="replace").strip()
+        check_secret_dir(directory, "the secret directory")
+        token = _token(directory / TOKEN, "the join token")
         cert = read_secret(directory / CERT, "the driver certificate")
-        if need_key:
-            read_secret(directory / KEY, "the driver's TLS key")
+        key = read_secret(directory / KEY, "the driver's TLS key") if need_key else b""
+        admin = _token(directory / OPERATOR, "the operator token") if need_key or operator else ""
     except UnsafePathError as exc:
-        raise SecretError(f"{exc} (make a secret directory with `megascale secret DIR`)") from None
-    if len(token) < MIN_TOKEN_CHARS:
-        raise SecretError(f"the driver token in {directory / TOKEN} has {len(token)} characters; at least "
-                          f"{MIN_TOKEN_CHARS} are needed (`megascale secret DIR` makes one)")
+        raise SecretError(f"{exc} (`megascale secret DIR` makes what is missing)") from None
     if b"BEGIN CERTIFICATE" not in cert:
         raise SecretError(f"{directory / CERT} is not a PEM certificate")
-    return JobSecret(directory, token, cert)
+    if admin and hmac.compare_digest(admin, token):
+        raise SecretError(f"{directory / OPERATOR} equals {directory / TOKEN}: executors would hold the operator's "
+                          f"power; remove {directory / OPERATOR} and run `megascale secret {directory}`")
+    secret = JobSecret(directory, token, cert, admin, hashlib.sha256(b"megascale node credentials\0" + key).digest()
+                       if need_key else b"")
+    if need_key:
+        try:
+            server_context(secret)
+        except ssl.SSLError as exc:
+            raise SecretError(f"{directory / KEY} does not match {directory / CERT} ({exc.reason or exc}): they "
+                              f"are not one pair; remove both and run `megascale secret {directory}`") from None
+    return secret
+
+
+def _token(path: Path, what: str) -> str:
+    token = read_secret(path, what).decode(errors="replace").strip()
+    if len(token) < MIN_TOKEN_CHARS:
+        raise SecretError(f"{what} in {path} has {len(token)} characters; at least {MIN_TOKEN_CHARS} are needed "
+                          "(`megascale secret DIR` makes one)")
+    return token
 
 
 def server_context(secret: JobSecret) -> ssl.SSLContext:
@@ -132,7 +164,7 @@ def self_signed_certificate(names: list[str] = ()) -> tuple[bytes, bytes]:
 
 # ---------------------------------------------------------------------- `megascale secret`
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="where to write token, tls.crt and tls.key (mode 0600)")
+    parser.add_argument("directory", help="where to write token, operator, tls.crt and tls.key (mode 0600)")
     parser.add_argument("--name", action="append", default=[],
                         help="a name or address the driver is reached by (repeatable), e.g. megascale-driver")
 
@@ -147,6 +179,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         os.umask(old)
-    print(f"{directory}: {TOKEN}, {CERT}, {KEY}\n"
+    print(f"{directory}: {TOKEN}, {OPERATOR}, {CERT}, {KEY}\n"
           f"Kubernetes: kubectl create secret generic megascale-secret --from-file={directory}")
     return 0

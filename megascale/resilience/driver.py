@@ -29,8 +29,11 @@ from megascale.plan.env import format_applied, launch_env
 from megascale.resilience import evidence
 from megascale.resilience.attribution import Verdict, attribute
 from megascale.resilience.ettr import job_summary
+from megascale.resilience.identity import admission
 from megascale.resilience.paths import RecoveryPaths
 from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
+from megascale.resilience.progress import ProgressCheck
+from megascale.resilience.protocol import log_safe
 from megascale.resilience.recovery import recovery_phases, start_marks
 from megascale.resilience.rules import (
     Finding,
@@ -77,6 +80,7 @@ class Driver(RecoveryPaths):
         self.alerts: list[dict[str, Any]] = []
         self.hang = hang_rule(self.rcfg, cfg.train.steps)
         self.slow = slow_rule(self.rcfg)
+        self.progress = ProgressCheck(cfg.train.steps, self.rcfg.max_step_rate)
         self.traffic: dict[str, TrafficRule] = {}
         self.phase_deadline = 0.0
         self.waiting_for: dict[str, str] = {}  # node -> command id the phase waits on
@@ -106,12 +110,16 @@ class Driver(RecoveryPaths):
         self.hang.reset(now)
 
     # ------------------------------------------------------------------ API handlers
-    def on_register(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def on_register(self, body: dict[str, Any], proven: bool = False) -> tuple[int, dict[str, Any]]:
+        """`proven`: the caller holds this node's own credential (`identity.py`), not the join token."""
         node_id, address = body["node_id"], body["address"]
         with self.lock:
             known = self.state.nodes.get(node_id)
             if (known and known.role == EVICTED) or address in self.state.blocked:
                 return 403, {"error": f"node {node_id} ({address}) is evicted from this job"}
+            refusal = admission(self.state, node_id, address, proven, self.rcfg.spare_pool)
+            if refusal is not None:
+                return refusal
             if known is None:
                 known = Node(node_id, address, body["host"], registered=time.time())
                 self.state.nodes[node_id] = known
@@ -134,6 +142,9 @@ class Driver(RecoveryPaths):
             if node.role == EVICTED:
                 return 403, {"error": f"node {node_id} is evicted"}
             now = time.time()
+            implausible = self.progress.refuse(node, body, self.state, now)
+            if implausible is not None:
+                return 422, {"error": f"implausible progress from {node_id}: {implausible}"}
             self.last_seen[node_id] = now
             self.reports[node_id] = body
             sent = {c["id"] for c in self.outbox.get(node_id, [])}
@@ -191,12 +202,12 @@ class Driver(RecoveryPaths):
         with self.lock:
             if node_id not in self.state.nodes:
                 return 404, {"error": f"unknown node {node_id}"}
-            self.manual_evictions[node_id] = body.get("reason") or "evicted by an operator"
+            self.manual_evictions[node_id] = log_safe(body.get("reason") or "evicted by an operator")
         return 200, {"ok": True}
 
     def on_stop(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
-            self._finish(CANCELLED, body.get("reason") or "stopped by an operator")
+            self._finish(CANCELLED, log_safe(body.get("reason") or "stopped by an operator"))
         return 200, {"ok": True}
 
     # ------------------------------------------------------------------ observations

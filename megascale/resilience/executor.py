@@ -10,8 +10,10 @@ is in progress. If the driver is gone, the ranks keep training and the executor 
 a restarted driver picks it up.
 
 It trusts only a driver that holds the job's certificate (`api.py`), and even then runs only
-commands its schemas accept (`protocol.py`). Ranks are warm standby processes with a fixed
-command line (`ranks.py`) given their rank over their stdin: a config file and an environment
+commands its schemas accept (`protocol.py`). It registers with the join token and sends every
+later request with the credential the driver gave its node (`identity.py`), kept in its work
+directory so that a restarted executor is still that node. Ranks are warm standby processes
+with a fixed command line (`ranks.py`) given their rank over their stdin: a config file and an environment
 the schema bounds, never a command line the driver makes up. Its work directory and every file
 in it are private (0700/0600, opened without following links); ranks get the executor's
 environment minus secrets, plus the path of a 0600 file for the one secret they need.
@@ -40,7 +42,7 @@ import psutil
 from pydantic import ValidationError
 
 from megascale.config.handoff import write_rank_files
-from megascale.config.private_files import open_private, private_dir
+from megascale.config.private_files import open_private, private_dir, read_secret, write_private
 from megascale.resilience.api import ApiClient, ApiError, UntrustedDriver
 from megascale.resilience.protocol import (
     COMMAND,
@@ -60,6 +62,7 @@ from megascale.resilience.rankstatus import STATUS_DIR_ENV, read_status
 
 log = logging.getLogger("megascale.executor")
 KILL_GRACE_S = 1.0
+CREDENTIAL = "credential"  # the node's own credential, in its work directory (0600)
 UNTRUSTED_LOG_EVERY_S = 30.0
 
 
@@ -74,6 +77,7 @@ class Executor:
     def __init__(self, client: ApiClient, node_id: str, address: str, workdir: Path,
                  heartbeat_s: float = 1.0, shared_network: bool = False) -> None:
         self.client, self.node_id, self.address = client, node_id, address
+        self.join_token = client.token
         self.workdir = private_dir(workdir)
         self.heartbeat_s = heartbeat_s
         self.shared_network = shared_network
@@ -95,7 +99,13 @@ class Executor:
 
     # ------------------------------------------------------------------ registration, heartbeats
     def register(self, timeout_s: float = 120.0) -> None:
+        """Register with the node's own credential when an earlier run of this executor kept one
+        (the driver refuses a registered node's id to anyone else), else with the join token;
+        the credential in the reply signs every later request."""
         deadline = time.monotonic() + timeout_s
+        kept = self.workdir / CREDENTIAL
+        if kept.exists():
+            self.client.token = read_secret(kept, "the node's credential").decode().strip()
         while True:
             try:
                 reply = self.client.call("POST", "/v1/register", {
@@ -103,14 +113,21 @@ class Executor:
                     "pid": os.getpid()})
                 reply = RegisterReply.model_validate(reply)
                 break
-            except ApiError:
-                raise
+            except ApiError as exc:
+                if exc.status != 401 or self.client.token == self.join_token:
+                    raise
+                log.warning("the kept credential is not this job's (%s); registering with the join token", exc)
+                kept.unlink(missing_ok=True)
+                self.client.token = self.join_token
             except (OSError, ValidationError) as exc:
                 if isinstance(exc, UntrustedDriver):
                     self._untrusted(exc)
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"driver {self.client.url} unreachable: {exc}") from exc
                 time.sleep(0.5)
+        if reply.credential:
+            self.client.token = reply.credential
+            write_private(kept, reply.credential)
         self.keywords = reply.keywords
         self.heartbeat_s = reply.heartbeat_s
         self.standbys.wanted = reply.standby

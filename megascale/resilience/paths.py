@@ -159,8 +159,11 @@ class RecoveryPaths:
         log.error("evicting %s (%s): %s", node.node_id, node.address, why)
         shared = any(n.address == node.address and n.role != EVICTED and n is not node
                      for n in self.state.nodes.values())
+        # a spare's address is only its claim (it never trained there): blocking it would let a
+        # join-token holder block a real spare's address in advance by registering it and going silent
+        claimed = node.role == SPARE
         node.role, node.slot = EVICTED, -1
-        if not shared and node.address not in self.state.blocked:
+        if not shared and not claimed and node.address not in self.state.blocked:
             self.state.blocked.append(node.address)  # addresses shared (local mode) stay open
         self._send(node.node_id, "exit")
         self.store.event("evict", {"node": node.node_id, "address": node.address, "reason": why})

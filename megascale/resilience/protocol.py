@@ -154,6 +154,7 @@ class RegisterReply(Message):
     keywords: Annotated[list[Text], Field(max_length=256)] = []
     heartbeat_s: Annotated[float, Field(gt=0.0, le=600.0)] = 1.0
     standby: Standby = 0
+    credential: Annotated[str, StringConstraints(min_length=1, max_length=1024)] | None = None  # the node's own
 
 
 class PairPlan(Message):
@@ -256,6 +257,12 @@ def first_error(exc: ValidationError) -> str:
     """`ranks.0.step: Input should be ...`: the first defect, short enough for a log line."""
     err = exc.errors(include_url=False)[0]
     # a key is client data: escaped so that it cannot forge a line in the driver's log
-    where = ".".join(str(part)[:64] for part in err["loc"]).encode("unicode_escape").decode() or "body"
+    where = log_safe(".".join(str(part)[:64] for part in err["loc"])) or "body"
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"{where}: {err['msg']}{more}"
+
+
+def log_safe(text: str) -> str:
+    """Client text as one log line: control characters (newlines, CR, ESC), backslashes and
+    Unicode line separators escaped, so that a reason or key cannot forge a line of the log."""
+    return "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode() for c in text)

@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig, default_config_path, load_config
-from megascale.config.handoff import config_text, write_rank_files
+from megascale.config.handoff import config_text, with_generated_password, write_rank_files
 from megascale.config.operations import checkpoint_root
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.layout.grid import RankGrid
@@ -110,6 +110,8 @@ def launch_local(nproc: int, cfg: JobConfig) -> int:
 
     with ExitStack() as job:
         private = job.enter_context(tempfile.TemporaryDirectory(prefix="megascale-train-"))
+        if cfg.parallel.redis_start and not cfg.parallel.redis_password():  # the job's own Redis never runs
+            cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url)  # without one
         config, secret_env = write_rank_files(private, config_text(cfg), cfg.parallel.redis_password())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "megascale.cli", "train", "--config", str(config)]

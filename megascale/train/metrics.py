@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 from collections import deque
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 
+from megascale.config.private_files import open_private
+
 log = logging.getLogger("megascale")
 
 
@@ -20,7 +23,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     """Every rank logs to run_dir/rankNNNNN.log; rank 0 also to stdout."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter("%(asctime)s %(levelname)s [rank %(rank)s] %(message)s")
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / f"rank{rank:05d}.log")]
+    handlers: list[logging.Handler] = [_PrivateFileHandler(run_dir / f"rank{rank:05d}.log")]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
     log.handlers.clear()
@@ -30,6 +33,14 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+class _PrivateFileHandler(logging.FileHandler):
+    """A log file opened as `open_private` does: a link planted in the run directory is refused,
+    never written through."""
+
+    def _open(self):
+        return os.fdopen(open_private(self.baseFilename), "a", encoding=self.encoding)
 
 
 class _RankFilter(logging.Filter):
@@ -62,7 +73,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: dict[str, Any] | None = None):
         """`wandb`: `{"project", "mode", "name", "config"}` to log to Weights & Biases too."""
         self.enabled = enabled
-        self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        self._jsonl = os.fdopen(open_private(run_dir / "metrics.jsonl"), "a") if enabled else None  # never a link
         self._tb = None
         self._wandb = None
         if enabled and tensorboard:

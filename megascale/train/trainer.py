@@ -33,11 +33,12 @@ from megascale.diagnostics.watchdog import Watchdog, enable_flight_recorder
 from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
-from megascale.optim import build_optimizer, clip_grad_norm_, lr_at
+from megascale.optim import build_optimizer, clip_to_norm_, global_grad_norm, lr_at
 from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh
 from megascale.plan.memory import job_memory_estimate
 from megascale.train.metrics import MetricsWriter, StepClock, memory_record, progress_line, setup_logging
+from megascale.train.numerics import DataSkips, NonFiniteGuard, SpikeDetector, TrainingHalted, nonfinite_origin
 from megascale.train.stop import StopOnSignal
 
 log = logging.getLogger("megascale")
@@ -60,7 +61,7 @@ class Trainer:
         self.device = self.mesh.device  # the mesh's one choice (mesh.launch: LOCAL_RANK, read once)
         if cfg.train.attention == "flex" and self.device.type != "cuda":
             raise ConfigError("train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
-                              "use 'auto' (band-masked SDPA on CPU) or 'sdpa'")
+                              "use 'auto' (the sliding-chunks kernel for SWA off CUDA) or 'sliding'")
         # when this rank joined and had its state back: the driver's recovery phases read it
         self.start_record: dict = {"joined_at": time.time(), "restored_at": None, "source": None, "step": None}
         self.rank = self.mesh.rank
@@ -75,7 +76,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         with torch.device("meta"):  # values come after the layout, for this rank's part only
             model = GPT(cfg.model)
-        if cfg.train.param_dtype == "bf16":  # parameters, gradients and their reduction in bf16
+        if cfg.train.param_dtype == "bf16":  # parameters and gradients; fp32 masters in the ZeRO shards
             model.to(torch.bfloat16)
         # values: a pretrained checkpoint's (weights only), or the seeded initialisation
         values = init_source(cfg) if cfg.checkpoint.init_from else None
@@ -91,6 +92,7 @@ class Trainer:
         if cfg.diagnostics.timers:  # it reads the open timer spans to say where a hang is
             self.watchdog.start()
         self.train_state = TrainState()
+        self.init_numerics()
         self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir, CheckpointState(
             model=self.runner, optimizer=self.optimizer, loader=self.train_loader, train=self.train_state,
             rng=RNGState(self.device)), replicas)
@@ -111,6 +113,13 @@ class Trainer:
             cfg.parallel.tp, cfg.parallel.vpp, cfg.micro_batches,
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
+
+    def init_numerics(self) -> None:
+        """The guards of `train_step` (subclasses that build a trainer in part call it too)."""
+        self.nonfinite = NonFiniteGuard(self.cfg.train.max_skipped_steps)
+        self.spikes = SpikeDetector(self.cfg.train.spike_window, self.cfg.train.spike_threshold)
+        self.data_skips = DataSkips()
+        self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
 
     @property
     def replicas(self) -> ReplicaStore | None:
@@ -144,21 +153,73 @@ class Trainer:
         return max(int(local), 1)
 
     def train_step(self, batch: TokenBatch | None) -> dict[str, float]:
+        """Forward, backward, then the optimizer step unless the gradient norm is not finite or
+        the loss spiked (`skipped` in the record; `rollback_to` when the state was restored)."""
         tokens = self.global_token_count(batch)
         self.runner.train()
         loss_sum = self.runner.forward_backward(batch, tokens)
         self.runner.finish_grads()
         params = [t for _, t in self.runner.optimizer_tensors()]
         with self.timers.span("optimizer", kind="optimizer"):
-            grad_norm = clip_grad_norm_(params, self.cfg.optim.grad_clip, across=[self.mesh.pp_group])
+            norm = global_grad_norm(params, across=[self.mesh.pp_group])  # every group: alike on all ranks
+            loss = self.reduce_loss(loss_sum) / tokens
             lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+            record = {"loss": loss, "lr": lr, "grad_norm": float(norm)}
+            record.update(self._bad_step(record))
+            if "skipped" not in record:
+                clip_to_norm_(params, self.cfg.optim.grad_clip, norm)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
             self.runner.zero_grad()
-        self.runner.after_optimizer_step()
-        loss = self.reduce_loss(loss_sum) / tokens
-        return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
+        if "skipped" not in record:
+            self.runner.after_optimizer_step()
+        return record
+
+    def _bad_step(self, record: dict) -> dict:
+        """{} for a good step; else why it is skipped (and, after a rollback, where to)."""
+        step = self.step + 1
+        if not np.isfinite(record["grad_norm"]):
+            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.coords._asdict(), self.mesh.rank,
+                                      self.mesh.world_size)
+            last_good = self.checkpoints.last_good() if getattr(self, "checkpoints", None) else "none (no checkpoints)"
+            self.nonfinite.skipped(step, record["grad_norm"], origin, last_good)
+            return {"skipped": 1, "skip_reason": "nonfinite", "skipped_total": self.nonfinite.total,
+                    "nonfinite_ranks": [o["rank"] for o in origin]}
+        self.nonfinite.ok()
+        spike = self.spikes.check(record["loss"])
+        if spike is None:
+            self.spikes.add(step, record["loss"])
+            return {}
+        action = self.cfg.train.spike_action
+        log.warning("step %d: loss spike: %s (train.spike_action=%s)", step, spike.describe(), action)
+        if action == "log":
+            self.spikes.add(step, record["loss"])
+            return {"spike": 1}
+        if action == "rollback":
+            return {"spike": 1, **self._rollback(step)}
+        return {"spike": 1, "skipped": 1, "skip_reason": "spike"}
+
+    def _rollback(self, step: int) -> dict:
+        """Restore the newest checkpoint in place and never train on the spike's batch and the
+        `train.spike_skip_batches - 1` before it (those since the checkpoint, at most)."""
+        spiked = self.train_loader.position - 1  # the batch this step trained on
+        restored = self.checkpoints.rollback()
+        if restored is None:
+            log.warning("step %d: no checkpoint to roll back to: the step is skipped instead", step)
+            return {"skipped": 1, "skip_reason": "spike"}
+        self.rollbacks[restored] = self.rollbacks.get(restored, 0) + 1
+        if self.rollbacks[restored] > self.cfg.train.max_rollbacks:
+            raise TrainingHalted(
+                f"loss spike at step {step}: already rolled back to step {restored} "
+                f"{self.cfg.train.max_rollbacks} times (train.max_rollbacks); the spikes are not the data's: "
+                f"lower optim.lr or resume from an older checkpoint (last good: {self.checkpoints.last_good()})")
+        first = max(spiked - self.cfg.train.spike_skip_batches + 1, self.train_loader.position)
+        self.data_skips.add(first, spiked)
+        self.spikes.forget_after(restored)
+        log.warning("rolled back to step %d; batches %d-%d of the data order will be skipped", restored,
+                    first, spiked)
+        return {"skipped": 1, "skip_reason": "spike", "rollback_to": restored, "skipped_batches": [first, spiked]}
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum of token losses over the global batch, known on every rank: summed over dp on the
@@ -193,8 +254,13 @@ class Trainer:
         gc.disable()
         try:
             with StopOnSignal(self.cfg.checkpoint.save_on_signal) as stop:
+                first = self.step
                 while self.step < cfg.steps:
-                    losses.append(self.run_step()["loss"])
+                    record = self.run_step()
+                    if "rollback_to" in record:  # those steps are trained again
+                        del losses[max(record["rollback_to"] - first, 0):]
+                    elif "skipped" not in record:
+                        losses.append(record["loss"])
                     self.stop_signal = stop.agreed(self.mesh.device)
                     if self.stop_signal:
                         log.warning("stopping at step %d on %s: saving it", self.step,
@@ -215,8 +281,15 @@ class Trainer:
         cfg = self.cfg.train
         start = time.perf_counter()
         with self.timers.span("data", kind="data"):
+            while self.data_skips.skips(self.train_loader.position):
+                log.info("batch %d of the data order skipped (a rollback chose so)", self.train_loader.position)
+                self.train_loader.next_batch()
             batch = self.train_loader.next_batch()
+        attempt = self.step + 1
         record = self.train_step(batch)
+        if "skipped" in record:  # the batch is used up, the step is not: its number comes again
+            self.metrics.write(attempt, record)
+            return record
         self.step += 1
         if cfg.eval_every and self.step % cfg.eval_every == 0:
             record["eval_loss"] = self.evaluate()

@@ -96,11 +96,11 @@ def test_the_generated_config_and_secret_are_what_the_pods_mount(
     driver = rendered[DEPLOY / "kubernetes"]
     secret = next(obj for obj in driver if obj["kind"] == "Secret")
     made = sorted(p.name for p in (inputs / "job-secret").iterdir())
-    assert sorted(secret["data"]) == made == ["tls.crt", "tls.key", "token"]
+    assert sorted(secret["data"]) == made == ["operator", "tls.crt", "tls.key", "token"]
     assert base64.b64decode(secret["data"]["token"]) == (inputs / "job-secret" / "token").read_bytes()
     executors = next(obj for obj in driver if obj["kind"] == "StatefulSet")
     mounted = next(v["secret"] for v in executors["spec"]["template"]["spec"]["volumes"] if "secret" in v)
-    assert [item["key"] for item in mounted["items"]] == ["token", "tls.crt"]  # never the driver's key
+    assert [item["key"] for item in mounted["items"]] == ["token", "tls.crt"]  # never the key or operator token
 
 
 def test_a_network_policy_admits_only_the_jobs_pods_to_every_pod(rendered: dict[Path, list[dict[str, Any]]]) -> None:

@@ -121,7 +121,7 @@ def test_the_job_starts_driver_and_executors_waits_for_both_and_ends_with_the_dr
     assert len(sruns) == 2, f"the script reached {len(sruns)} of its 2 srun calls; stderr:\n{stderr}"
     driver, executors = sorted(sruns, key=lambda e: e["command"][0] != "megascale")  # they start at once
     assert "--nodelist=gpu00000" in driver["options"]
-    assert driver["command"][:5] == ["megascale", "launch", "--external", "--nodes", str(nodes - 1)]
+    assert driver["command"][:7] == ["megascale", "launch", "--external", "--nodes", str(nodes - 1), "--spares", "1"]
     assert f"--resilience.secret_dir={tmp_path}/run/resilience/secret" in driver["command"]
     assert driver["command"][-1] == "--train.steps=10"  # the job's own overrides reach the driver
     assert "--ntasks-per-node=1" in executors["options"] and "--nodelist" not in " ".join(executors["options"])

@@ -64,9 +64,10 @@ def test_flex_attention_matches_sdpa_on_cpu(window, cpu_compiler):
     torch.testing.assert_close(out, sdpa_attention(q, k, v, window), rtol=1e-4, atol=1e-5)
 
 
-def test_dispatch_uses_sdpa_on_cpu():
+def test_dispatch_on_cpu_equals_sdpa():
     q, k, v = _qkv()
-    torch.testing.assert_close(causal_attention(q, k, v, 5), sdpa_attention(q, k, v, 5))
+    for window in (None, 5, 24):
+        torch.testing.assert_close(causal_attention(q, k, v, window), sdpa_attention(q, k, v, window))
 
 
 @pytest.mark.slow

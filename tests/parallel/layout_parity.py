@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megascale.checkpoint.stateful import TrainState
+from megascale.checkpoint.state import shared_pieces, valid_numel
+from megascale.checkpoint.stateful import CheckpointState, TrainState
 from megascale.config.schema import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers
@@ -51,6 +52,8 @@ class Case:
     overlap: bool = True
     split: tuple[int, ...] | None = None  # layers per pipeline chunk; None: `auto`
     model: str = "gpt"  # a key of MODELS
+    dtype: str = "fp32"  # train.dtype and train.param_dtype
+    lr: float = 1e-2
 
     @property
     def world(self) -> int:
@@ -60,6 +63,7 @@ class Case:
         return (
             f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}-{self.optim}"
             f"{'' if self.overlap else '-sync'}{'' if self.split is None else f'-split{list(self.split)}'}"
+            f"{'' if self.dtype == 'fp32' else f'-{self.dtype}'}{'' if self.lr == 1e-2 else f'-lr{self.lr:g}'}"
         )
 
 
@@ -77,7 +81,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
     cfg = JobConfig(
         model=MODELS[case.model],
         optim=OptimConfig(
-            name=case.optim, lr=1e-2, warmup_steps=2, weight_decay=0.1, grad_clip=0.3
+            name=case.optim, lr=case.lr, warmup_steps=2, weight_decay=0.1, grad_clip=0.3
         ),
         parallel=ParallelConfig(
             dp=case.dp,
@@ -93,6 +97,8 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             global_batch=GLOBAL_BATCH,
             micro_batch=1,
             device="cpu",
+            dtype=case.dtype,
+            param_dtype=case.dtype,
             eval_every=0,
             tensorboard=False,
         ),
@@ -133,28 +139,59 @@ class StepTrainer(Trainer):
         self.cfg, self.mesh, self.train_state = cfg, mesh, TrainState()  # step 0
         with torch.device("meta"):  # as the Trainer builds it: values after the layout
             model = GPT(cfg.model)
+        if cfg.train.param_dtype == "bf16":
+            model.to(torch.bfloat16)
         self.runner = build_runner(model, cfg, mesh)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.timers = Timers(mesh.rank, {}, "", None, enabled=False)
+        self.init_numerics()
 
 
 def train(case: Case, mesh: ParallelMesh | None = None, steps: int = STEPS) -> dict:
     """Run `steps` steps of `case` on this rank (mesh None = one process)."""
     cfg = job_config(case, steps)
     trainer = StepTrainer(cfg, mesh or init_mesh(cfg.parallel, device="cpu"))
-    losses, norms = [], []
+    losses, norms, moved = [], [], {}
+    initial = [t.detach().clone() for _, t in trainer.runner.optimizer_tensors()]
     for inputs, labels in global_batches(cfg, steps):
         record = trainer.train_step(rank_batch(inputs, labels, cfg, trainer.mesh.dp_rank))
         trainer.step += 1
         losses.append(record["loss"])
         norms.append(record["grad_norm"])
+        moved = moved or masters_moved(trainer, initial)
     runner = trainer.runner
     if runner.grad_sync is not None:
         runner.grad_sync.wait_params()
     # numpy, not tensors: tensors cross process boundaries as shared fds that die with the rank
-    pieces = [(name, shard_spec(p), p.detach().numpy().copy())
+    pieces = [(name, shard_spec(p), p.detach().float().numpy().copy())
               for name, p in runner.named_parameters()]
-    return {"losses": losses, "norms": norms, "pieces": pieces}
+    return {"losses": losses, "norms": norms, "pieces": pieces, "precision": {**precision(trainer), "moved": moved}}
+
+
+def masters_moved(trainer: StepTrainer, initial: list[torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """(elements that differ from `initial`, elements) of each master tensor on this rank
+    (ZeRO's padding, which never moves, left out)."""
+    out = {}
+    for (name, t), before in zip(trainer.runner.optimizer_tensors(), initial, strict=True):
+        valid = valid_numel(shard_spec(t))
+        out[name] = (int((t.detach() != before).flatten()[:valid].sum()), valid)
+    return out
+
+
+def precision(trainer: StepTrainer) -> dict:
+    """Where fp32 is kept: the parameters' dtypes, the optimizer's tensors and state in memory,
+    and as the checkpoint's save path (`shared_pieces`) would write them."""
+    named = trainer.runner.optimizer_tensors()
+    state = CheckpointState(model=trainer.runner, optimizer=trainer.optimizer, loader=None,
+                            train=trainer.train_state, rng=None)
+    pieces, _ = shared_pieces(state)
+    return {
+        "params": sorted({str(p.dtype) for _, p in trainer.runner.named_parameters()}),
+        "masters": sorted({str(t.dtype) for _, t in named}),
+        "moments": sorted({str(v.dtype) for s in trainer.optimizer.state.values()
+                           for v in s.values() if torch.is_tensor(v) and v.dim() > 0}),
+        "checkpoint": sorted({(piece.field, str(piece.tensor.dtype)) for piece in pieces}),
+    }
 
 
 def assemble(per_rank: list[list[tuple]]) -> dict[str, torch.Tensor]:
@@ -173,14 +210,14 @@ def assemble(per_rank: list[list[tuple]]) -> dict[str, torch.Tensor]:
     return whole
 
 
-def run_cases(cases: list[Case], ports: list[int]) -> list[dict]:
+def run_cases(cases: list[Case], ports: list[int], steps: int = STEPS) -> list[dict]:
     """Rank entry point for `run_local`: every case in turn, each on its own mesh and port."""
     out = []
     for case, port in zip(cases, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         mesh = init_mesh(job_config(case).parallel, device="cpu")
         try:
-            out.append(train(case, mesh))
+            out.append(train(case, mesh, steps))
         finally:
             mesh.destroy()
     return out

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from megascale.config.schema import ParallelConfig
 from megascale.diagnostics.timers import Timers, set_timers
+from megascale.model.loss import chunked_cross_entropy
 from megascale.parallel.collective_gemm import all_gather_matmul, chunk_ranges, matmul_reduce_scatter
 from megascale.parallel.mesh import init_mesh
-from megascale.parallel.tp_comm import TPContext, vocab_parallel_cross_entropy
+from megascale.parallel.tp_comm import TPContext, copy_to_tp, vocab_combine
 from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(200)
@@ -79,21 +80,25 @@ def check_matmul_reduce_scatter(t: dict, tp: TPContext, label: str) -> None:
 
 
 def check_vocab_parallel_loss(tp: TPContext) -> None:
+    """The chunked loss on this rank's vocabulary rows (one all-gather per chunk) gives the whole
+    loss on every rank and this rank's rows of the whole gradients (the input's summed over tp)."""
     g = torch.Generator().manual_seed(5)
     vocab = 10 * tp.size
-    logits = torch.randn(40, vocab, generator=g) * 3
+    x, w = torch.randn(40, 6, generator=g), torch.randn(vocab, 6, generator=g)
     labels = torch.randint(0, vocab, (40,), generator=g)
     labels[::7] = -100
-    whole = leaf(logits)
-    want = torch.nn.functional.cross_entropy(whole, labels, ignore_index=-100, reduction="sum")
+    xw, ww = leaf(x), leaf(w)
+    want = torch.nn.functional.cross_entropy(xw @ ww.t(), labels, ignore_index=-100, reduction="sum")
     want.backward()
-    cols = slice(tp.rank * 10, (tp.rank + 1) * 10)
-    local = leaf(logits[:, cols])
-    loss = vocab_parallel_cross_entropy(local, labels, tp)
-    assert (loss[::7] == 0).all()
-    loss.sum().backward()
-    close(loss.sum(), want.detach(), "vocab-parallel loss")
-    close(local.grad, whole.grad[:, cols], "vocab-parallel grad")
+    rows = slice(tp.rank * 10, (tp.rank + 1) * 10)
+    xl, wl = leaf(x), leaf(w[rows])
+    for chunk in (40, 9):
+        xl.grad = wl.grad = None
+        loss = chunked_cross_entropy(copy_to_tp(xl, tp), wl, labels, chunk, tp.rank * 10, vocab_combine(tp))
+        loss.backward()
+        close(loss, want.detach(), f"vocab-parallel loss chunk={chunk}")
+        close(wl.grad, ww.grad[rows], f"vocab-parallel grad w chunk={chunk}")
+        close(xl.grad, xw.grad, f"vocab-parallel grad x chunk={chunk}")
 
 
 def _rank(tp_size: int, out_dir: str) -> dict:

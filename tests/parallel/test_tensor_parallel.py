@@ -24,6 +24,7 @@ from megascale.config.schema import (
     check_tensor_parallel,
 )
 from megascale.layout.shard import shard_spec, tp_slice
+from megascale.model.efficiency import set_loss_chunk
 from megascale.model.gpt import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer, clip_grad_norm_
 from megascale.parallel.mesh import init_mesh
@@ -144,6 +145,19 @@ def _parity_rank(tp: int) -> list[str]:
                 for name, grad in got["grads"].items():
                     close(grad, on["grads"][name], f"{label}: {name}", rtol=1e-6)
             done.append(label)
+        # the head and loss in chunks of 24 tokens (64 per batch: an uneven last chunk), against
+        # the single-process model's loss in one chunk; vocabulary-parallel (64) and replicated (67)
+        for vocab, sp in itertools.product((64, 67), (True, False)):
+            mcfg = model_config(vocab_size=vocab, block="parallel")
+            tokens, labels = batch(vocab, seed=7)
+            torch.manual_seed(0)
+            reference = GPT(mcfg)
+            model = copy.deepcopy(reference)
+            want = forward_backward(reference, tokens, labels)
+            apply_tensor_parallel(model, job_config(mcfg, tp, sp, True), mesh)
+            set_loss_chunk(model, 24)
+            compare(forward_backward(model, tokens, labels, mesh), want, f"tp={tp} vocab={vocab} sp={sp} loss_chunk=24")
+            done.append(f"tp={tp} vocab={vocab} sp={sp} chunked loss")
         # bf16 autocast (the GPU training path, here on CPU): the collective GEMMs cast like
         # F.linear, communicate bf16 and return fp32 gradients; bf16 rounding tolerance
         for block in ("serial", "parallel"):
@@ -172,7 +186,7 @@ def _parity_rank(tp: int) -> list[str]:
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_parity_matrix(tp):
     done = run_local(_parity_rank, tp, (tp,), timeout_s=280)
-    assert done[0] == done[-1] and len(done[0]) == len(_cases(tp)) + 2
+    assert done[0] == done[-1] and len(done[0]) == len(_cases(tp)) + 6
 
 
 def test_tp1_rewrite_in_process():

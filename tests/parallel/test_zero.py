@@ -15,7 +15,7 @@ from torch import nn
 from megascale.config.schema import JobConfig, ParallelConfig, TrainConfig
 from megascale.layout.shard import local_piece, shard_spec
 from megascale.parallel.store import free_port
-from megascale.parallel.zero import ZeroGradSync
+from megascale.parallel.zero import REDUCE_DTYPES, ZeroGradSync
 from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
@@ -96,28 +96,32 @@ def _layout_check() -> dict:
         two.before_forward(1)  # idempotent within a step (the pipeline calls it per micro-batch)
         order.append((chunks[1].fresh, chunks[1].gather is None))
         out["prefetch_order"] = order
-        # bf16 parameters (train.param_dtype): gradients reduced and parameters gathered in bf16
-        # (half the bytes), while the optimizer still steps on fp32 shards and fp32 shard gradients
-        half = Odd().to(torch.bfloat16)
-        before = {n: p.detach().clone() for n, p in half.named_parameters()}
-        low = ZeroGradSync([half], cfg, mesh)
-        for n, p in half.named_parameters():
-            p.grad = ((mesh.dp_rank + 1) * g[n]).to(torch.bfloat16)
-        low.after_backward(0)
-        low.finish()
-        buckets = low._chunks[0].buckets
-        out["bf16_comm"] = all(b.flat.dtype == torch.bfloat16 and b.low.dtype == torch.bfloat16
-                               and b.grad.dtype == b.shard.dtype == torch.float32 for b in buckets)
-        out["bf16_grad_ok"] = all(
-            torch.allclose(s.grad, local_piece(total * g[n], shard_spec(s)), rtol=2e-2, atol=2e-2)
-            for n, s in low.optimizer_tensors()
-        )
-        for _, s in low.optimizer_tensors():
-            s.data.add_(1.0)
-        low.after_step()
-        low.before_forward(0)
-        out["bf16_refresh_ok"] = all(torch.equal(p, (before[n].float() + 1).to(torch.bfloat16))
-                                     for n, p in half.named_parameters())
+        # bf16 parameters (train.param_dtype): gradients reduced in train.reduce_dtype (fp32 by
+        # default, or bf16: half the bytes), parameters gathered in bf16, while the optimizer
+        # still steps on fp32 shards and fp32 shard gradients
+        for reduce in ("fp32", "bf16"):
+            cfg.train.reduce_dtype = reduce
+            half = Odd().to(torch.bfloat16)
+            before = {n: p.detach().clone() for n, p in half.named_parameters()}
+            low = ZeroGradSync([half], cfg, mesh)
+            for n, p in half.named_parameters():
+                p.grad = ((mesh.dp_rank + 1) * g[n]).to(torch.bfloat16)
+            low.after_backward(0)
+            low.finish()
+            buckets = low._chunks[0].buckets
+            out[f"bf16_comm_{reduce}"] = all(
+                b.send.dtype == REDUCE_DTYPES[reduce] and b.gathered.dtype == b.low.dtype == torch.bfloat16
+                and b.grad.dtype == b.shard.dtype == torch.float32 for b in buckets)
+            out[f"bf16_grad_ok_{reduce}"] = all(
+                torch.allclose(s.grad, local_piece(total * g[n], shard_spec(s)), rtol=2e-2, atol=2e-2)
+                for n, s in low.optimizer_tensors()
+            )
+            for _, s in low.optimizer_tensors():
+                s.data.add_(1.0)
+            low.after_step()
+            low.before_forward(0)
+            out[f"bf16_refresh_ok_{reduce}"] = all(torch.equal(p, (before[n].float() + 1).to(torch.bfloat16))
+                                                   for n, p in half.named_parameters())
         dist.barrier()
         return out
     finally:
@@ -152,7 +156,7 @@ def _check_layout(layouts: list[dict]) -> None:
         # with dp_overlap every bucket was launched by the gradient hooks, before after_backward
         assert all(out["launched_by_hooks"])
         assert out["prefetch_order"] == [(True, False), (True, True), (True, True)]
-        assert out["bf16_comm"] and out["bf16_grad_ok"] and out["bf16_refresh_ok"]
+        assert all(out[f"bf16_{what}_{r}"] for what in ("comm", "grad_ok", "refresh_ok") for r in ("fp32", "bf16"))
 
 
 @pytest.mark.slow
@@ -188,8 +192,8 @@ def test_cli_nproc_2_reports_the_single_process_loss(tmp_path):
 
 @pytest.mark.slow
 def test_cli_bf16_parameters_dp2_stay_close_to_one_process(tmp_path):
-    """With bf16 parameters the dp reduction itself runs in bf16: losses stay within bf16's
-    precision of the one-process run."""
+    """With bf16 parameters (fp32 masters in both runs, the dp reduction in fp32 by default,
+    the parameters gathered in bf16) losses stay within bf16's precision of the one-process run."""
     single = cli_losses(tmp_path, "single", ["--train.param_dtype=bf16"])
     dp2 = cli_losses(tmp_path, "dp2", ["--nproc", "2", "--parallel.dp=2", "--train.param_dtype=bf16"])
     assert dp2 == pytest.approx(single, rel=2e-2)

@@ -50,12 +50,22 @@ class LiveDriver:
         while not (run_dir / "resilience" / "driver.json").is_file():
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
             time.sleep(0.05)
-        self.client = ApiClient.for_run(run_dir)
-        self.token = self.client.token
+        self.client = ApiClient.for_run(run_dir)  # the operator's
+        self.token = self.client.token  # the operator token
+        self.join_token = ApiClient.for_run(run_dir, operator=False).token  # what every executor holds
         self.port = int(self.client.url.rsplit(":", 1)[1])
-        self.node = SimulatedNode(ApiClient.for_run(run_dir))
+        self.node = SimulatedNode(ApiClient.for_run(run_dir, operator=False))
         self.node.start()
         self.wait_for(lambda s: s["phase"] == "running" and self.node.start_command is not None)
+
+    def client_as(self, credential: str) -> ApiClient:
+        """A client that presents `credential` (the node's, the join token, the operator's)."""
+        client = ApiClient.for_run(self.run_dir)
+        client.token = credential
+        return client
+
+    def as_node(self) -> ApiClient:
+        return self.client_as(self.node.credential)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -88,18 +98,24 @@ class LiveDriver:
 
 
 class SimulatedNode(threading.Thread):
-    """An executor's side of the protocol without ranks: one rank 'trains' a step per heartbeat."""
+    """An executor's side of the protocol without ranks: one rank 'trains' a step per heartbeat
+    once the driver sent it a `start` (a spare never gets one)."""
 
-    def __init__(self, client: ApiClient) -> None:
-        super().__init__(name="simulated-node", daemon=True)
+    def __init__(self, client: ApiClient, node_id: str = NODE, address: str = "127.0.0.1") -> None:
+        super().__init__(name=f"simulated-{node_id}", daemon=True)
         self.client, self.step, self.done = client, 0, threading.Event()
+        self.node_id, self.address = node_id, address
+        self.registered = threading.Event()
         self.start_command: dict[str, Any] | None = None
         self.results: dict[str, Any] = {}
         self.refused: list[str] = []  # heartbeats the driver answered with an error
+        self.credential = ""
 
     def run(self) -> None:
-        self.client.call("POST", "/v1/register", {"node_id": NODE, "address": "127.0.0.1", "host": "simulated",
-                                                  "pid": os.getpid()})
+        reply = self.client.call("POST", "/v1/register", {"node_id": self.node_id, "address": self.address,
+                                                          "host": "simulated", "pid": os.getpid()})
+        self.client.token = self.credential = reply["credential"]  # as the executor does
+        self.registered.set()
         while not self.done.wait(0.5):
             try:
                 reply = self.client.call("POST", "/v1/heartbeat", self.heartbeat())
@@ -119,7 +135,7 @@ class SimulatedNode(threading.Thread):
         self.step += 1
         rank = {"rank": 0, "local_rank": 0, "pid": os.getpid(), "alive": True, "step": self.step,
                 "step_time": 0.1, "recent": [[self.step, 0.1]]}
-        return {"node_id": NODE, "seq": self.step, "time": time.time(), "address": "127.0.0.1",
+        return {"node_id": self.node_id, "seq": self.step, "time": time.time(), "address": self.address,
                 "host": "simulated", "attempt": 0 if self.start_command else None,
                 "ranks": [rank] if self.start_command else [], "net_shared": True, "done": dict(self.results)}
 

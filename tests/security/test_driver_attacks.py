@@ -75,18 +75,19 @@ def test_malformed_bodies_from_a_token_holder_get_a_400_naming_the_defect(driver
         "sneaky: Extra inputs are not permitted": {**beat, "sneaky": 1},
         "body: Input should be an object": [beat],
     }
+    node = driver.as_node()
     for expected, body in bad.items():
         with pytest.raises(ApiError) as err:
-            driver.client.call("POST", "/v1/heartbeat", body)
+            node.call("POST", "/v1/heartbeat", body)
         assert err.value.status == 400 and expected in str(err.value), (expected, err.value)
     for raw in (b'"a string"', b"[" * 5000 + b"]" * 5000, b'{"node_id": "node-a", "time": NaN}',
                 b'{"node_id": "node-a", "time": 1e400}', b"\xff\xfe not json", b"{" * 100_000):
-        status, body = raw_request(driver.port, request_bytes("POST", "/v1/heartbeat", raw, driver.token))
+        status, body = raw_request(driver.port, request_bytes("POST", "/v1/heartbeat", raw, driver.node.credential))
         assert status == 400 and body["error"].startswith("bad request"), (raw[:40], status, body)
     for path, body in (("/v1/evict", {"node_id": 5}), ("/v1/evict", {}), ("/v1/stop", {"reason": ["x"]}),
                        ("/v1/register", {"node_id": NODE}), ("/v1/stop", {"reason": "x", "also": 1})):
         with pytest.raises(ApiError) as err:
-            driver.client.call("POST", path, body)
+            (node if path == "/v1/register" else driver.client).call("POST", path, body)
         assert err.value.status == 400, (path, body)
     status, _ = raw_request(driver.port, request_bytes("GET", "/v1/status", b'{"x": 1}', driver.token))
     assert status == 400  # a route without a body refuses one
@@ -95,7 +96,7 @@ def test_malformed_bodies_from_a_token_holder_get_a_400_naming_the_defect(driver
 
 
 def test_a_body_announced_but_never_sent_does_not_hold_the_driver(driver):
-    head = (f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.token}\r\n"
+    head = (f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.node.credential}\r\n"
             "Content-Length: 1000\r\n\r\n").encode()
     stalled = [attacker_tls(driver.port) for _ in range(20)]
     for sock in stalled:
@@ -122,14 +123,14 @@ def test_a_body_announced_but_never_sent_does_not_hold_the_driver(driver):
 ])
 def test_impossible_lengths_and_oversized_heads_are_refused_at_once(driver, raw, status):
     started = time.monotonic()
-    assert raw_request(driver.port, raw.replace(b"TOKEN", driver.token.encode()))[0] == status
+    assert raw_request(driver.port, raw.replace(b"TOKEN", driver.node.credential.encode()))[0] == status
     assert time.monotonic() - started < REQUEST_TIMEOUT_S / 2  # no waiting for a body
     driver.untouched()
 
 
 def test_a_100_mb_body_is_cut_off_at_the_cap(driver):
     sock = attacker_tls(driver.port)
-    sock.sendall((f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.token}\r\n"
+    sock.sendall((f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.node.credential}\r\n"
                   "Transfer-Encoding: chunked\r\n\r\n").encode())
     chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
     with contextlib.suppress(OSError):  # the driver hangs up after the cap; the rest is refused
@@ -180,7 +181,8 @@ def test_files_are_private_and_hold_no_secret(driver):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
         assert REDIS_PASSWORD.encode() not in path.read_bytes(), path
     log = driver.log()
-    assert REDIS_PASSWORD not in log and driver.token not in log
+    assert REDIS_PASSWORD not in log and driver.token not in log and driver.join_token not in log
+    assert driver.node.credential not in log
     assert REDIS_PASSWORD.encode() not in Path(f"/proc/{driver.proc.pid}/environ").read_bytes()
 
 
@@ -234,7 +236,8 @@ def test_fuzzed_bodies_get_a_400_and_change_nothing(driver, path):
     valid = {"/v1/register": {"node_id": NODE, "address": "127.0.0.1", "host": "simulated", "pid": 1},
              "/v1/heartbeat": driver.node.heartbeat(), "/v1/evict": {"node_id": NODE, "reason": "fuzz"},
              "/v1/stop": {"reason": "fuzz"}}[path]
-    client = ApiClient.for_run(driver.run_dir)
+    client = driver.client_as({"/v1/register": driver.join_token, "/v1/heartbeat": driver.node.credential}.get(
+        path, driver.token))
 
     @settings(max_examples=50, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])

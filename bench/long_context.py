@@ -1,0 +1,107 @@
+"""Long-context attention on CPU (issue 35): forward + backward time and peak tensor memory of
+full causal attention (SDPA, its fused CPU flash kernel) against sliding-window attention at
+w = 512 (the sliding-chunks kernel, `model/sliding_window.py`, what `train.attention=auto`
+runs off CUDA), for sequence lengths 1k.. (8k by default; `--all`: up to 32k).
+
+Both run side by side at each length, alternating, on the same inputs (batch 1, 8 query heads,
+8 or `--kv-heads` key/value heads, head dim 64, fp32). Memory: the most bytes of tensors alive at
+once that the call allocated (`diagnostics.tensor_memory`), in the timed runs. Goals: the
+SWA time grows linearly (ratio 32k/4k <= 10 at fixed w) and SWA is faster than full from 2k on.
+
+    python bench/long_context.py [--all] [--window 512] [--repeats 2]
+
+Writes bench/results/long_context.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from megascale.diagnostics.tensor_memory import peak_tensor_bytes, wall_seconds
+from megascale.model.attention import causal_attention
+
+RESULTS = Path(__file__).parent / "results" / "long_context.json"
+DEFAULT_LENGTHS = [1024, 2048, 4096, 8192]
+ALL_LENGTHS = [*DEFAULT_LENGTHS, 16384, 32768]
+
+
+def measure(seq: int, args: argparse.Namespace) -> dict:
+    g = torch.Generator().manual_seed(seq)
+    q = torch.randn(1, args.heads, seq, args.head_dim, generator=g).requires_grad_()
+    k, v = (torch.randn(1, args.kv_heads, seq, args.head_dim, generator=g).requires_grad_() for _ in range(2))
+    grad_out = torch.randn(q.shape, generator=g)
+    windows = {"full": None, "swa": args.window}
+
+    def step(window: int | None) -> None:
+        q.grad = k.grad = v.grad = None
+        causal_attention(q, k, v, window).backward(grad_out)
+
+    row: dict = {"seq": seq, "full": {"seconds": []}, "swa": {"seconds": []}}
+    step(args.window)  # warm-up (the mask cache)
+    for r in range(args.repeats):  # tracked runs are timed too: the tracker costs µs per op
+        for name, window in (windows.items() if r % 2 == 0 else reversed(windows.items())):
+            peak: list[int] = []
+            row[name]["seconds"].append(wall_seconds(
+                lambda w=window, peak=peak: peak.append(peak_tensor_bytes(lambda: step(w)))))
+            row[name]["peak_bytes"] = peak[0]
+    for name in windows:
+        row[name]["best_s"] = min(row[name]["seconds"])
+    row["swa_vs_full_time"] = row["swa"]["best_s"] / row["full"]["best_s"]
+    row["swa_vs_full_memory"] = row["swa"]["peak_bytes"] / row["full"]["peak_bytes"]
+    print(f"{seq:>6}  full {row['full']['best_s']:8.3f} s {row['full']['peak_bytes'] / 2**20:8.1f} MiB   "
+          f"swa {row['swa']['best_s']:8.3f} s {row['swa']['peak_bytes'] / 2**20:8.1f} MiB   "
+          f"swa/full time {row['swa_vs_full_time']:.2f}", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="lengths up to 32k (full attention there takes minutes)")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per variant and length (best kept)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    rows = [measure(seq, args) for seq in (ALL_LENGTHS if args.all else DEFAULT_LENGTHS)]
+    by_seq = {r["seq"]: r for r in rows}
+    longest = max(by_seq)
+    summary = {
+        "swa_time_ratio_longest_vs_4k": by_seq[longest]["swa"]["best_s"] / by_seq[4096]["swa"]["best_s"],
+        "longest": longest,
+        "linear_ratio_would_be": longest / 4096,
+        "swa_faster_than_full_from": next((r["seq"] for r in rows if all(
+            s["swa_vs_full_time"] < 1 for s in rows if s["seq"] >= r["seq"])), None),
+        "goal": "swa time ratio 32k/4k <= 10; swa faster than full from 2048 on",
+    }
+    print(summary)
+    result = {
+        "benchmark": "long_context",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "note": "CPU, fp32, the machine shared with other jobs (see the load average): times are noisy; "
+                "full and SWA are timed side by side at each length",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": rows,
+        "summary": summary,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

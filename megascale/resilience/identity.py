@@ -1,0 +1,130 @@
+"""Who is calling the driver: an operator, an executor joining, or one registered node.
+
+Why: with one token for everyone, any executor could speak for any other (kill its ranks with a
+forged report, take its commands, move the rendezvous to its own address) or stop the job. Three
+credentials, each a bearer token inside the pinned TLS channel (`credentials.py`):
+
+* operator (`operator` in the secret directory; the driver's and operators' copy only): status,
+  evict, stop;
+* join token (`token`, what every executor holds): registration of a node id that is not yet
+  registered, and only as many as the job expects plus a bounded spare pool;
+* node credential: HMAC-SHA256 over (job id, node id) with a key derived from the driver's TLS
+  key, issued in the reply to the node's first registration. The executor keeps it in memory and
+  in its private work directory on its node; every heartbeat and re-registration must carry it,
+  and a node's credential speaks for that node only. The driver stores nothing per node: it
+  recomputes the MAC, so a restarted driver (same secret, same job) accepts the same credentials.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megascale.resilience.credentials import JobSecret
+from megascale.resilience.state import EVICTED, JobState
+
+OPERATOR, JOIN, NODE = "operator", "join", "node"
+NODE_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:%@-]{0,252}$")  # protocol.Name
+Reply = tuple[int, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Principal:
+    role: str  # OPERATOR, JOIN or NODE
+    node: str | None = None  # the node a NODE credential speaks for
+
+
+class Identities:
+    """Issues node credentials and tells which principal a presented credential is."""
+
+    def __init__(self, secret: JobSecret, job_id: str) -> None:
+        if not secret.operator or not secret.node_key:
+            raise ValueError("the driver needs the operator token and the TLS key (load_secret(need_key=True))")
+        self._operator, self._join = secret.operator.encode(), secret.token.encode()
+        self._key = hmac.new(secret.node_key, b"job\0" + job_id.encode(), hashlib.sha256).digest()
+
+    def credential_for(self, node_id: str) -> str:
+        tag = base64.urlsafe_b64encode(node_id.encode()).rstrip(b"=").decode()
+        return f"node.{tag}.{self._mac(node_id)}"
+
+    def authenticate(self, credential: bytes) -> Principal | None:
+        """The principal `credential` proves, None for none (compared in constant time)."""
+        if hmac.compare_digest(credential, self._operator):
+            return Principal(OPERATOR)
+        if hmac.compare_digest(credential, self._join):
+            return Principal(JOIN)
+        kind, _, rest = credential.partition(b".")
+        tag, _, mac = rest.rpartition(b".")
+        if kind != b"node" or not tag or len(tag) > 400:
+            return None
+        try:
+            node = base64.urlsafe_b64decode(tag + b"=" * (-len(tag) % 4)).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        if NODE_ID.match(node) and hmac.compare_digest(mac, self._mac(node).encode()):
+            return Principal(NODE, node)
+        return None
+
+    def _mac(self, node_id: str) -> str:
+        return hmac.new(self._key, node_id.encode(), hashlib.sha256).hexdigest()
+
+
+def admission(state: JobState, node_id: str, address: str, proven: bool, spare_pool: int) -> Reply | None:
+    """The refusal of a registration, None to admit it. A registered node may register again
+    only with its own credential and from its address (the rendezvous of every attempt is an
+    active node's address); a new id must be one the job expects, and the job admits at most
+    `count` (nodes + spares) + `spare_pool` node ids over its life, evicted ones included."""
+    known = state.nodes.get(node_id)
+    if known is not None and known.role != EVICTED:
+        if not proven:
+            return 403, {"error": f"node {node_id} is registered; only it may register again, with the "
+                                  "credential the driver gave it"}
+        if address != known.address:
+            return 409, {"error": f"node {node_id} registered from {known.address}; another address ({address}) "
+                                  "is refused: evict the node first"}
+        return None
+    if known is not None:
+        return None  # the caller refuses an evicted node with its own message
+    roster = state.api.get("roster")
+    if roster is not None and node_id not in roster:
+        return 403, {"error": f"node {node_id} is not a node of this job (expected: {', '.join(roster[:8])}"
+                              f"{', ...' if len(roster) > 8 else ''})"}
+    limit = int(state.api.get("count", state.nodes_wanted)) + spare_pool
+    if len(state.nodes) >= limit:
+        return 403, {"error": f"node {node_id} refused: {len(state.nodes)} node ids have registered, the most "
+                              f"this job admits (nodes + spares + resilience.spare_pool = {limit})"}
+    return None
+
+
+# ---------------------------------------------------------------------- route adapters
+def for_node(handler: Callable[[dict[str, Any]], Reply]) -> Callable[[dict[str, Any], Principal], Reply]:
+    """A node route: the body's node_id must be the node the credential speaks for."""
+    def call(body: dict[str, Any], who: Principal) -> Reply:
+        if who.role != NODE or who.node != body["node_id"]:
+            return 403, {"error": f"this credential speaks for {who.node or 'no node'}, not for {body['node_id']}"}
+        return handler(body)
+    return call
+
+
+def registration(handler: Callable[[dict[str, Any], bool], Reply],
+                 identities: Identities) -> Callable[[dict[str, Any], Principal], Reply]:
+    """The register route: with the join token (a new node) or the node's own credential; the
+    reply carries the node's credential."""
+    def call(body: dict[str, Any], who: Principal) -> Reply:
+        if who.role == NODE and who.node != body["node_id"]:
+            return 403, {"error": f"this credential speaks for {who.node}, not for {body['node_id']}"}
+        status, reply = handler(body, who.role == NODE)
+        if status == 200:
+            reply = {**reply, "credential": identities.credential_for(body["node_id"])}
+        return status, reply
+    return call
+
+
+def for_operator(handler: Callable[[dict[str, Any]], Reply]) -> Callable[[dict[str, Any], Principal], Reply]:
+    return lambda body, who: handler(body)
