@@ -16,6 +16,7 @@ from tests.checkpoint.conftest import TINY
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_resume_continues(tmp_path):
     args = [sys.executable, "-m", "megascale.cli", "train", *TINY, f"--train.run_dir={tmp_path}",
             "--train.steps=100000", "--checkpoint.every=0"]

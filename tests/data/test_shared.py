@@ -81,6 +81,7 @@ def run_four(path: Path, tmp: Path, modes: list[tuple[str, bool]], kill_reader_a
             for mode, _ in modes}
 
 
+@pytest.mark.slow
 def test_shared_memory_batches_tp2_dp2(dataset, tmp_path):
     """node (prefetch on), tp (prefetch off), node resumed: right batches, one reader per
     group, the resumed run continues with the batches of the first."""

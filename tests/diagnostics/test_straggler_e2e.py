@@ -28,6 +28,7 @@ def straggler_run(tmp_path_factory, workload_cls):
     return run_dir
 
 
+@pytest.mark.slow
 def test_report_names_the_slow_rank_and_host(straggler_run) -> None:
     report = build_report(straggler_run)
     named = [(s.rank, s.host) for s in report.stragglers]

@@ -50,6 +50,7 @@ def test_window_changes_result():
     assert not torch.allclose(sdpa_attention(q, k, v, 4), sdpa_attention(q, k, v, None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 64])
 def test_flex_attention_matches_sdpa_on_cpu(window, cpu_compiler):
     """FlexAttention's block mask (the GPU kernel that skips masked blocks) gives the same
@@ -69,6 +70,7 @@ def test_dispatch_on_cpu_equals_sdpa():
         torch.testing.assert_close(causal_attention(q, k, v, window), sdpa_attention(q, k, v, window))
 
 
+@pytest.mark.slow
 def test_flex_inside_a_compiled_block_is_one_graph_and_matches_sdpa(cpu_compiler):
     """How a compiled block runs SWA on a GPU: FlexAttention and its block mask traced into the
     block's graph (no graph break, no Dynamo cache warnings), with the eager SDPA result."""

@@ -102,6 +102,7 @@ def recorded() -> list[list[dict]]:
     return run_local(_rank, 4, args=([free_port() for _ in range(3)],), timeout_s=280)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_collectives_hide_behind_gemms(recorded):
     for on, off, _ in recorded:
         assert on["tp"] > off["tp"] > 0  # two chunks per collective GEMM with overlap, one without

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = "tp2pp2v2"
 
 
+@pytest.mark.slow
 def test_peer_bench_sides_train_the_same_model(tmp_path):
     out = tmp_path / "peers.json"
     command = [sys.executable, "bench/peers.py", "--layouts", LAYOUT, "--no-startup", "--hidden", "32",

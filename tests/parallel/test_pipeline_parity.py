@@ -212,6 +212,7 @@ def _check_hooks_and_timers(results: list[dict]) -> None:
         assert {s["attrs"]["peer"] for s in p2p if "peer" in s["attrs"]} == {1 - rank}
 
 
+@pytest.mark.slow
 def test_pipeline_parity_two_stages(tmp_path):
     cases = [(2, 1, 3, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 4, "gpipe")]
     results = run_local(_rank_main, 2, (cases, str(tmp_path)), timeout_s=240)

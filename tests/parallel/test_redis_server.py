@@ -46,6 +46,7 @@ def test_a_password_protected_server_refuses_strangers_and_logs_no_secret():
     assert "s3cret" not in str(err.value) and ":***@" in str(err.value)
 
 
+@pytest.mark.slow
 def test_launcher_serves_redis_for_the_job_and_stops_it(tmp_path):
     """`megascale train --nproc 2` with redis_start: the ranks rendezvous on the server the
     launcher started (they would fail to reach the address otherwise), which is gone after."""

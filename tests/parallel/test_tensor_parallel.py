@@ -183,7 +183,7 @@ def _parity_rank(tp: int) -> list[str]:
         mesh.destroy()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_parity_matrix(tp):
     done = run_local(_parity_rank, tp, (tp,), timeout_s=280)
     assert done[0] == done[-1] and len(done[0]) == len(_cases(tp)) + 6
@@ -250,6 +250,7 @@ def _training_rank() -> list[tuple[str, list[float], list[float]]]:
         mesh.destroy()
 
 
+@pytest.mark.slow
 def test_ten_steps_match_one_process():
     per_rank = run_local(_training_rank, 2, timeout_s=280)
     for rank_runs in per_rank:

@@ -159,6 +159,7 @@ def _check_layout(layouts: list[dict]) -> None:
         assert all(out[f"bf16_{what}_{r}"] for what in ("comm", "grad_ok", "refresh_ok") for r in ("fp32", "bf16"))
 
 
+@pytest.mark.slow
 def test_dp2_matches_one_process(reference):
     # overlap changes when collectives run, not the arithmetic: one synchronous case suffices
     cases = [Case(dp=2, optim="adamw"), Case(dp=2, optim="lamb"),
@@ -166,6 +167,7 @@ def test_dp2_matches_one_process(reference):
     _check_layout(_run(2, cases, reference))
 
 
+@pytest.mark.slow
 def test_dp4_matches_one_process(reference):
     cases = [Case(dp=4, optim=o) for o in ("adamw", "lamb")]
     _check_layout(_run(4, cases, reference))
@@ -178,6 +180,7 @@ def test_reference_is_not_trivially_matched(reference):
     )
 
 
+@pytest.mark.slow
 def test_cli_nproc_2_reports_the_single_process_loss(tmp_path):
     """`megascale train --nproc 2` (torch.distributed.run, dp=2, ZeRO) logs the same global
     mean loss as one process on the same data and global batch."""
@@ -187,6 +190,7 @@ def test_cli_nproc_2_reports_the_single_process_loss(tmp_path):
     assert dp2 == pytest.approx(single, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_bf16_parameters_dp2_stay_close_to_one_process(tmp_path):
     """With bf16 parameters (fp32 masters in both runs, the dp reduction in fp32 by default,
     the parameters gathered in bf16) losses stay within bf16's precision of the one-process run."""

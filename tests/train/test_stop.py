@@ -93,6 +93,7 @@ def _resume_one_more_step(run_dir: Path, step: int) -> None:
     assert f"at step {step}" in (run_dir / "rank00000.log").read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_stops_all_after_the_same_step(tmp_path):
     run_dir = tmp_path / "one_rank"
     proc = _launch(run_dir, env_extra={"MEGASCALE_FAULT": "term:rank=1:step=3"})
@@ -104,6 +105,7 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(tmp_path):
     _resume_one_more_step(run_dir, 3)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_while_a_save_is_queued(tmp_path):
     """Throttled saves every 2 steps (when_busy=wait), so a save is being written when SIGTERM
     reaches the launcher and the ranks' final save queues behind it. torchrun signals each rank's
