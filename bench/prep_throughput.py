@@ -88,18 +88,24 @@ def compressed(path: Path) -> Path:
     return target
 
 
-def train_bpe(corpus: Path, out: Path) -> Path:
-    if out.exists():
-        return out
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+def sample_texts(corpus: Path, limit: int = 4 * MB) -> list[str]:
+    """The first `limit` bytes of a JSON-lines corpus' texts: what the tokenizers are trained on."""
     texts, size = [], 0
     with open(corpus) as f:
         for line in f:
             texts.append(json.loads(line)["text"])
             size += len(line)
-            if size >= 4 * MB:
+            if size >= limit:
                 break
+    return texts
+
+
+def train_bpe(corpus: Path, out: Path) -> Path:
+    if out.exists():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = sample_texts(corpus)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,13 +124,7 @@ def mistral_style(corpus: Path, out: Path) -> Path:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    texts, size = [], 0
-    with open(corpus) as f:
-        for line in f:
-            texts.append(json.loads(line)["text"])
-            size += len(line)
-            if size >= 4 * MB:
-                break
+    texts = sample_texts(corpus)
     sp = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     sp.pre_tokenizer = pre_tokenizers.Metaspace()
     sp.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<unk>", "<s>", "</s>"],
