@@ -93,6 +93,7 @@ class StragglerRule:
         self.ranks: dict[int, _Rank] = {}
         self.first_step: int | None = None
         self.judged = -1  # the newest window judged
+        self.closed_count: dict[int, int] = {}  # window -> ranks that closed it (KEEP windows at most)
         self.streak: dict[str, list[tuple[int, float, float, list[int]]]] = {}  # node -> its slow windows
         self.job_streak: list[tuple[int, float]] = []
         self.baseline: float | None = None
@@ -102,6 +103,7 @@ class StragglerRule:
         per_stage = max(layout.get("dp", 1) * layout.get("tp", 1), 1)
         self.ranks = {r: _Rank(node, r // per_stage) for r, node in rank_nodes.items()}
         self.first_step, self.judged, self.baseline = None, -1, None
+        self.closed_count = {}
         self.streak, self.job_streak = {}, []
 
     def _window_of(self, step: int) -> int:
@@ -128,23 +130,26 @@ class StragglerRule:
             if len(state.values) == self.window_steps:  # complete: close it now, not at the next step
                 self._close(state)
 
-    @staticmethod
-    def _close(state: _Rank) -> None:
+    def _close(self, state: _Rank) -> None:
         if state.values:
+            if state.window not in state.closed:
+                self.closed_count[state.window] = self.closed_count.get(state.window, 0) + 1
             state.closed[state.window] = summarise(state.window, state.values)
             state.values = []
             for old in sorted(state.closed)[:-KEEP]:
                 del state.closed[old]
+            for old in [w for w in self.closed_count if w <= state.window - KEEP]:  # pruned by this rank
+                del self.closed_count[old]
 
     def check(self) -> list[Detection]:
-        """Judge, in order, each window every rank has closed (each window once)."""
-        if not self.ranks:
-            return []
-        ready = set.intersection(*(set(r.closed) for r in self.ranks.values()))
-        out = []
-        for window in sorted(w for w in ready if w > self.judged):
-            self.judged = window
-            out += self._judge(window)
+        """Judge, in order, each window every rank has closed (each window once). A tick costs
+        O(KEEP) until a window is complete (a count per window, not a walk over every rank)."""
+        out: list[Detection] = []
+        for window in sorted(w for w, n in self.closed_count.items() if n >= len(self.ranks) > 0):
+            del self.closed_count[window]
+            if window > self.judged and all(window in r.closed for r in self.ranks.values()):
+                self.judged = window
+                out += self._judge(window)
         return out
 
     def _steps(self, first_window: int, last_window: int) -> tuple[int, int]:
