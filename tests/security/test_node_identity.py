@@ -165,6 +165,10 @@ def test_an_executor_keeps_its_credential_across_a_restart(driver, tmp_path):
     with pytest.raises(ApiError, match="only it may register again"):  # so it fell back to the join token
         executor(stale).register(10)
     assert not (stale / "credential").exists()
+    # exec-node never beats: evicted here, so later tests' silent nodes are not half the job's
+    # (then the driver reads the silence as its own or the network's, and evicts nobody)
+    driver.client.call("POST", "/v1/evict", {"node_id": "exec-node", "reason": "test done"})
+    driver.wait_for(lambda s: "exec-node" in s["evicted"])
 
 
 def test_reasons_cannot_forge_log_lines(driver):
