@@ -6,6 +6,7 @@ timeout (the driver serves connections that hold the token first; see api_server
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import socket
@@ -14,8 +15,10 @@ import time
 
 import pytest
 
+from megascale.resilience.api import ApiClient
 from megascale.resilience.api_server import Limits
-from tests.security.live import LiveDriver, attacker_tls
+from tests.security import flood
+from tests.security.live import LiveDriver, attacker_tls, request_bytes
 
 pytestmark = pytest.mark.timeout(180)
 FLOOD = 3000
@@ -58,6 +61,49 @@ def test_3000_idle_connections_without_a_token_cost_the_node_no_heartbeat(driver
     assert held < Limits().max_unauthenticated + 100, held
     driver.untouched()
     assert "connections without a token yet: closed the oldest" in driver.log()
+
+
+def test_a_flood_from_one_peer_costs_that_peer_not_the_others(driver):
+    """A node with its own credential (node-b, from 127.0.0.2) pipelines maximum-size valid
+    heartbeats over 100 connections for 10 s, while 127.0.0.3 floods handshakes with a wrong
+    token. node-a (127.0.0.1) keeps heartbeating every 0.5 s: every beat is answered, never more
+    than 2.5 s apart, and the operator's status is answered within 4 s throughout. Before the
+    per-caller budgets the driver answered node-a twice in 14 s (gap 4.8 s, the timeout is 5 s)
+    and the operator's handshake timed out."""
+    node_b = ApiClient.for_run(driver.run_dir, operator=False)
+    credential = node_b.call("POST", "/v1/register", {"node_id": "node-b", "address": "127.0.0.1",
+                                                      "host": "flood", "pid": 1})["credential"]
+    rank = {"rank": 0, "local_rank": 0, "pid": 1, "alive": True, "step": 1, "recent": [[1, 0.1]] * 64}
+    body = json.dumps({"node_id": "node-b", "ranks": [dict(rank, rank=i) for i in range(1024)]}).encode()
+    heavy = request_bytes("POST", "/v1/heartbeat", body, token=credential)
+    wrong = request_bytes("GET", "/v1/status", token="w" * 43)
+    assert len(heavy) > 700_000
+    latencies: list[float] = []
+
+    def operator() -> None:
+        while time.monotonic() < stop_at:
+            started = time.monotonic()
+            ApiClient.for_run(driver.run_dir).status()  # a new connection each time
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.5)
+
+    began = time.monotonic()
+    stop_at = began + 10.0
+    floods = [flood.start(driver.port, "127.0.0.2", heavy, 100, 10.0, pipelined=2),
+              flood.start(driver.port, "127.0.0.3", wrong, 20, 10.0)]
+    watcher = threading.Thread(target=operator, daemon=True)
+    watcher.start()
+    heavy_seen, wrong_seen = (flood.result(proc) for proc in floods)
+    watcher.join(10)
+    beats = [t for t in driver.node.answered if began <= t <= stop_at]
+    gaps = [b - a for a, b in zip([began, *beats], [*beats, stop_at], strict=True)]
+    assert max(gaps) < 2.5, (len(beats), max(gaps), heavy_seen, wrong_seen)
+    assert latencies and max(latencies) < 4.0, latencies
+    assert heavy_seen.get("429", 0) > 0 and wrong_seen.get("401", 0) > 0, (heavy_seen, wrong_seen)
+    driver.untouched()
+    log = driver.log()
+    assert "429 POST /v1/heartbeat from 127.0.0.2" in log, log[-2000:]
+    assert "its address was refused too often" in log, (wrong_seen, log[-2000:])
 
 
 def test_requests_whose_clients_left_are_dropped_unrun_and_the_queue_is_bounded(tmp_path):
