@@ -9,10 +9,12 @@ past either it gets a 429 with Retry-After before its body is read, and the conn
 
 A caller is its node id for a node credential (local mode and NAT put many nodes behind one
 address, and the credential is the better key), else its address with its role (join token,
-operator). A failed authentication (401, a broken handshake) is charged to the address: one
-whose budget is spent has its new connections closed at accept, before the TLS handshake costs
-anything, while other addresses and kept-alive connections are served as before. The buckets
-are bounded in number (least recently used dropped), as every piece of driver state is.
+operator). Requests without a valid credential never reach the handlers (a 401 from the event
+loop); what they cost is a TLS handshake each, and connections that have not shown a credential
+are shed from the address holding the most of them (`api_server.py`). Addresses are not blocked
+at accept: many legitimate clients share one (loopback in local mode, NAT), and a local user's
+flood of wrong tokens would then lock the node's executors out. The buckets are bounded in
+number (least recently used dropped), as every piece of driver state is.
 """
 
 from __future__ import annotations
@@ -28,15 +30,12 @@ class Budget:
     rate: float = 32.0  # units a second per caller: a node of 8 ranks sends ~3 a second (5 beats in recovery)
     burst: float = 160.0  # a full bucket: one maximum-size (2 MiB) body, or a burst of small requests
     unit_bytes: int = 16 << 10
-    failure_cost: float = 32.0  # a failed authentication: an address gets 1 a second, 5 at once
     max_pending: int = 8  # a caller's requests queued for the handlers at once
     max_callers: int = 1 << 16  # buckets kept; the least recently used beyond are dropped
 
 
-def caller_key(who: Principal | None, ip: str) -> str:
+def caller_key(who: Principal, ip: str) -> str:
     """Whom a request is charged to (see the module docstring)."""
-    if who is None:
-        return f"address {ip}"
     return f"node {who.node}" if who.role == NODE else f"{who.role} at {ip}"
 
 
@@ -59,10 +58,6 @@ class CallerBudgets:
         self._buckets[key] = (tokens, now)
         self.refused += 1
         return (min(cost, self.budget.burst) - tokens) / self.budget.rate
-
-    def spent(self, key: str, now: float, cost: float) -> bool:
-        """Whether `key` has less than `cost` left (peeks; charges nothing)."""
-        return key in self._buckets and self._tokens(key, now) < cost
 
     def queue(self, key: str) -> bool:
         """Count one more queued request of `key`; False (nothing counted) at its cap."""

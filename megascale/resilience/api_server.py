@@ -157,11 +157,6 @@ class ApiServer:
                 return
             sock.setblocking(False)
             ip = peer[0] if isinstance(peer, tuple) else str(peer)
-            if self.budgets.spent(caller_key(None, ip), time.monotonic(), self.limits.budget.failure_cost):
-                self.at_cap.note("api: connection from %s closed at once: its address was refused too often "
-                                 "(wrong credentials, broken handshakes, over budget)", _peer(peer))
-                sock.close()
-                continue
             if len(self.conns) >= self.cap and not self.evict_idle():
                 self.at_cap.note("api: connection from %s refused: %d connections, all busy", _peer(peer), self.cap)
                 sock.close()
@@ -196,14 +191,14 @@ class ApiServer:
     def check(self, method: str, path: str, headers: list[tuple[bytes, bytes]],
               ip: str = "") -> tuple[int, str] | Principal:
         """The refusal (status, reason) of a request head, before its body is read; else who calls.
-        A request within its caller's budget only (`api_budget.py`; a 401 is charged to `ip`)."""
+        A request within its caller's budget only (`api_budget.py`; `ip` names callers without
+        a node credential)."""
         if sum(len(k) + len(v) for k, v in headers) > self.limits.max_header:  # h11 caps only partial heads
             return 431, f"headers exceed {self.limits.max_header} bytes"
         auth = [v for k, v in headers if k == b"authorization"]
         scheme, _, credential = (auth[0] if len(auth) == 1 else b"").partition(b" ")
         who = self.authenticate(credential.strip()) if scheme.lower() == b"bearer" else None
         if who is None:
-            self.budgets.take(caller_key(None, ip), self.limits.budget.failure_cost, time.monotonic())
             return 401, "missing or wrong token (Authorization: Bearer TOKEN)"
         if (method, path) not in self.routes:
             return (405, f"{path} does not take {method}") if path in self.paths else (404, f"no route {path}")
@@ -212,10 +207,8 @@ class ApiServer:
         length = next((v for k, v in headers if k == b"content-length"), b"0")
         if int(length) > self.limits.max_body:  # h11 has checked it is digits
             return 413, f"body of {int(length)} bytes exceeds {self.limits.max_body}"
-        now = time.monotonic()
-        wait = self.budgets.take(caller_key(who, ip), self.budgets.cost(int(length)), now)
-        if wait:  # and its address pays as for a failure: its reconnections are closed before a handshake
-            self.budgets.take(caller_key(None, ip), self.limits.budget.failure_cost, now)
+        wait = self.budgets.take(caller_key(who, ip), self.budgets.cost(int(length)), time.monotonic())
+        if wait:
             return 429, f"over this caller's request budget; retry in {max(wait, 0.1):.1f} s"
         return who
 
@@ -284,8 +277,6 @@ class _Connection(asyncio.Protocol):
                                                     ssl_handshake_timeout=self.server.limits.handshake_timeout_s)
         except Exception as exc:  # a client that is not one: bad TLS, silence, a reset
             log.debug("api: handshake with %s failed: %s", self.peer, exc)
-            self.server.budgets.take(caller_key(None, self.ip), self.server.limits.budget.failure_cost,
-                                    time.monotonic())
             self.closed = True
             self._forget()
             with contextlib.suppress(OSError):
