@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http
 import json
 import logging
@@ -210,7 +211,7 @@ class ApiServer:
         wait = self.budgets.take(caller_key(who, ip), self.budgets.cost(int(length)), time.monotonic())
         if wait:
             return 429, f"over this caller's request budget; retry in {max(wait, 0.1):.1f} s"
-        return who
+        return dataclasses.replace(who, address=ip)
 
     def call(self, method: str, path: str, body: bytes, who: Principal,
              queued: float = 0.0) -> tuple[int, dict[str, Any]]:
