@@ -74,6 +74,10 @@ def one_size(world: int, steps: int, work: Path) -> dict:
     figs = work / "report"
     for order in ("host", "grid"):
         phase(f"heatmap_{order}", lambda o=order: straggler.plot_heatmap(conn, figs / f"heat_{o}.png", o))
+        if world > straggler.MAX_ROWS:  # the drill-down, as `megascale report` draws it
+            phase(f"heatmap_{order}_detail", lambda o=order: straggler.plot_heatmap(
+                conn, figs / f"heat_{o}_detail.png", o,
+                ranks=straggler.drilldown_ranks(straggler.compute_ratios(conn), o)))
     phase("breakdown", lambda: report.plot_breakdown(conn, figs / "breakdown.png"))
     for group in ("pp", "host"):
         path = phase(f"trace_by_{group}", lambda g=group: timeline.write_trace(conn, figs / f"trace_{g}.json", g))
@@ -81,6 +85,7 @@ def one_size(world: int, steps: int, work: Path) -> dict:
     analysis = phase("hang_analysis", lambda: hang.analyse(work, grid))
     out["hang_stuck"], out["hang_expected"] = analysis.stuck, [stuck]
     phase("hang_plot", lambda: hang.plot_hang(analysis, figs / "hang.png"))
+    phase("hang_detail", lambda: hang.plot_hang_detail(analysis, figs / "hang_detail.png"))
     collector.close()
     out["figure_kb"] = {p.name: round(p.stat().st_size / 1024) for p in figs.glob("*.png")}
     return out

@@ -19,9 +19,13 @@ import statistics
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.store import query
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _MAD_TO_SIGMA = 1.4826
 
@@ -161,6 +165,29 @@ def drilldown_ranks(rows: list[dict], order: str, groups: int = DRILL_GROUPS) ->
     return sorted(r for r in per_rank if where[r] in chosen)
 
 
+def heatmap_matrix(rows: list[dict], order: str) -> tuple[list[tuple[str, list[int], object]],
+                                                         list[int], np.ndarray]:
+    """(rows as `heatmap_rows` makes them, steps, ratio per row and step): a row's value is the
+    ratio of its most deviant rank in that step (largest |log ratio|)."""
+    import numpy as np
+
+    lines = heatmap_rows(rows, order)
+    steps = sorted({r["step"] for r in rows})
+    rank_ids = sorted({r["rank"] for r in rows})
+    index = {rk: i for i, rk in enumerate(rank_ids)}
+    col = {s: j for j, s in enumerate(steps)}
+    logs = np.full((len(rank_ids), len(steps)), np.nan)
+    for r in rows:
+        if r["ratio"] > 0:
+            logs[index[r["rank"]], col[r["step"]]] = np.log(r["ratio"])
+    grid = np.full((len(lines), len(steps)), np.nan)
+    for i, (_, members, _) in enumerate(lines):
+        sub = logs[[index[m] for m in members]]
+        deviation = np.where(np.isnan(sub), -1.0, np.abs(sub))
+        grid[i] = np.exp(sub[deviation.argmax(axis=0), np.arange(len(steps))])
+    return lines, steps, grid
+
+
 def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host",
                  warmup_steps: int = 1, ranks: Collection[int] | None = None) -> Path | None:
     """PNG of compute / stage median per rank (rows) and step (columns).
@@ -184,21 +211,8 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
         rows = [r for r in rows if r["rank"] in keep]
     if not rows:
         return None
-    lines = heatmap_rows(rows, order)
-    steps = sorted({r["step"] for r in rows})
-    rank_ids = sorted({r["rank"] for r in rows})
-    index = {rk: i for i, rk in enumerate(rank_ids)}
-    col = {s: j for j, s in enumerate(steps)}
-    logs = np.full((len(rank_ids), len(steps)), np.nan)
-    for r in rows:
-        if r["ratio"] > 0:
-            logs[index[r["rank"]], col[r["step"]]] = np.log(r["ratio"])
-    grid = np.full((len(lines), len(steps)), np.nan)
-    for i, (_, members, _) in enumerate(lines):
-        sub = logs[[index[m] for m in members]]
-        deviation = np.where(np.isnan(sub), -1.0, np.abs(sub))
-        pick = sub[deviation.argmax(axis=0), np.arange(len(steps))]  # the most deviant member
-        grid[i] = np.exp(pick)
+    lines, steps, grid = heatmap_matrix(rows, order)
+    aggregated = any(len(members) > 1 for _, members, _ in lines)
     height = min(2 + 0.25 * len(lines), 40)
     fig, ax = plt.subplots(figsize=(min(4 + 0.12 * len(steps), 24), height))
     span = max(1.25, float(np.nanmax(np.maximum(grid, 1 / grid))))  # symmetric in log
@@ -212,7 +226,7 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
         if lines[i][2] is not None and lines[i][2] != lines[i - 1][2]:
             ax.axhline(i - 0.5, color="black", linewidth=0.8)
     ax.set_xlabel("step")
-    what = "rank" if len(lines) == len(rank_ids) else "group (its most deviant rank)"
+    what = "group (its most deviant rank)" if aggregated else "rank"
     ax.set_title(f"compute time / stage median, a row per {what}, by {order}")
     bar = fig.colorbar(im, ax=ax, label="ratio to peers' median")
     ticks: list[float] = []

@@ -41,7 +41,7 @@ class TraceShape:
 
     @property
     def spans_per_step(self) -> int:
-        return 3 + 10 * self.micro_batches + 1  # data, dp x2, optimizer; per mb 10; the step
+        return 5 + 10 * self.micro_batches  # data, 2 dp, optimizer, the step row; 10 per mb
 
 
 def write_timer_files(run_dir: str | Path, shape: TraceShape) -> int:
