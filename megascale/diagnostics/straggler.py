@@ -214,7 +214,7 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
     lines, steps, grid = heatmap_matrix(rows, order)
     aggregated = any(len(members) > 1 for _, members, _ in lines)
     height = min(2 + 0.25 * len(lines), 40)
-    fig, ax = plt.subplots(figsize=(min(4 + 0.12 * len(steps), 24), height))
+    fig, ax = plt.subplots(figsize=(min(max(7, 4 + 0.12 * len(steps)), 24), height))
     span = max(1.25, float(np.nanmax(np.maximum(grid, 1 / grid))))  # symmetric in log
     im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", norm=LogNorm(1 / span, span),
                    interpolation="nearest",
@@ -226,8 +226,8 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
         if lines[i][2] is not None and lines[i][2] != lines[i - 1][2]:
             ax.axhline(i - 0.5, color="black", linewidth=0.8)
     ax.set_xlabel("step")
-    what = "group (its most deviant rank)" if aggregated else "rank"
-    ax.set_title(f"compute time / stage median, a row per {what}, by {order}")
+    what = "group: its most deviant rank" if aggregated else "rank"
+    ax.set_title(f"compute / stage median, by {order}\n(a row per {what})", fontsize=10)
     bar = fig.colorbar(im, ax=ax, label="ratio to peers' median")
     ticks: list[float] = []
     for v in (1.0, 1.1, 1 / 1.1, 1.25, 0.8, 1.5, 1 / 1.5, 2.0, 0.5, 4.0, 0.25, 8.0, 0.125):
