@@ -284,7 +284,8 @@ def plot_hang_detail(analysis: HangAnalysis, path: str | Path) -> Path | None:
     if g.world_size <= DETAIL_RANKS or not analysis.stuck:
         return None
     replicas = sorted({analysis.ranks[r].coords["dp"] for r in analysis.stuck})
-    return _plot_cells(analysis, path, replicas[:max(1, DETAIL_RANKS // (g.pp * g.tp))])
+    return _plot_cells(analysis, path, replicas[:max(1, DETAIL_RANKS // (g.pp * g.tp))],
+                       stages_as_rows=True)
 
 
 def _state_of(analysis: HangAnalysis, rank: int) -> str:
@@ -326,8 +327,11 @@ def _plot_overview(analysis: HangAnalysis, path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int]) -> Path:
-    """The labelled drawing of the ranks in dp replicas `replicas`, with their wait arrows."""
+def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int],
+                stages_as_rows: bool = False) -> Path:
+    """The labelled drawing of the ranks in dp replicas `replicas`, with their wait arrows: a
+    panel per stage side by side (x: tp, y: dp), or with `stages_as_rows` a row per stage of
+    each replica (x: tp), which keeps tp8 pp8's 64 cells of one replica legible."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,15 +339,28 @@ def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int]) -
     from matplotlib.patches import Patch, Rectangle
 
     g = analysis.grid
-    row = {d: len(replicas) - 1 - i for i, d in enumerate(replicas)}
+    index = {d: i for i, d in enumerate(replicas)}
     gap = 1
-    fig, ax = plt.subplots(figsize=(min(3 + 2.2 * g.pp * g.tp, 30), min(2.5 + 1.4 * len(row), 30)))
+    if stages_as_rows:
+        width, height = g.tp, len(replicas) * (g.pp + gap) - gap
+        headings = [(-0.3, height - 1 - i * (g.pp + gap) - p + 0.5, f"dp {d} pp {p}")
+                    for d, i in index.items() for p in range(g.pp)]
+    else:
+        width, height = g.pp * (g.tp + gap) - gap, len(replicas)
+        headings = [(p * (g.tp + gap) + g.tp / 2, height + 0.1, f"pp stage {p} (x: tp, y: dp)")
+                    for p in range(g.pp)]
+
+    def place(c: dict[str, int]) -> tuple[int, int]:
+        if stages_as_rows:
+            return c["tp"], height - 1 - index[c["dp"]] * (g.pp + gap) - c["pp"]
+        return c["pp"] * (g.tp + gap) + c["tp"], height - 1 - index[c["dp"]]
+
+    fig, ax = plt.subplots(figsize=(min(3 + 2.2 * width, 30), min(2.5 + 1.4 * height, 30)))
     centre = {}
     for r, s in analysis.ranks.items():
-        if s.coords["dp"] not in row:
+        if s.coords["dp"] not in index:
             continue
-        x = s.coords["pp"] * (g.tp + gap) + s.coords["tp"]
-        y = row[s.coords["dp"]]
+        x, y = place(s.coords)
         ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9,
                                facecolor=COLOURS[_state_of(analysis, r)], edgecolor="black",
                                linewidth=2 if r in analysis.stuck else 0.5))
@@ -358,15 +375,14 @@ def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int]) -
                     arrowprops={"arrowstyle": "-|>", "color": "#333333", "alpha": 0.7,
                                 "lw": 1.0, "shrinkA": 18, "shrinkB": 18,
                                 "connectionstyle": "arc3,rad=0.25"})
-    for p in range(g.pp):
-        ax.text(p * (g.tp + gap) + g.tp / 2, len(row) + 0.1, f"pp stage {p} (x: tp, y: dp)",
-                ha="center", fontsize=9)
-    ax.set_xlim(-0.2, g.pp * (g.tp + gap) - gap + 0.2)
-    ax.set_ylim(-0.6, len(row) + 0.5)
+    for x, y, text in headings:
+        ax.text(x, y, text, ha="right" if stages_as_rows else "center", va="center", fontsize=9)
+    ax.set_xlim(-2.2 if stages_as_rows else -0.2, width + 0.2)
+    ax.set_ylim(-0.6, height + 0.5)
     ax.set_axis_off()
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
               loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5, fontsize=8)
     stuck = ", ".join(f"r{r}" for r in analysis.stuck) or "none found"
-    shown = "" if len(row) == g.dp else f" (dp replicas {', '.join(map(str, replicas))} of {g.dp})"
+    shown = "" if len(index) == g.dp else f" (dp replicas {', '.join(map(str, replicas))} of {g.dp})"
     ax.set_title(f"hang: stuck {stuck}; arrows: waits for{shown}")
     return save_figure(fig, path)
