@@ -9,7 +9,7 @@ process; per phase: CPU seconds (the machine is shared: wall time is mostly wait
 peak RSS reached in it (the peak is reset between phases through /proc/self/clear_refs).
 
     .venv/bin/python bench/scale_diagnostics.py                # 64 and 1,024 ranks (~1 min)
-    .venv/bin/python bench/scale_diagnostics.py --full         # + 12,288 (minutes, ~3 GB of files)
+    .venv/bin/python bench/scale_diagnostics.py --full         # + 12,288 (minutes; ~1.2 GB of files in the temp dir)
 """
 
 from __future__ import annotations
