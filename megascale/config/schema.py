@@ -229,7 +229,7 @@ class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (ZeRO-2 shards gradients and optimizer state over it)")
     tp: int = opt(1, "tensor-parallel degree (inside a node; with sequence parallelism)")
     pp: int = opt(1, "pipeline stages")
-    ep: int = opt(1, "expert-parallel degree, carved from dp: each group of ep dp ranks splits every MoE layer's experts")
+    ep: int = opt(1, "expert-parallel degree, carved from dp: ep consecutive dp ranks split each MoE layer's experts")
     vpp: int = opt(1, "virtual pipeline chunks per stage (interleaved 1F1B when > 1)")
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
     # last the head and loss), "even" splits by count, or a list of pp*vpp counts in chunk order
@@ -239,6 +239,9 @@ class ParallelConfig:
     sequence_parallel: bool = opt(True, "shard LayerNorm/residual activations along the sequence over tp")
     tp_overlap: bool = opt(True, "chunked all-gather/reduce-scatter fused into the GEMMs")
     tp_overlap_chunks: int = opt(2, "chunks each collective GEMM is cut into")
+    ep_overlap_chunks: int = opt(
+        2, "expert parallelism: parts a micro-batch's routed rows are cut into, each part's all-to-all in flight "
+        "while another part's experts compute; 1 = no overlap")
     dp_overlap: bool = opt(True, "ZeRO-2 all-gather prefetch and reduce-scatter overlap")
     dp_bucket_mb: float = opt(16.0, "ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier")
     backend: Literal["auto", "gloo", "nccl"] = opt("auto", "auto (NCCL on CUDA, gloo on CPU), gloo or nccl")
@@ -263,7 +266,7 @@ class ParallelConfig:
         return os.environ.get(REDIS_PASSWORD_ENV) or None
 
     def validate(self) -> None:
-        positive(self, "parallel", ["dp", "tp", "pp", "ep", "vpp", "tp_overlap_chunks"])
+        positive(self, "parallel", ["dp", "tp", "pp", "ep", "vpp", "tp_overlap_chunks", "ep_overlap_chunks"])
         if self.dp_bucket_mb <= 0:
             raise ConfigError(f"parallel.dp_bucket_mb must be > 0, got {self.dp_bucket_mb}")
         if self.vpp > 1 and self.pp == 1:

@@ -1,10 +1,11 @@
 """The one place that turns a model into what this rank runs.
 
 `build_runner` applies parallelism from outside the model, in a fixed order: tensor parallel
-(layers replaced by sharded ones), expert parallel (this rank's experts kept), pipeline split (keep this rank's chunks), materialization of
-what this rank kept, ZeRO-2 over dp (per chunk; at dp = 1 over a group of one: it holds the fp32
-master weights in every layout), then the speed-only block transformations. The trainer only
-sees the `ModelRunner` it returns (`parallel/runner.py`).
+(layers replaced by sharded ones), expert parallel (this rank's experts kept), pipeline split
+(keep this rank's chunks), materialization of what this rank kept, ZeRO-2 over dp (per chunk;
+at dp = 1 over a group of one: it holds the fp32 master weights in every layout), then the
+speed-only block transformations. The trainer only sees the `ModelRunner` it returns
+(`parallel/runner.py`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg.parallel, mesh)
     if distributed and mesh.ep_size > 1:
-        apply_expert_parallel(model, mesh)  # before materialization: other ranks' experts never exist here
+        # before materialization: other ranks' experts never exist here
+        apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)
     if distributed and mesh.pp_size > 1:
         chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)

@@ -9,11 +9,16 @@ the others none, and the bias moves alike on every rank). Tolerances: `layout_pa
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import pytest
-from layout_parity import Case, compare, run_cases, train
+from layout_parity import Case, StepTrainer, compare, global_batches, job_config, rank_batch, run_cases, train
+from overlap_probe import Recorder, install
 
 from megascale.config import ConfigError
 from megascale.config.schema import JobConfig, ModelConfig, MoEConfig, ParallelConfig
+from megascale.parallel.mesh import init_mesh
 from megascale.parallel.store import free_port
 from megascale.testing.launch import run_local
 
@@ -30,6 +35,48 @@ def test_expert_parallel_layouts_match_one_process():
     for i, case in enumerate(CASES):
         errs = compare(case, [rank[i] for rank in results], refs[case.model])
         print(f"parity {case}: loss rel {errs['loss_rel']:.1e}, param abs {errs['param_abs']:.1e}")
+
+
+def _ep_windows(chunk_counts: list[int], ports: list[int]) -> list[tuple[int, int]]:
+    """Per setting of parallel.ep_overlap_chunks: (ep all-to-alls, those with a GEMM in flight)."""
+    out = []
+    for chunks, port in zip(chunk_counts, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        cfg = job_config(Case(dp=2, ep=2, model="moe"), 1)
+        cfg = replace(cfg, parallel=replace(cfg.parallel, ep_overlap_chunks=chunks))
+        mesh, recorder, undo = init_mesh(cfg.parallel, device="cpu"), Recorder(), []
+
+        def setattr_undo(obj, name, value):
+            undo.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+
+        try:
+            gemms = install(setattr_undo, recorder)
+            trainer = StepTrainer(cfg, mesh)
+            with gemms:
+                for inputs, labels in global_batches(cfg, 1):
+                    recorder.mark_step()
+                    trainer.train_step(rank_batch(inputs, labels, cfg, mesh.dp_rank))
+        finally:
+            for obj, name, value in reversed(undo):
+                setattr(obj, name, value)
+            mesh.destroy()
+        exchanges = recorder.of("ep.")
+        out.append((len(exchanges), sum(recorder.overlapped(c) for c in exchanges)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chunked_dispatch_keeps_all_to_alls_in_flight_while_experts_compute():
+    """Chunks 2: part 1's dispatch and part 0's combine have expert GEMMs inside their windows
+    (two per MoE layer per micro-batch). Chunks 1, the negative control: none."""
+    results = run_local(_ep_windows, 2, args=([2, 1], [free_port(), free_port()]), timeout_s=240)
+    for rank in results:
+        (on_total, on_overlapped), (off_total, off_overlapped) = rank
+        micro_batches, moe_layers = 4, 2  # global batch 8 over dp 2, micro-batch 1; blocks 1 and 3
+        assert on_overlapped >= 2 * micro_batches * moe_layers, rank
+        assert off_total > 0 and off_overlapped == 0, rank
 
 
 @pytest.mark.parametrize("dp, ep, experts, valid", [(4, 3, 6, "[1, 2]"), (2, 4, 8, "[1, 2]"), (4, 4, 6, "[1, 2]")])
