@@ -55,7 +55,7 @@ class _Exchanged(Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        with get_timers().span("ep.all_to_all", kind="comm", op="all_to_all", group="ep"):
+        with get_timers().span("ep.all_to_all.backward", kind="comm", op="all_to_all", group="ep"):
             all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return back, None, None, None, None
 

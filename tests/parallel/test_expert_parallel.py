@@ -46,7 +46,7 @@ def _ep_windows(chunk_counts: list[int], ports: list[int]) -> list[tuple[int, in
         cfg = replace(cfg, parallel=replace(cfg.parallel, ep_overlap_chunks=chunks))
         mesh, recorder, undo = init_mesh(cfg.parallel, device="cpu"), Recorder(), []
 
-        def setattr_undo(obj, name, value):
+        def setattr_undo(obj, name, value, undo=undo):
             undo.append((obj, name, getattr(obj, name)))
             setattr(obj, name, value)
 
