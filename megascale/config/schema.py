@@ -464,9 +464,10 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
 
 def check_expert_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
     """ep groups of consecutive dp ranks, each rank holding experts / ep whole experts of every MoE layer."""
-    if m.moe.experts and p.tp > 1:
-        raise ConfigError(f"model.moe.experts={m.moe.experts} with parallel.tp={p.tp}: MoE layers under tensor "
-                          "parallelism are not built yet; use parallel.tp=1 (and parallel.ep / parallel.dp)")
+    if m.moe.experts and m.moe.capacity_factor > 0 and p.tp > 1 and p.sequence_parallel:
+        raise ConfigError(f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.tp={p.tp} and sequence "
+                          "parallelism: a token's place in its expert's queue spans the tp ranks' slices, which is "
+                          "not built yet; use capacity_factor=0 (dropless), parallel.sequence_parallel=false or tp=1")
     if p.ep == 1:
         return
     if not m.moe.experts:

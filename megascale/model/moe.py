@@ -82,7 +82,9 @@ class MoE(nn.Module):
         self.aux_scale = 1.0
         self.load: torch.Tensor | None = None  # [experts] assignments chosen since the last balance_step
         self.dropped: torch.Tensor | None = None  # assignments dropped by the capacity since then
-        self.last_aux = 0.0  # this layer's auxiliary losses (token sum) of the last forward
+        # per-sequence expert counts of this rank's tokens -> of the whole sequences (sequence
+        # parallelism sums them over tp; one process: the identity)
+        self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     # ------------------------------------------------------------------ routing
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,10 +102,11 @@ class MoE(nn.Module):
         """Token-summed balancing loss (per sequence) plus router z-loss."""
         aux = logits.new_zeros(())
         if self.aux_coef > 0:
-            seq = index.shape[0] // batch
-            counts = F.one_hot(index.view(batch, -1), self.num_experts).sum(1).float()  # [b, E]
-            fraction = counts / (seq * self.top_k)
-            aux = aux + self.aux_coef * self.num_experts * (fraction * probs.view(batch, seq, -1).sum(1)).sum()
+            counts = self.sequence_sum(F.one_hot(index.view(batch, -1), self.num_experts).sum(1).float())  # [b, E]
+            fraction = counts / counts.sum(-1, keepdim=True)  # of the sequence's seq * k assignments
+            # this rank's tokens' share of sum_t p_ti (the shares add up over a split sequence)
+            share = probs.view(batch, -1, probs.shape[-1]).sum(1)
+            aux = aux + self.aux_coef * self.num_experts * (fraction * share).sum()
         if self.z_coef > 0:
             aux = aux + self.z_coef * logits.logsumexp(-1).square().sum()
         return aux
@@ -146,9 +149,7 @@ class MoE(nn.Module):
             out = out + self.shared(tokens)
         out = out.view_as(x)
         if torch.is_grad_enabled() and (self.aux_coef > 0 or self.z_coef > 0):
-            aux = self._aux_loss(logits, probs, index, batch)
-            self.last_aux = float(aux.detach())
-            out = _AttachAux.apply(out, aux, self.aux_scale)
+            out = _AttachAux.apply(out, self._aux_loss(logits, probs, index, batch), self.aux_scale)
         return out
 
     @torch.no_grad()
@@ -157,6 +158,10 @@ class MoE(nn.Module):
         dropped = (~keep).sum().double() if keep is not None else load.new_zeros(())
         self.load = load if self.load is None else self.load + load
         self.dropped = dropped if self.dropped is None else self.dropped + dropped
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def moe_layers(module: nn.Module) -> list[MoE]:

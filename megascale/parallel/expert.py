@@ -25,6 +25,11 @@ holding other experts, so the global gradient norm adds the experts of every ep 
 
 The balancing statistics (expert loads for the DeepSeek-V3 bias and the metrics) are summed
 over dp -- every rank that routes tokens -- so every rank moves the bias alike.
+
+Tensor parallelism (megascale.parallel.tensor): an MoE layer is not sliced; it runs on the tp
+rank's sequence slice under SP (its parameters' gradients are partial, summed over tp like the
+norms'; its per-sequence expert counts are summed over tp for the balancing loss), or on the
+whole replicated sequence without SP. The ep group is made of ranks with the same tp rank.
 """
 
 from __future__ import annotations
@@ -208,12 +213,16 @@ class ExpertGradSync:
             part.wait_params()
 
 
-def balance_reducer(mesh):
-    """Sum of the routing statistics over every rank that routes its own tokens (dp)."""
+def balance_reducer(mesh, sequence_parallel: bool):
+    """Sum of the routing statistics over every rank that routes its own tokens: dp, and tp under
+    sequence parallelism (each tp rank routes its slice; without it they route the same tokens)."""
+    groups = [] if mesh is None else [mesh.dp_group] + ([mesh.tp_group] if sequence_parallel else [])
+
     def reduce(stats: torch.Tensor) -> torch.Tensor:
-        if mesh is not None and mesh.dp_group is not None:
-            stats = stats.to(mesh.device)
-            dist.all_reduce(stats, group=mesh.dp_group)
+        for group in groups:
+            if group is not None:
+                stats = stats.to(mesh.device)
+                dist.all_reduce(stats, group=group)
         return stats
     return reduce
 

@@ -100,7 +100,7 @@ class ModelRunner:
             self.grad_sync.finish()
         layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         if layers:  # the step's expert loads over dp: the routing bias moves, the metrics read them
-            self.moe_stats = balance_step(layers, balance_reducer(self.mesh))
+            self.moe_stats = balance_step(layers, balance_reducer(self.mesh, self.cfg.parallel.sequence_parallel))
         tp_group = None if self.mesh is None else self.mesh.tp_group
         if tp_group is not None:
             if self._sp_partial is None:

@@ -2,7 +2,8 @@
 final parameters), and a layout that cannot split the experts is refused by name.
 
 One 4-rank spawn holds every case: ep=2 carved from dp=4 (the experts' ZeRO over their
-expert-data pairs), ep=2 with a 2-stage pipeline, and ep=4 with a skewed router (top-1 and a
+expert-data pairs), ep=2 with a 2-stage pipeline, ep=2 with tp=2 (sequence parallel: each tp
+rank routes its sequence slice, the balancing counts summed over tp), and ep=4 with a skewed router (top-1 and a
 routing bias that sends every token to expert 0: rank 0 of the ep group receives every row,
 the others none, and the bias moves alike on every rank). Tolerances: `layout_parity`.
 """
@@ -23,7 +24,7 @@ from megascale.parallel.store import free_port
 from megascale.testing.launch import run_local
 
 CASES = [Case(dp=4, ep=2, model="moe", optim="lamb"), Case(dp=2, ep=2, pp=2, model="moe", optim="lamb"),
-         Case(dp=4, ep=4, model="moe-skew", optim="lamb")]
+         Case(dp=2, ep=2, tp=2, model="moe", optim="lamb"), Case(dp=4, ep=4, model="moe-skew", optim="lamb")]
 STEPS = 4
 
 
