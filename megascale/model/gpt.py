@@ -5,7 +5,8 @@ Parallel: y = x + MLP(LN(x)) + Attn(LN(x))      (one norm feeds both branches; G
 
 Each layer option exists once, here, and composes with both blocks: LayerNorm or RMSNorm, GeLU
 or SwiGLU, multi-head or grouped-query attention, full or sliding-window, rotary (partial,
-Llama-3-scaled) or learned positions, biases or none, tied or untied embeddings.
+Llama-3-scaled) or learned positions, biases or none, tied or untied embeddings, a dense or a
+mixture-of-experts MLP (`model.moe`, megascale.model.moe).
 
 No parallelism lives here. The model is three stages -- `embed`, `blocks`, `head` -- so that the
 pipeline splitter can cut it into chunks. The block's forward is written once: tensor
