@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from zero_overlap import BenchTrainer  # beside this file (run as `python bench/moe.py`)
 
-from megascale.config.operations import CheckpointConfig
 from megascale.config.schema import JobConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
@@ -54,7 +53,6 @@ def job(args: argparse.Namespace, dp: int, ep: int, chunks: int = 1, moe: MoECon
         parallel=ParallelConfig(dp=dp, ep=ep, ep_overlap_chunks=chunks, backend="gloo"),
         train=TrainConfig(global_batch=args.micro_batch * dp, micro_batch=args.micro_batch, device="cpu",
                           steps=10**6),
-        checkpoint=CheckpointConfig(every=0),
     )
     cfg.validate()
     return cfg

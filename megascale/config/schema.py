@@ -428,7 +428,7 @@ class JobConfig:
             raise ConfigError("train.spike_action='rollback' restores the last checkpoint: it needs "
                               "checkpoint.every > 0 (or use spike_action='skip')")
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
-        check_expert_parallel(m, p, self.checkpoint.every)
+        check_expert_parallel(m, p)
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and self.micro_batches % p.pp:
             raise ConfigError(
@@ -462,7 +462,7 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
         raise ConfigError(f"parallel.tp={tp} must divide model.seq_len={m.seq_len} with sequence parallelism")
 
 
-def check_expert_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
+def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """ep groups of consecutive dp ranks, each rank holding experts / ep whole experts of every MoE layer."""
     if m.moe.experts and m.moe.capacity_factor > 0 and p.tp > 1 and p.sequence_parallel:
         raise ConfigError(f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.tp={p.tp} and sequence "
@@ -477,9 +477,6 @@ def check_expert_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: i
         raise ConfigError(
             f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (ep is carved from dp) and model.moe.experts="
             f"{m.moe.experts} (each ep rank holds whole experts); valid parallel.ep: {valid}")
-    if checkpoint_every > 0:
-        raise ConfigError(f"parallel.ep={p.ep}: checkpoints of expert-parallel runs are not built yet; set "
-                          "checkpoint.every=0 (or parallel.ep=1)")
 
 
 def check_pipeline_split(layers: int, pp: int, vpp: int, split: str | list[int]) -> None:

@@ -17,7 +17,6 @@ import torch
 
 from megascale.checkpoint.state import shared_pieces
 from megascale.checkpoint.stateful import CheckpointState, TrainState
-from megascale.config.operations import CheckpointConfig
 from megascale.config.schema import JobConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers
@@ -132,7 +131,6 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             eval_every=0,
             tensorboard=False,
         ),
-        checkpoint=CheckpointConfig(every=0),
     )
     cfg.validate()
     return cfg
