@@ -181,7 +181,7 @@ def is_expert_parameter(name: str) -> bool:
 
 
 @torch.no_grad()
-def balance_step(layers: list[MoE], reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+def balance_step(layers: list[MoE], reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float | list[float]]:
     """End of a step: the step's expert loads summed over every rank routing tokens (`reduce`),
     the bias of bias-balanced layers moved towards the mean load (DeepSeek-V3: +rate for an
     underloaded expert, -rate for an overloaded one), the counters reset. Returns the metrics:

@@ -61,9 +61,9 @@ def global_grad_norm(
         for group in kind:
             dist.all_reduce(part, group=group)
         total = total + part
-    for group in across:
-        if group is not None:
-            dist.all_reduce(total, group=group)
+    for outer in across:
+        if outer is not None:
+            dist.all_reduce(total, group=outer)
     return total.sqrt()
 
 
