@@ -23,11 +23,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megascale.config import ModelConfig
-from megascale.plan.cluster import load_cluster
+from megascale.plan.cluster import ClusterSpec, load_cluster
 from megascale.plan.cost import StepEstimate
 from megascale.plan.layout import Workload
 from megascale.plan.search import SearchSpace, ablate, search
-from megascale.plan.system import load_system
+from megascale.plan.system import SystemSpec, load_system
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_POINTS = 3.0
@@ -154,8 +154,35 @@ MS_T3_ROWS = (("baseline", 47.7), ("parallel block", 52.3), ("sliding window", 5
               ("LAMB, batch x3", 65.3))
 
 
-def predict(row: Row) -> StepEstimate:
+# The constants fitted to published rows (docs/planning.md, "Validation"): one per cluster or per
+# family of systems (megatron-2021 inherits megatron's constants, torchtitan reuses megascale's).
+FITTED = ("slow_host_fraction", "megatron.chunk_overhead_us", "megatron.host_overhead_s",
+          "megatron.jitter_cv", "megascale.chunk_overhead_us")
+
+
+def family(system: str) -> str:
+    return "megatron" if system.startswith("megatron") else "megascale"
+
+
+def with_constants(system: SystemSpec, cluster: ClusterSpec, constants: dict[str, float]
+                   ) -> tuple[SystemSpec, ClusterSpec]:
+    """`system` and `cluster` with the `FITTED` constants in `constants` replaced."""
+    if "slow_host_fraction" in constants:
+        cluster = replace(cluster, slow_hosts=replace(cluster.slow_hosts,
+                                                      fraction=constants["slow_host_fraction"]))
+    impl, fam = system.features.impl, family(system.name)
+    for key, value in constants.items():
+        if key.startswith(f"{fam}."):
+            name = key.split(".", 1)[1]
+            impl = (replace(impl, jitter=replace(impl.jitter, cv=value)) if name == "jitter_cv"
+                    else replace(impl, **{name: value}))
+    return replace(system, features=replace(system.features, impl=impl)), cluster
+
+
+def predict(row: Row, constants: dict[str, float] | None = None) -> StepEstimate:
     system, cluster = load_system(row.system), load_cluster(row.cluster)
+    if constants:
+        system, cluster = with_constants(system, cluster, constants)
     work = system.apply(Workload(row.model, row.batch, dtype="bf16"))
     space = SearchSpace(zero_stages=(system.zero if row.zero is None else row.zero,),
                         micro_batches=row.micro_batch, tps=(row.tp,), pps=(row.pp,),
@@ -173,12 +200,13 @@ def published_percent(row: Row, est: StepEstimate) -> float:
     return row.published
 
 
-def evaluate_rows(only: str | None, rows: list[Row] = ROWS) -> list[dict]:
+def evaluate_rows(only: str | None, rows: list[Row] = ROWS,
+                  constants: dict[str, float] | None = None) -> list[dict]:
     out = []
     for row in rows:
         if only and not row.id.startswith(only):
             continue
-        est = predict(row)
+        est = predict(row, constants)
         published = published_percent(row, est)
         predicted = 100 * est.mfu_in(row.convention)
         out.append({"id": row.id, "source": row.source, "system": row.system,
