@@ -23,10 +23,11 @@ from megascale.config import load_config
 from megascale.testing.fake_memory import compare_with_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-# (name, config, tp, pp, dp): an 8B and a 7B shape at tp8 pp4; MegaScale's 175B layout (6.1)
+# (name, config, tp, pp, dp): an 8B and a 7B shape at tp8 pp4; MegaScale's 175B and 530B layouts (6.1)
 LAYOUTS = (("llama-3-8b", "configs/llama-3-8b.toml", 8, 4, 8),
            ("mistral-7b", "configs/mistral-7b.toml", 8, 4, 8),
-           ("gpt-175b", "configs/gpt-175b.toml", 8, 8, 192))
+           ("gpt-175b", "configs/gpt-175b.toml", 8, 8, 192),
+           ("gpt-530b", "configs/gpt-530b.toml", 8, 35, 40))
 
 
 def job(config: str, tp: int, pp: int, dp: int, split: str):
