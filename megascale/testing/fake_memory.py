@@ -62,7 +62,8 @@ def _bytes(tensors, seen: set[int]) -> int:
 def _mesh(cfg: JobConfig, rank: int) -> ParallelMesh:
     grid = RankGrid.of(cfg.parallel)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        raise RuntimeError("fake-mode measurement needs a process without a default process group "
+                           "(it creates torch's fake one); call it before init_process_group")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=grid.world_size)
     timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
     groups, _ = create_groups(grid, rank, timeout)
