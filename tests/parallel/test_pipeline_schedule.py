@@ -147,7 +147,7 @@ def test_megatron_interleaved_order():
 def test_compute_only_in_compute_slots():
     sched = build_schedule("1f1b", 2, 2, 4)
     assert all(a.op in COMPUTE for a in sched.compute(0))
-    assert sched.last_backward(0).keys() == {0, 1}
+    assert sched.grads_final(0).keys() == {0, 1}
 
 
 def test_layout_errors_name_the_keys():
