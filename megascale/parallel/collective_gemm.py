@@ -154,7 +154,8 @@ class _MatmulReduceScatter(Function):
                     grad_x[:, :, r0:r1] = g.matmul(weight).transpose(0, 1)
                 if need_w:
                     grad_w = accumulate(grad_w, g, parts[:, :, r0:r1].transpose(0, 1))
-                chunks.append((g, parts[:, :, r0:r1].transpose(0, 1)))
+                if ctx.target is not None:
+                    chunks.append((g, parts[:, :, r0:r1].transpose(0, 1)))
         grad_w = None if grad_w is None else grad_w.to(w_dtype)
         if ctx.target is not None:  # split backward: the weight-gradient GEMMs wait for W
             target = ctx.target
