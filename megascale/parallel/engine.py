@@ -1,10 +1,11 @@
 """The one place that turns a model into what this rank runs.
 
 `build_runner` applies parallelism from outside the model, in a fixed order: tensor parallel
-(layers replaced by sharded ones), pipeline split (keep this rank's chunks), materialization of
-what this rank kept, ZeRO-2 over dp (per chunk; at dp = 1 over a group of one: it holds the fp32
-master weights in every layout), then the speed-only block transformations. The trainer only
-sees the `ModelRunner` it returns (`parallel/runner.py`).
+(layers replaced by sharded ones), expert parallel (this rank's experts kept), pipeline split
+(keep this rank's chunks), materialization of what this rank kept, ZeRO-2 over dp (per chunk;
+at dp = 1 over a group of one: it holds the fp32 master weights in every layout), then the
+speed-only block transformations. The trainer only sees the `ModelRunner` it returns
+(`parallel/runner.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megascale.model.efficiency import (
     set_loss_chunk,
 )
 from megascale.model.init import SeededValues, ValueSource
+from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
 from megascale.parallel.runner import ModelRunner
@@ -55,6 +57,9 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     distributed = mesh is not None and mesh.world_size > 1
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg.parallel, mesh)
+    if distributed and mesh.ep_size > 1:
+        # before materialization: other ranks' experts never exist here
+        apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)
     if distributed and mesh.pp_size > 1:
         chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
@@ -63,7 +68,9 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     device = mesh.device if mesh is not None else torch.device("cpu")
     materialize(runner.chunks, values, device)  # only what this rank kept
     # ZeRO-2 per chunk; at dp = 1 a group of one, still the home of the fp32 masters
-    runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
+    # (with expert parallelism: the experts' ZeRO over the ranks holding the same experts)
+    runner.grad_sync = (ExpertGradSync(runner.chunks, cfg, mesh) if distributed and mesh.ep_size > 1
+                        else ZeroGradSync(runner.chunks, cfg, mesh))
     return runner
 
 
