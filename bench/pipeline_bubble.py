@@ -1,21 +1,31 @@
-"""Measured pipeline bubble vs theory, and exposed send/recv time with and without decoupling.
+"""Measured pipeline bubble vs theory per schedule, peak activation memory, the end-of-step
+sync, and exposed send/recv time with and without decoupling.
 
-One run spawns `p` gloo ranks (one thread each) and trains the same GPT with four runners,
-alternating step by step so machine noise hits all alike:
-  v=1 and v=2 (plain and interleaved 1F1B, same p and m), each with decoupled sends (the
-  default: isend, waited lazily) and coupled sends (each send waited before going on).
-Every action is timed by the runner itself (`pp.forward`/`pp.backward` compute spans, `pp.recv`
-/`pp.send`/`pp.send_wait` p2p spans, read back from the per-rank timer files). A step's window
-runs from a common start (after a barrier) to the moment the last rank finishes; a rank's idle
-time is the window minus its compute, and its bubble is idle / compute, which theory puts at
-(p-1)/(v*m). The model is sized so that compute dominates (wide layers, a tiny vocabulary, so
-the embedding and head add little imbalance). Target: measured within 2 points of theory.
+One run spawns `p` gloo ranks (one thread each) and trains the same GPT with five runners,
+alternating step by step so machine noise hits all alike: 1F1B, interleaved 1F1B (v=2) and
+ZB-H1 (split backward) with decoupled sends (the default: isend, waited lazily), and 1F1B and
+interleaved with coupled sends (each send waited before going on).
+Every action is timed by the runner itself (`pp.forward`/`pp.backward`/`pp.weight` compute
+spans, `pp.recv`/`pp.send`/`pp.send_wait` p2p spans, read back from the per-rank timer files).
+A step's window runs from a common start (after a barrier) to the moment the last rank
+finishes; a rank's idle time is the window minus its compute, and its bubble is idle / compute,
+which theory puts at (p-1)/(v*m) for 1F1B and (p-1)/(3m) for ZB-H1 (F = B = W in time). The
+model is sized so that compute dominates (wide layers, a tiny vocabulary, so the embedding and
+head add little imbalance). Target: measured within 2 points of theory.
 Figures are medians over the measured steps, plus the bubble of each mode's fastest step (noise
 only adds time), plus a replay: the schedule simulated with the step's measured compute times
 and ideal links, which separates stage imbalance (in the replay) from runtime overhead (the
-difference between measured and replay).
+difference between measured and replay). The same replay at `--replay-p` (default 4) plays
+that pipeline depth with the mean F/B/W times measured here (where the cores for a real run
+are not there).
 
-    python bench/pipeline_bubble.py [--p 4] [--m 8] [--hidden 256] [--rounds 3]
+End-of-step sync: after its last action each rank runs the global gradient-norm all-reduce
+that clipping and the non-finite check need (`optim.global_grad_norm` over pp); `sync_s` is how
+long it blocks there, waiting for the slowest stage.
+Memory: one extra step per schedule runs under the profiler's CPU memory accounting; the peak
+of bytes allocated above the step's start is the schedule's activation (and W-stash) peak.
+
+    python bench/pipeline_bubble.py [--p 2] [--m 8] [--hidden 256] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -37,19 +47,26 @@ from megascale.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT
+from megascale.optim import global_grad_norm
 from megascale.parallel import init_mesh
 from megascale.parallel.pipeline import PipelineRunner, build_schedule, simulate, split_model
 from megascale.parallel.pipeline.schedule import Op
 from megascale.testing.launch import run_local
 
-MODES = [(1, True), (2, True), (1, False), (2, False)]  # (v, decoupled)
+# name -> (parallel.schedule, v, decoupled)
+MODES = {"1f1b": ("1f1b", 1, True), "interleaved": ("1f1b", 2, True), "zb-h1": ("zb-h1", 1, True),
+         "1f1b coupled": ("1f1b", 1, False), "interleaved coupled": ("1f1b", 2, False)}
 
 
-def job(args, v: int) -> JobConfig:
+def theory(kind: str, p: int, v: int, m: int) -> float:
+    return (p - 1) / (3 * m) if kind == "zb-h1" else (p - 1) / (v * m)
+
+
+def job(args, kind: str, v: int) -> JobConfig:
     cfg = JobConfig(
         model=ModelConfig(vocab_size=64, seq_len=args.seq, layers=args.layers, hidden=args.hidden,
                           heads=8, positions="learned"),
-        parallel=ParallelConfig(pp=args.p, vpp=v),
+        parallel=ParallelConfig(pp=args.p, vpp=v, schedule=kind),
         train=TrainConfig(micro_batch=args.micro_batch, global_batch=args.micro_batch * args.m,
                           device="cpu"),
     )
@@ -112,38 +129,61 @@ def rank_main(args, out_dir: str) -> dict:
     try:
         shared = contention(mesh)
         runners = {}
-        for v, decoupled in MODES:
-            cfg = job(args, v)
+        for name, (kind, v, decoupled) in MODES.items():
+            cfg = job(args, kind, v)
             torch.manual_seed(0)
             chunks = split_model(GPT(cfg.model), args.p, v, mesh.pp_rank, cfg.parallel.pp_split)
-            runners[(v, decoupled)] = PipelineRunner(chunks, cfg, mesh, decoupled=decoupled)
+            runners[name] = PipelineRunner(chunks, cfg, mesh, decoupled=decoupled)
         g = torch.Generator().manual_seed(1)
         shape = (args.m, args.micro_batch, args.seq)
         batch = TokenBatch(torch.randint(0, 64, shape, generator=g),
                            torch.randint(0, 64, shape, generator=g))
         tokens = batch.labels.numel()
-        windows: dict[int, tuple[str, float]] = {}
+        windows: dict[int, tuple[str, float, float]] = {}
         step = 0
         for rnd in range(args.rounds + 1):  # round 0 warms up (shapes, allocator, gloo pairs)
-            order = MODES if rnd % 2 else MODES[::-1]
-            for v, decoupled in order:
-                runner = runners[(v, decoupled)]
+            order = list(MODES) if rnd % 2 else list(MODES)[::-1]
+            for name in order:
+                runner = runners[name]
                 dist.barrier()
                 timers.end_step(step)  # flush what came before; the step's spans start here
                 step += 1
                 start = time.perf_counter()  # CLOCK_MONOTONIC: one clock for all processes
                 runner.forward_backward(batch, tokens)
-                span = torch.tensor([-start, time.perf_counter()], dtype=torch.float64)
+                done = time.perf_counter()
+                global_grad_norm([p for _, p in runner.named_parameters()], across=[mesh.pp_group])
+                sync = time.perf_counter() - done  # blocked in the end-of-step all-reduce
+                span = torch.tensor([-start, done], dtype=torch.float64)
                 dist.all_reduce(span, op=dist.ReduceOp.MAX)
                 runner.zero_grad()
                 if rnd > 0:
-                    windows[step] = (f"v={v} {'decoupled' if decoupled else 'coupled'}",
-                                     float(span[0] + span[1]))
+                    windows[step] = (name, float(span[0] + span[1]), sync)
         timers.end_step(step)
-        return {"rank": mesh.rank, "windows": windows, "contention": shared}
+        memory = {name: peak_step_bytes(runner, batch, tokens) for name, runner in runners.items()
+                  if MODES[name][2]}
+        return {"rank": mesh.rank, "windows": windows, "contention": shared, "memory": memory}
     finally:
         timers.close()
         mesh.destroy()
+
+
+def peak_step_bytes(runner: PipelineRunner, batch: TokenBatch, tokens: int) -> int:
+    """Peak CPU bytes allocated during one step above its start (profiler memory events)."""
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        runner.forward_backward(batch, tokens)
+    runner.zero_grad()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+COMPUTE_SPANS = {"pp.forward": Op.FORWARD, "pp.backward": Op.BACKWARD, "pp.weight": Op.WEIGHT}
 
 
 def collect(out_dir: Path, results: list[dict], args) -> dict:
@@ -160,25 +200,28 @@ def collect(out_dir: Path, results: list[dict], args) -> dict:
         for line in (out_dir / "timers" / f"rank{rank:05d}.jsonl").read_text().splitlines():
             rec = json.loads(line)
             name, s = rec["name"], per_step[rec["step"]]
-            if name in ("pp.forward", "pp.backward"):
+            if name in COMPUTE_SPANS:
                 s["compute"] += rec["self"]
-                op = Op.FORWARD if name == "pp.forward" else Op.BACKWARD
+                op = COMPUTE_SPANS[name]
                 s.setdefault("times", {})[(op, rec["attrs"]["mb"], rec["attrs"]["chunk"])] = \
                     rec["dur"]
             elif name == "pp.recv":
                 s["recv"] += rec["self"]
             elif name in ("pp.send", "pp.send_wait"):  # not pp.send_drain: nothing left to do
                 s["send"] += rec["self"]
-        for step, (mode, window) in res["windows"].items():
-            steps[step][rank] = dict(per_step[step], window=window)
+        for step, (mode, window, sync) in res["windows"].items():
+            steps[step][rank] = dict(per_step[step], window=window, sync=sync)
             modes[step] = mode
     for step, ranks in steps.items():
         mode = modes[step]
-        v = int(mode.split()[0][2:])
-        replay = simulate(build_schedule("1f1b", args.p, v, args.m),
+        kind, v, _ = MODES[mode]
+        replay = simulate(build_schedule(kind, args.p, v, args.m),
                           duration=lambda r, a, ranks=ranks: ranks[r]["times"][(a.op, a.mb,
                                                                                 a.chunk)])
         for rank, s in ranks.items():
+            for op, mean in op_means(s["times"]).items():
+                table[mode][rank][f"t_{op.value}"].append(mean)
+            table[mode][rank]["sync"].append(s["sync"])
             row = table[mode][rank]
             row["window"].append(s["window"])
             row["compute"].append(s["compute"])
@@ -199,9 +242,27 @@ def collect(out_dir: Path, results: list[dict], args) -> dict:
     return out
 
 
+def op_means(times: dict[tuple[Op, int, int], float]) -> dict[Op, float]:
+    """Mean duration of each compute kind (F, B, W) over a step's actions."""
+    by_op: dict[Op, list[float]] = defaultdict(list)
+    for (op, _, _), t in times.items():
+        by_op[op].append(t)
+    return {op: statistics.mean(ts) for op, ts in by_op.items()}
+
+
+def deeper_replay(mode_ranks: dict[int, dict[str, float]], kind: str, v: int, p: int, m: int) -> float:
+    """The bubble of the schedule at depth `p`, played with the mean F/B/W times measured
+    (averaged over the ranks; the stage's layer count scales them all alike)."""
+    means = {op: statistics.mean(r[f"t_{op.value}"] for r in mode_ranks.values())
+             for op in COMPUTE_SPANS.values() if f"t_{op.value}" in next(iter(mode_ranks.values()))}
+    sim = simulate(build_schedule(kind, p, v, m), duration=lambda _r, a: means[a.op])
+    return statistics.mean(i / b for i, b in zip(sim.idle, sim.busy, strict=True))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--p", type=int, default=4)
+    ap.add_argument("--p", type=int, default=2)
+    ap.add_argument("--replay-p", type=int, default=4, help="pipeline depth replayed with the measured op times")
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
@@ -213,53 +274,80 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/pipeline_bubble.json")
     args = ap.parse_args()
 
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         results = run_local(rank_main, args.p, (args, tmp), timeout_s=1800)
         stats = collect(Path(tmp), results, args)
 
     report = {"config": vars(args), "torch": torch.__version__, "host": platform.node(),
-              "cpus": os.cpu_count(), "modes": {},
-              "contention": {r["rank"]: r["contention"] for r in results}}
+              "cpus": os.cpu_count(), "load_average_at_start": load, "modes": {},
+              "contention": {r["rank"]: r["contention"] for r in results},
+              "note": ("figures taken on a shared, loaded machine (load average above): ratios of "
+                       "modes measured side by side in one run; absolute times are noisy")
+              if load[0] > (os.cpu_count() or 1) * 0.5 else "machine quiet at start"}
     slow = statistics.mean(r["contention"]["slowdown"] for r in results)
-    print(f"compute contention: the same GEMM loop takes {slow:.2f}x as long with every rank computing "
-          "as with one rank alone (1.00: independent cores)")
+    print(f"load average at start {load}; compute contention: the same GEMM loop takes {slow:.2f}x "
+          "as long with every rank computing as with one rank alone (1.00: independent cores)")
     print(f"p={args.p} m={args.m}: bubble = idle / compute per rank (median of {args.rounds}); "
           "replay = the schedule played with the measured compute times and ideal links")
-    print(f"{'mode':<14} {'rank':>4} {'compute s':>9} {'idle s':>7} {'bubble':>7} {'replay':>7} "
-          f"{'fastest':>7} {'theory':>7} {'recv ms':>8} {'send ms':>8} {'step s':>7}")
+    print(f"{'mode':<20} {'rank':>4} {'compute s':>9} {'idle s':>7} {'bubble':>7} {'replay':>7} "
+          f"{'fastest':>7} {'theory':>7} {'recv ms':>8} {'send ms':>8} {'sync ms':>8} {'step s':>7} "
+          f"{'peak MiB':>8}")
     for mode, ranks in stats.items():
-        v = int(mode.split()[0][2:])
-        theory = (args.p - 1) / (v * args.m)
+        kind, v, decoupled = MODES[mode]
+        theo = theory(kind, args.p, v, args.m)
+        peaks = {r["rank"]: r["memory"].get(mode) for r in results}
         for rank, s in ranks.items():
-            print(f"{mode:<14} {rank:>4} {s['compute']:9.3f} {s['idle']:7.3f} {s['bubble']:7.1%} "
-                  f"{s['replay_bubble']:7.1%} {s['fastest_bubble']:7.1%} {theory:7.1%} "
-                  f"{1e3 * s['recv']:8.1f} "
-                  f"{1e3 * s['send']:8.1f} {s['window']:7.3f}")
+            s["peak_bytes"] = peaks[rank]
+            peak = "-" if peaks[rank] is None else f"{peaks[rank] / 2**20:8.1f}"
+            print(f"{mode:<20} {rank:>4} {s['compute']:9.3f} {s['idle']:7.3f} {s['bubble']:7.1%} "
+                  f"{s['replay_bubble']:7.1%} {s['fastest_bubble']:7.1%} {theo:7.1%} "
+                  f"{1e3 * s['recv']:8.1f} {1e3 * s['send']:8.1f} {1e3 * s['sync']:8.1f} "
+                  f"{s['window']:7.3f} {peak:>8}")
         mean = {k: statistics.mean(s[k] for s in ranks.values())
-                for k in ("bubble", "replay_bubble", "fastest_bubble", "window")}
+                for k in ("bubble", "replay_bubble", "fastest_bubble", "window", "sync")}
+        sim = simulate(build_schedule(kind, args.p, v, args.m))
         report["modes"][mode] = {
-            "theory": theory, "bubble_mean": mean["bubble"],
+            "schedule": kind, "v": v, "decoupled": decoupled,
+            "theory": theo, "bubble_mean": mean["bubble"],
             "replay_bubble_mean": mean["replay_bubble"],
             "fastest_step_bubble_mean": mean["fastest_bubble"],
-            "fastest_gap_to_theory_points": 100 * (mean["fastest_bubble"] - theory),
-            "gap_to_theory_points": 100 * (mean["bubble"] - theory),
+            "fastest_gap_to_theory_points": 100 * (mean["fastest_bubble"] - theo),
+            "gap_to_theory_points": 100 * (mean["bubble"] - theo),
             "runtime_overhead_points": 100 * (mean["bubble"] - mean["replay_bubble"]),
+            f"replay_bubble_p{args.replay_p}": deeper_replay(ranks, kind, v, args.replay_p, args.m),
+            f"theory_p{args.replay_p}": theory(kind, args.replay_p, v, args.m),
             "step_s": mean["window"],
+            "end_of_step_sync_s_mean": mean["sync"],
             "send_blocked_s": sum(s["send"] for s in ranks.values()),
             "recv_wait_s": sum(s["recv"] for s in ranks.values()),
+            "peak_bytes_max": None if None in peaks.values() else max(peaks.values()),
+            "schedule_peak_activations": sim.peak_activations,  # micro-batches, F to B
+            "schedule_peak_held": sim.peak_held,  # micro-batches, F to last W (or B)
             "ranks": ranks,
         }
     print()
-    for v in (1, 2):
-        d, c = report["modes"][f"v={v} decoupled"], report["modes"][f"v={v} coupled"]
-        print(f"v={v}: bubble {d['bubble_mean']:.1%} vs theory {d['theory']:.1%} "
-              f"({d['gap_to_theory_points']:+.1f} points) and vs replay "
-              f"{d['replay_bubble_mean']:.1%} ({d['runtime_overhead_points']:+.1f} points); "
-              f"fastest step {d['fastest_step_bubble_mean']:.1%} "
-              f"({d['fastest_gap_to_theory_points']:+.1f} points); "
-              f"send blocked {1e3 * d['send_blocked_s']:.1f} ms decoupled vs "
+    modes = report["modes"]
+    for mode in ("1f1b", "interleaved", "zb-h1"):
+        d = modes[mode]
+        deep = f"replay_bubble_p{args.replay_p}"
+        print(f"{mode:<12} bubble {d['bubble_mean']:.1%} vs theory {d['theory']:.1%} "
+              f"({d['gap_to_theory_points']:+.1f} points), replay {d['replay_bubble_mean']:.1%}, "
+              f"fastest step {d['fastest_step_bubble_mean']:.1%}; p={args.replay_p} replay "
+              f"{d[deep]:.1%} vs theory {d[f'theory_p{args.replay_p}']:.1%}; step {d['step_s']:.3f} s; "
+              f"end-of-step sync {1e3 * d['end_of_step_sync_s_mean']:.1f} ms; peak "
+              f"{(d['peak_bytes_max'] or 0) / 2**20:.1f} MiB")
+    for mode in ("1f1b", "interleaved"):
+        d, c = modes[mode], modes[f"{mode} coupled"]
+        print(f"{mode}: send blocked {1e3 * d['send_blocked_s']:.1f} ms decoupled vs "
               f"{1e3 * c['send_blocked_s']:.1f} ms coupled; step {d['step_s']:.3f} s vs "
               f"{c['step_s']:.3f} s (coupled/decoupled {c['step_s'] / d['step_s']:.3f})")
+    zb, inter = modes["zb-h1"], modes["interleaved"]
+    report["zb_h1_vs_interleaved"] = {
+        "bubble_points": 100 * (zb["bubble_mean"] - inter["bubble_mean"]),
+        "step_ratio": zb["step_s"] / inter["step_s"],
+        "zb_h1_gap_to_its_theory_points": zb["gap_to_theory_points"],
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

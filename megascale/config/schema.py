@@ -235,7 +235,8 @@ class ParallelConfig:
     # last the head and loss), "even" splits by count, or a list of pp*vpp counts in chunk order
     pp_split: Literal["auto", "even"] | list[int] = opt(
         "auto", "layers per chunk: auto (FLOP-balanced), even, or a list of pp*vpp counts")
-    schedule: Literal["1f1b", "gpipe"] = opt("1f1b", "1f1b (interleaved when vpp > 1) or gpipe")
+    schedule: Literal["1f1b", "gpipe", "zb-h1"] = opt(
+        "1f1b", "1f1b (interleaved when vpp > 1), gpipe, or zb-h1 (zero-bubble: split backward, vpp=1)")
     sequence_parallel: bool = opt(True, "shard LayerNorm/residual activations along the sequence over tp")
     tp_overlap: bool = opt(True, "chunked all-gather/reduce-scatter fused into the GEMMs")
     tp_overlap_chunks: int = opt(2, "chunks each collective GEMM is cut into")
@@ -271,6 +272,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.dp_bucket_mb must be > 0, got {self.dp_bucket_mb}")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
+        if self.schedule == "zb-h1" and self.vpp > 1:
+            raise ConfigError("parallel.schedule='zb-h1' runs one chunk per stage: set parallel.vpp=1")
         if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ConfigError("parallel.init_timeout_s and parallel.collective_timeout_s must be > 0")
         if self.redis_connect_timeout_s <= 0:

@@ -19,7 +19,8 @@ every collective is waited for as soon as it is issued: the plain, unfused basel
 Both operations are autograd Functions whose backward is the other one (the backward of
 all-gather+GEMM is GEMM+reduce-scatter of the gradient, and vice versa); weight gradients are
 computed from the gathered input kept from the forward pass, chunk by chunk, between the
-collectives of the input gradient.
+collectives of the input gradient; under a split backward (`weight_grad.deferring`, the
+zero-bubble schedules) they are deferred to the W action instead, from the same pieces.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from megascale.parallel import weight_grad
 from megascale.parallel.tp_comm import Pending, TPContext, start_all_gather, start_reduce_scatter
+from megascale.parallel.weight_grad import Target, accumulate, compute_dtype
 
 
 def chunk_ranges(length: int, chunks: int) -> list[tuple[int, int]]:
@@ -49,32 +52,15 @@ def _issue(pending: Pending, tp: TPContext) -> Pending:
     return pending
 
 
-def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a^T b over the flattened leading dimensions (a weight-gradient GEMM), summed over
-    chunks in fp32 whatever the compute dtype."""
-    part = a.reshape(-1, a.shape[-1]).t() @ b.reshape(-1, b.shape[-1])
-    return part.float() if acc is None else acc.add_(part)
-
-
-def _compute_dtype(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Cast to the autocast dtype when autocast is on, as `F.linear` would: the chunks, the
-    collectives and the saved activations then all run in the compute dtype (bf16 on GPU).
-    The Functions run their GEMMs with autocast off and return gradients in the input dtypes."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
-
-
 class _AllGatherMatmul(Function):
     """y = all_gather_seq(x) @ W^T + b;  x: [b, s/tp, k] -> y: [b, s, n_local]."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                tp: TPContext) -> torch.Tensor:
+                tp: TPContext, target: Target | None) -> torch.Tensor:
+        ctx.target = target
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        x, weight, bias = _compute_dtype(x, weight, bias)
+        x, weight, bias = compute_dtype(x, weight, bias)
         batch, local, _ = x.shape
         ranges = _plan(tp, local)
         pending = [_issue(start_all_gather(x[:, r0:r1], tp), tp) for r0, r1 in ranges]
@@ -105,24 +91,31 @@ class _AllGatherMatmul(Function):
                 if need_x:
                     pending.append(_issue(start_reduce_scatter(g.matmul(weight), tp), tp))
                 if need_w:  # runs while the reduce-scatter of this chunk is in flight
-                    grad_w = _accumulate(grad_w, g, chunk)
+                    grad_w = accumulate(grad_w, g, chunk)
             grad_w = None if grad_w is None else grad_w.to(w_dtype)
             if b_dtype is not None and need_b:
                 grad_b = grad_out.sum((0, 1), dtype=torch.float32).to(b_dtype)
+        if ctx.target is not None:  # split backward: the weight-gradient GEMMs wait for W
+            chunks = [(grad[:, :, r0:r1].transpose(0, 1), c) for (r0, r1), c in zip(ctx.ranges, gathered, strict=True)]
+            target = ctx.target
+            weight_grad.defer(lambda: target.pairs(
+                lambda: _sum_chunks(chunks), lambda: grad_out.sum((0, 1), dtype=torch.float32)))
         if need_x:
             grad_x = grad.new_empty(batch, local, weight.shape[1], dtype=x_dtype)
             for (r0, r1), p in zip(ctx.ranges, pending, strict=True):
                 grad_x[:, r0:r1] = p.wait()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _MatmulReduceScatter(Function):
     """z = reduce_scatter_seq(x @ W^T);  x: [b, s, k_local] -> z: [b, s/tp, n]."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: TPContext,
+                target: Target | None) -> torch.Tensor:
+        ctx.target = target
         ctx.dtypes = (x.dtype, weight.dtype)
-        x, weight = _compute_dtype(x, weight)
+        x, weight = compute_dtype(x, weight)
         batch, seq, k = x.shape
         start, end = tp.seq_range(seq)
         local = end - start
@@ -153,25 +146,44 @@ class _MatmulReduceScatter(Function):
         grad_out = grad_out.to(weight.dtype)
         pending = [_issue(start_all_gather(grad_out[:, r0:r1], tp), tp) for r0, r1 in ctx.ranges]
         grad_x = x.new_empty(batch, tp.size, local, k, dtype=x_dtype) if need_x else None
-        grad_w = None
+        grad_w, chunks = None, []
         with torch.autocast(x.device.type, enabled=False):
             for (r0, r1), p in zip(ctx.ranges, pending, strict=True):
                 g = p.wait()  # [tp, b, c, n]; the gathers of later chunks land meanwhile
                 if need_x:
                     grad_x[:, :, r0:r1] = g.matmul(weight).transpose(0, 1)
                 if need_w:
-                    grad_w = _accumulate(grad_w, g, parts[:, :, r0:r1].transpose(0, 1))
+                    grad_w = accumulate(grad_w, g, parts[:, :, r0:r1].transpose(0, 1))
+                if ctx.target is not None:
+                    chunks.append((g, parts[:, :, r0:r1].transpose(0, 1)))
         grad_w = None if grad_w is None else grad_w.to(w_dtype)
-        return (grad_x.view(batch, seq, k) if need_x else None), grad_w, None
+        if ctx.target is not None:  # split backward: the weight-gradient GEMMs wait for W
+            target = ctx.target
+            weight_grad.defer(lambda: target.pairs(lambda: _sum_chunks(chunks), None))
+        return (grad_x.view(batch, seq, k) if need_x else None), grad_w, None, None
+
+
+def _sum_chunks(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The weight gradient from the (output-gradient, input) pieces of every chunk."""
+    grad_w = None
+    with torch.autocast(chunks[0][0].device.type, enabled=False):
+        for g, x in chunks:
+            grad_w = accumulate(grad_w, g, x)
+    return grad_w
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       tp: TPContext) -> torch.Tensor:
     """Column-parallel GEMM on a sequence-parallel input: `[b, s/tp, k] -> [b, s, n/tp]`."""
-    return _AllGatherMatmul.apply(x, weight, bias, tp)
+    if weight_grad.active():
+        target = Target.of(weight, bias)
+        return _AllGatherMatmul.apply(x, weight.detach(), weight_grad.detached(bias), tp, target)
+    return _AllGatherMatmul.apply(x, weight, bias, tp, None)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """Row-parallel GEMM into the sequence-parallel layout: `[b, s, k/tp] -> [b, s/tp, n]`
     (the bias, replicated, is added by the caller after the reduction)."""
-    return _MatmulReduceScatter.apply(x, weight, tp)
+    if weight_grad.active():
+        return _MatmulReduceScatter.apply(x, weight.detach(), tp, Target.of(weight, None))
+    return _MatmulReduceScatter.apply(x, weight, tp, None)

@@ -43,6 +43,7 @@ from megascale.layout.shard import ShardSpec, set_shard_spec, shard_spec, tp_sli
 from megascale.model.gpt import GPT, Embedding, Head, Linear
 from megascale.model.loss import chunked_cross_entropy
 from megascale.model.moe import MoE
+from megascale.parallel import weight_grad
 from megascale.parallel.collective_gemm import all_gather_matmul, matmul_reduce_scatter
 from megascale.parallel.tp_comm import (
     TPContext,
@@ -73,7 +74,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.tp.sequence_parallel:
             return all_gather_matmul(x, weight, bias, self.tp)
-        return F.linear(copy_to_tp(x, self.tp), weight, bias)
+        return weight_grad.linear(copy_to_tp(x, self.tp), weight, bias)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -83,7 +84,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.tp.sequence_parallel:
             out = matmul_reduce_scatter(x, weight, self.tp)
         else:
-            out = reduce_from_tp(F.linear(x, weight), self.tp)
+            out = reduce_from_tp(weight_grad.linear(x, weight, None), self.tp)
         return out if bias is None else out + bias
 
 
@@ -111,7 +112,7 @@ class TPEmbedding(nn.Module):
             weight = self.tokens.weight
             local = tokens - tp.rank * weight.shape[0]
             outside = (local < 0) | (local >= weight.shape[0])
-            h = F.embedding(local.masked_fill(outside, 0), weight)
+            h = weight_grad.embedding(local.masked_fill(outside, 0), weight)
             h = h.masked_fill(outside.unsqueeze(-1), 0.0)
             h = reduce_scatter_seq(h, tp) if tp.sequence_parallel else reduce_from_tp(h, tp)
         else:

@@ -55,6 +55,7 @@ class Case:
     model: str = "gpt"  # a key of MODELS
     dtype: str = "fp32"  # train.dtype and train.param_dtype
     lr: float = 1e-2
+    schedule: str = "1f1b"  # parallel.schedule
     ep: int = 1  # expert parallelism (carved from dp; the MoE models)
 
     @property
@@ -66,6 +67,7 @@ class Case:
             f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}-{self.optim}"
             f"{'' if self.overlap else '-sync'}{'' if self.split is None else f'-split{list(self.split)}'}"
             f"{'' if self.dtype == 'fp32' else f'-{self.dtype}'}{'' if self.lr == 1e-2 else f'-lr{self.lr:g}'}"
+            f"{'' if self.schedule == '1f1b' else f'-{self.schedule}'}"
             f"{'' if self.ep == 1 else f'-ep{self.ep}'}"
         )
 
@@ -119,6 +121,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             vpp=case.vpp,
             pp_split="auto" if case.split is None else list(case.split),
             dp_overlap=case.overlap,
+            schedule=case.schedule,
             backend="gloo",
         ),
         train=TrainConfig(

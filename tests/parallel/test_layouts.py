@@ -7,8 +7,8 @@ rank must report the reference's losses (the true global mean: no double countin
 no missing micro-batches) and gradient norms, and the whole parameters put back together from
 all ranks must equal the reference's. Tolerances: `layout_parity.LOSS_RTOL`/`PARAM_ATOL`.
 
-A Llama-style model (RMSNorm, SwiGLU, grouped-query attention, no biases) runs in the 4-rank
-spawn beside the GPT. One spawn per world size with all its cases inside; the 8-rank spawn is
+A Llama-style model (RMSNorm, SwiGLU, grouped-query attention, no biases) and two ZB-H1
+layouts run in the 4-rank spawn beside the GPT. One spawn per world size with all its cases inside; the 8-rank spawn is
 marked slow but runs by default.
 """
 
@@ -30,6 +30,9 @@ LAYOUTS_8 = [Case(dp=2, tp=2, pp=2), Case(dp=8), Case(tp=2, pp=4), Case(dp=2, pp
 # gradient norm spikes at step 8 (0.66 -> 4.3) and the ~1e-7 summation noise of a layout grows
 # to 5e-5 there -- amplification by the optimizer, not a layout error (steps 0-7 agree to 1e-6).
 LLAMA_4 = [Case(dp=2, tp=2, optim="lamb", model="llama"), Case(tp=2, pp=2, vpp=2, optim="lamb", model="llama")]
+# ZB-H1 (split backward): through the collective GEMMs and the vocabulary-parallel embedding
+# (tp2-pp2), and with ZeRO-2's reduce-scatters fired by the W actions (dp2-pp2)
+ZERO_BUBBLE_4 = [Case(tp=2, pp=2, schedule="zb-h1"), Case(dp=2, pp=2, schedule="zb-h1")]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def _matrix(world: int, layouts: list[Case], reference: dict, extra: tuple[Case,
 
 @pytest.mark.slow
 def test_layouts_of_4_ranks(reference):
-    _matrix(4, LAYOUTS_4, reference, extra=tuple(LLAMA_4))
+    _matrix(4, LAYOUTS_4, reference, extra=tuple(LLAMA_4 + ZERO_BUBBLE_4))
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Pipeline parity on real gloo processes: loss, every gradient and ten optimizer steps equal the
-single-process model with the same weights, for (p, v) in {(2,1), (2,2), (4,1), (4,2)} and GPipe;
-and, on two ranks, the ZeRO hooks' placement and the per-action timer spans.
+single-process model with the same weights, for (p, v) in {(2,1), (2,2), (4,1), (4,2)}, GPipe
+and ZB-H1 (split backward) at p = 2 and 4; and, on two ranks, the ZeRO hooks' placement, the
+per-action timer spans, and by order that ZB-H1 defers the weight gradients to its W actions.
 
 One spawn per world size; each rank loops over the cases and also computes the single-process
 reference itself (the model is tiny), so a mismatch names the rank, the case and the parameter.
@@ -19,7 +20,7 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer, clip_grad_norm_
-from megascale.parallel import init_mesh
+from megascale.parallel import init_mesh, weight_grad
 from megascale.parallel.pipeline import PipelineRunner, split_model
 from megascale.testing.launch import run_local
 
@@ -144,6 +145,41 @@ def hooks_and_timers(mesh, out_dir: str) -> dict:
     return {"calls": recorder.calls, "final_ok": final_ok, "path": str(timers.path)}
 
 
+def weight_order(mesh) -> dict:
+    """One ZB-H1 step with every B, every W and every parameter's gradient accumulation (ZeRO's
+    hook) logged in order, and the hook recorder where ZeRO's grad_sync goes."""
+    cfg = job(2, 1, 4, "zb-h1")
+    torch.manual_seed(0)
+    chunks = split_model(GPT(cfg.model), 2, 1, mesh.pp_rank)
+    runner = PipelineRunner(chunks, cfg, mesh)
+    runner.grad_sync = recorder = HookRecorder(chunks)
+    events: list[tuple] = []
+    for name, p in chunks[0].named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=name: events.append(("grad", n)))
+    compute, run = runner._compute, weight_grad.run
+
+    def logged_compute(a, step, timers):
+        events.append((a.op.value, a.mb))
+        compute(a, step, timers)
+        events.append(("end",))
+
+    def logged_run(work):
+        events.append(("W", len(events)))
+        run(work)
+        events.append(("end",))
+
+    runner._compute, weight_grad.run = logged_compute, logged_run
+    try:
+        batch = batches(cfg, 1)[0]
+        runner.forward_backward(batch, token_count(batch))
+    finally:
+        weight_grad.run = run
+    final_ok = all(torch.equal(g, p.grad) for g, p in zip(recorder.grads_at_hook[0], chunks[0].parameters(),
+                                                          strict=True))
+    return {"events": events, "calls": recorder.calls, "final_ok": final_ok,
+            "params": [n for n, _ in chunks[0].named_parameters()]}
+
+
 def _rank_main(cases: list[tuple[int, int, int, str]], out_dir: str | None = None) -> dict:
     p = cases[0][0]
     mesh = init_mesh(ParallelConfig(pp=p), device="cpu")
@@ -152,6 +188,7 @@ def _rank_main(cases: list[tuple[int, int, int, str]], out_dir: str | None = Non
     try:
         if out_dir is not None:
             report["hooks"] = hooks_and_timers(mesh, out_dir)
+            report["weight_order"] = weight_order(mesh)
         for p_, v, m, schedule in cases:
             cfg = job(p_, v, m, schedule)
             data = batches(cfg, STEPS)
@@ -212,15 +249,56 @@ def _check_hooks_and_timers(results: list[dict]) -> None:
         assert {s["attrs"]["peer"] for s in p2p if "peer" in s["attrs"]} == {1 - rank}
 
 
+TWO_STAGES = [(2, 1, 3, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 4, "gpipe"), (2, 1, 4, "zb-h1")]
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory) -> list[dict]:
+    out_dir = str(tmp_path_factory.mktemp("timers"))
+    return run_local(_rank_main, 2, (TWO_STAGES, out_dir), timeout_s=240)
+
+
 @pytest.mark.slow
-def test_pipeline_parity_two_stages(tmp_path):
-    cases = [(2, 1, 3, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 4, "gpipe")]
-    results = run_local(_rank_main, 2, (cases, str(tmp_path)), timeout_s=240)
+def test_pipeline_parity_two_stages(two_stages):
+    results = [dict(r) for r in two_stages]
     _check_hooks_and_timers(results)
-    _check(results, cases)
+    _check(results, TWO_STAGES)
+
+
+def _windows(events: list[tuple], op: str) -> list[tuple[int, list[str]]]:
+    """(micro-batch or position, parameters whose gradient accumulated inside) per `op` window."""
+    out, i = [], 0
+    while i < len(events):
+        if events[i][0] == op:
+            j = events.index(("end",), i)
+            out.append((events[i][1], [e[1] for e in events[i:j] if e[0] == "grad"]))
+            i = j
+        i += 1
+    return out
+
+
+@pytest.mark.slow
+def test_zb_h1_weight_gradients_wait_for_their_w_action(two_stages):
+    """By order: no split parameter's gradient accumulates in a B (only the head's, which the
+    loss computes in its forward), each one accumulates once in every W, the last rank's first
+    W runs after its second B, and ZeRO's hook follows the last W with the gradients final."""
+    m = 4
+    for rank, res in enumerate(two_stages):
+        order = res["weight_order"]
+        events, params = order["events"], order["params"]
+        in_b = {n for _, names in _windows(events, "B") for n in names}
+        assert in_b <= {"head.out.weight"}, f"rank {rank}: {sorted(in_b)} accumulated in B"
+        in_w = _windows(events, "W")
+        assert len(in_w) == m
+        for _, names in in_w:
+            assert sorted(names) == sorted(n for n in params if n != "head.out.weight")
+        steps = [e[0] for e in events if e[0] in ("B", "W")]
+        assert steps.index("W") == rank + 1  # rank r runs its first W after its (r+1)-th B
+        assert order["calls"][-1] == ("after_backward", 0)
+        assert events[-1] == ("end",) and order["final_ok"]
 
 
 @pytest.mark.slow
 def test_pipeline_parity_four_stages():
-    cases = [(4, 1, 6, "1f1b"), (4, 2, 8, "1f1b")]
+    cases = [(4, 1, 6, "1f1b"), (4, 2, 8, "1f1b"), (4, 1, 4, "zb-h1")]
     _check(run_local(_rank_main, 4, (cases,), timeout_s=280), cases)

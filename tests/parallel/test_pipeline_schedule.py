@@ -1,9 +1,11 @@
 """Pipeline schedules as data, checked without processes: ordering, message pairing, per-link
-order, deadlock freedom (decoupled and coupled sends), the bubble formula and peak memory."""
+order, deadlock freedom (decoupled and coupled sends), the bubble formula and peak memory; for
+ZB-H1 also the split backward's W actions and the checker that rejects a missing or misordered W."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -12,16 +14,22 @@ from megascale.parallel.pipeline.schedule import (
     COMPUTE,
     RECVS,
     SENDS,
+    Deadlock,
     Op,
+    ScheduleError,
     build_schedule,
     check_layout,
+    check_schedule,
     compute_order,
     simulate,
 )
 
 LAYOUTS = [(2, 1, 1), (2, 1, 4), (4, 1, 2), (4, 1, 8), (3, 1, 5), (2, 2, 2), (2, 2, 4),
            (4, 2, 4), (4, 2, 8), (4, 3, 8), (2, 4, 8), (8, 2, 16)]
+ZB_LAYOUTS = [(2, 1, 1), (2, 1, 4), (4, 1, 2), (4, 1, 8), (3, 1, 5), (8, 1, 16)]
 CASES = [(k, p, v, m) for k in ("1f1b", "gpipe") for p, v, m in LAYOUTS]
+CASES += [("zb-h1", p, v, m) for p, v, m in ZB_LAYOUTS]
+FULL_BACKWARD = [c for c in CASES if c[0] != "zb-h1"]
 
 
 def expected_peak(kind: str, p: int, v: int, m: int, rank: int) -> int:
@@ -36,18 +44,22 @@ def expected_peak(kind: str, p: int, v: int, m: int, rank: int) -> int:
 def test_every_forward_precedes_its_backward(kind, p, v, m):
     sched = build_schedule(kind, p, v, m)
     for rank in range(p):
-        seen_f, seen_b = set(), set()
+        seen_f, seen_b, seen_w = set(), set(), set()
         for a in sched.compute(rank):
             key = (a.mb, a.chunk)
             if a.op is Op.FORWARD:
                 assert key not in seen_f
                 seen_f.add(key)
+            elif a.op is Op.WEIGHT:
+                assert key in seen_b and key not in seen_w, f"rank {rank}: W {key} before its B"
+                seen_w.add(key)
             else:
                 assert key in seen_f, f"rank {rank}: backward {key} before its forward"
                 assert key not in seen_b
                 seen_b.add(key)
         every = {(mb, c) for mb in range(m) for c in range(v)}
         assert seen_f == every and seen_b == every
+        assert seen_w == (every if kind == "zb-h1" else set())
 
 
 @pytest.mark.parametrize(("kind", "p", "v", "m"), CASES)
@@ -101,7 +113,7 @@ def test_coupled_comparison_mode_runs_with_default_lookahead(kind, p, v, m):
     simulate(build_schedule(kind, p, v, m), coupled=True)
 
 
-@pytest.mark.parametrize(("kind", "p", "v", "m"), CASES)
+@pytest.mark.parametrize(("kind", "p", "v", "m"), FULL_BACKWARD)
 @pytest.mark.parametrize("t_bwd", [1.0, 2.0])
 def test_idle_slots_equal_the_formula(kind, p, v, m, t_bwd):
     """Each rank idles (p-1)(t_f + t_b) chunk-times: the bubble is (p-1)/(v*m) of the compute."""
@@ -112,7 +124,7 @@ def test_idle_slots_equal_the_formula(kind, p, v, m, t_bwd):
         assert sim.idle[rank] / sim.busy[rank] == pytest.approx((p - 1) / (v * m))
 
 
-@pytest.mark.parametrize(("kind", "p", "v", "m"), CASES)
+@pytest.mark.parametrize(("kind", "p", "v", "m"), FULL_BACKWARD)
 def test_peak_in_flight_activations(kind, p, v, m):
     sim = simulate(build_schedule(kind, p, v, m))
     assert sim.peak_activations == [expected_peak(kind, p, v, m, r) for r in range(p)]
@@ -147,7 +159,7 @@ def test_megatron_interleaved_order():
 def test_compute_only_in_compute_slots():
     sched = build_schedule("1f1b", 2, 2, 4)
     assert all(a.op in COMPUTE for a in sched.compute(0))
-    assert sched.last_backward(0).keys() == {0, 1}
+    assert sched.grads_final(0).keys() == {0, 1}
 
 
 def test_layout_errors_name_the_keys():
@@ -157,5 +169,60 @@ def test_layout_errors_name_the_keys():
         check_layout(1, 2, 4)
     with pytest.raises(ConfigError, match="parallel.schedule"):
         check_layout(2, 1, 4, "zero-bubble")
+    with pytest.raises(ConfigError, match="parallel.vpp=1"):
+        check_layout(2, 2, 4, "zb-h1")
     check_layout(4, 1, 3)  # plain 1F1B runs any number of micro-batches
     check_layout(4, 2, 6, "gpipe")
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (3, 5), (4, 4), (4, 8), (8, 16)])
+def test_zb_h1_idles_a_third_of_1f1b(p, m):
+    """F = B = W: each rank idles p-1 in 3m of compute, (p-1)/(3m), where 1F1B (B+W = 2) idles
+    3(p-1); every rank holds p micro-batches from F to W, and full activations (F to B) as 1F1B."""
+    zb = simulate(build_schedule("zb-h1", p, 1, m))
+    plain = simulate(build_schedule("1f1b", p, 1, m), t_bwd=2.0)
+    assert zb.makespan == 3 * m + p - 1
+    for rank in range(p):
+        assert zb.busy[rank] == 3 * m
+        assert zb.idle[rank] / zb.busy[rank] == pytest.approx((p - 1) / (3 * m))
+        assert plain.idle[rank] == 3 * (p - 1)
+    assert zb.peak_held == [p] * p
+    assert zb.peak_activations == plain.peak_activations == [p - r for r in range(p)]
+
+
+def test_zb_h1_defers_rank_r_weights_by_r_rounds():
+    """Rank r's first W follows its (r+1)-th B: the late ranks' deferred W's fill the cool-down."""
+    for rank in range(4):
+        order = [(a.op.value, a.mb) for a in build_schedule("zb-h1", 4, 1, 8).compute(rank)]
+        assert order.index(("W", 0)) > order.index(("B", rank))
+        assert order.index(("W", 0)) < order.index(("B", rank + 1))
+        assert order[-1] == ("W", 7)
+
+
+def _without(sched, rank: int, drop):
+    return replace(sched, ranks=tuple(tuple(a for a in acts if not (r == rank and drop(a)))
+                                      for r, acts in enumerate(sched.ranks)))
+
+
+def test_checker_rejects_a_missing_or_misordered_weight_action():
+    sched = build_schedule("zb-h1", 4, 1, 8)
+    check_schedule(sched)
+    with pytest.raises(ScheduleError, match=r"rank 2: missing W\(5, 0\)"):
+        check_schedule(_without(sched, 2, lambda a: a.op is Op.WEIGHT and a.mb == 5))
+    actions = list(sched.ranks[1])  # W(3) moved in front of its B
+    w = next(a for a in actions if a.op is Op.WEIGHT and a.mb == 3)
+    actions.remove(w)
+    actions.insert(actions.index(next(a for a in actions if a.op is Op.BACKWARD and a.mb == 3)), w)
+    misordered = replace(sched, ranks=(sched.ranks[0], tuple(actions), *sched.ranks[2:]))
+    with pytest.raises(ScheduleError, match=r"rank 1: W\(3,0\) is out of order"):
+        check_schedule(misordered)
+    with pytest.raises(ScheduleError, match="out of order"):  # no W in an unsplit schedule
+        check_schedule(replace(sched, kind="1f1b"))
+    with pytest.raises(ScheduleError, match=r"missing W"):  # a split schedule needs every W
+        check_schedule(replace(build_schedule("1f1b", 2, 1, 4), kind="zb-h1"))
+
+
+def test_checker_rejects_a_schedule_that_deadlocks():
+    sched = build_schedule("zb-h1", 2, 1, 4)  # rank 0 never sends micro-batch 2's activation
+    with pytest.raises(Deadlock, match=r"stuck \{0: 'B\(2,0\)', 1: 'F\(2,0\)'\}"):
+        check_schedule(_without(sched, 0, lambda a: a.op is Op.SEND_ACT and a.mb == 2))

@@ -7,7 +7,12 @@ compute waits only for its own receive. In warm-up and cool-down a forward there
 on nothing but its input; in the steady phase the receives of the next actions and the sends
 of the previous ones are in flight while this one computes (MegaScale section 3.2).
 
-Every action is timed (`pp.forward`/`pp.backward` as compute; `pp.send`, `pp.recv` and
+Under a zero-bubble schedule (`Schedule.split`) the chunks get the split backward
+(`parallel/weight_grad.py`): a chunk's forward and its B run under `weight_grad.deferring` with
+that (micro-batch, chunk)'s list of weight-gradient work, which its W action runs; ZeRO's
+hooks then fire in W, and `after_backward` follows a chunk's last W.
+
+Every action is timed (`pp.forward`/`pp.backward`/`pp.weight` as compute; `pp.send`, `pp.recv` and
 `pp.send_wait` as p2p; `pp.send_drain` is the end-of-step wait for the last sends, when the
 rank has no work left), so the bubble and the exposed communication of each rank are measured,
 not guessed.
@@ -28,8 +33,10 @@ from torch import nn
 from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
+from megascale.parallel import weight_grad
 from megascale.parallel.pipeline.schedule import (
     DEFAULT_LOOKAHEAD,
+    SPLIT_KINDS,
     Action,
     Op,
     Schedule,
@@ -61,12 +68,14 @@ class _Step:
     token_count: int | None  # None: forward only
     acts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    weight_work: dict[tuple[int, int], list[weight_grad.WeightWork]] = field(default_factory=dict)
     recvs: dict[tuple[Op, int, int], _Recv] = field(default_factory=dict)
     loss: torch.Tensor | None = None
 
 
 class PipelineRunner(ModelRunner):
-    """Runs this rank's `v` chunks under the 1F1B (interleaved when v > 1) or GPipe schedule.
+    """Runs this rank's `v` chunks under the 1F1B (interleaved when v > 1), GPipe or ZB-H1
+    schedule (the last one splits the chunks' backward, in place, when the runner is made).
 
     `decoupled=False` waits for each send right after posting it: a comparison mode for the
     benchmark (what bundled send/recv costs), never the training default. It takes effect
@@ -86,11 +95,14 @@ class PipelineRunner(ModelRunner):
         c = mesh.coords
         self._peers = [mesh.grid.rank_of(r, c.dp, c.tp) for r in range(self.p)]
         self._schedules: dict[tuple[str, int], Schedule] = {}
-        self._last_backward: dict[tuple[str, int], dict[int, int]] = {}
+        self._grads_final: dict[tuple[str, int], dict[int, int]] = {}
         self._in_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # by local chunk
         self._out_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
         self._warm = False  # a whole step has run: every activation shape is known
+        if self.kind in SPLIT_KINDS:
+            for chunk in chunks:
+                weight_grad.split_backward(chunk)
 
     # ------------------------------------------------------------------ the runner interface
     def forward_backward(self, batch: TokenBatch | None, token_count: int) -> torch.Tensor:
@@ -106,38 +118,49 @@ class PipelineRunner(ModelRunner):
         if key not in self._schedules:
             sched = build_schedule(kind, self.p, self.v, m, self.lookahead)
             self._schedules[key] = sched
-            self._last_backward[key] = sched.last_backward(self.rank)
+            self._grads_final[key] = sched.grads_final(self.rank)
         return self._schedules[key]
 
     # ------------------------------------------------------------------ execution
     def _run(self, kind: str, step: _Step) -> torch.Tensor:
         m = self._micro_batches(step.batch)
         sched = self.schedule(kind, m)
-        last_backward = self._last_backward[(kind, m)]
+        grads_final = self._grads_final[(kind, m)]
         timers = get_timers()
         for i, action in enumerate(sched.ranks[self.rank]):
             op = action.op
-            if op is Op.FORWARD:
-                self._forward(action, step, timers)
-            elif op is Op.BACKWARD:
-                self._backward(action, step, timers)
-                if self.grad_sync is not None and last_backward[action.chunk] == i:
-                    self.grad_sync.after_backward(action.chunk)
-            elif op is Op.SEND_ACT:
+            if op in (Op.FORWARD, Op.BACKWARD) and sched.split:
+                work = step.weight_work.setdefault((action.mb, action.chunk), [])
+                with weight_grad.deferring(work):
+                    self._compute(action, step, timers)
+            elif op is Op.WEIGHT:
+                with timers.span("pp.weight", kind="compute", mb=action.mb, chunk=action.chunk):
+                    weight_grad.run(step.weight_work.pop((action.mb, action.chunk)))
+            elif op in (Op.FORWARD, Op.BACKWARD):
+                self._compute(action, step, timers)
+            if self.grad_sync is not None and grads_final.get(action.chunk) == i:
+                self.grad_sync.after_backward(action.chunk)
+            if op is Op.SEND_ACT:
                 self._send_act(action, step, timers)
             elif op is Op.SEND_GRAD:
                 self._send(step.grads.pop((action.mb, action.chunk)), action, timers)
-            else:
+            elif op in (Op.RECV_ACT, Op.RECV_GRAD):
                 self._post_recv(action, step)
         with timers.span("pp.send_drain", kind="p2p", group="pp"):  # this rank's work is done
             for work, _, _ in self._sends:
                 work.wait()
         self._sends.clear()
         self._warm = True
-        assert not step.acts and not step.grads and not step.recvs, "schedule left state behind"
+        assert not (step.acts or step.grads or step.recvs or step.weight_work), "schedule left state behind"
         if step.loss is None:  # not the last stage
             return torch.zeros((), dtype=torch.float64, device=self._device)
         return step.loss
+
+    def _compute(self, a: Action, step: _Step, timers) -> None:
+        if a.op is Op.FORWARD:
+            self._forward(a, step, timers)
+        else:
+            self._backward(a, step, timers)
 
     def _forward(self, a: Action, step: _Step, timers) -> None:
         chunk = self.chunks[a.chunk]

@@ -9,6 +9,14 @@ Layout (Megatron interleaving): with `p` ranks and `v` chunks per rank the model
 global chunk g to g+1 (so from rank r to r+1, and from the last rank back to rank 0 one chunk
 later), gradients the other way.
 
+Zero-bubble ZB-H1 (Qi et al., ICLR 2024; `kind="zb-h1"`, v = 1) splits each backward into B
+(input gradient: what the previous stage waits for) and W (weight gradient: wanted by nobody
+until the optimizer step, `parallel/weight_grad.py`). Rank r runs 1F1B's p-r-1 warm-up forwards,
+then F, B and -- after the first r steady rounds -- the oldest pending W, then the cool-down B's
+(each followed by a W once past those r rounds), then the W's still pending. With F = B = W in
+time that is 3m + p - 1 per rank (m >= p): the bubble is (p-1)/(3m), a third of 1F1B's, for
+p micro-batches held at once on every rank (F to W; 1F1B's rank 0 holds p, rank r p-r).
+
 Communication is decoupled (MegaScale): a SEND is posted right after the compute that made
 its tensor and is never waited for before the next action; a RECV is *posted* a few compute
 actions before the one that needs it (`lookahead`), and a compute action waits only for its own
@@ -27,16 +35,18 @@ from megascale.config.fields import ConfigError
 class Op(str, Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     SEND_ACT = "send_act"
     RECV_ACT = "recv_act"
     SEND_GRAD = "send_grad"
     RECV_GRAD = "recv_grad"
 
 
-COMPUTE = (Op.FORWARD, Op.BACKWARD)
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
 RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
-KINDS = ("1f1b", "gpipe", "forward")  # "1f1b" is interleaved when v > 1; "forward" = eval
+KINDS = ("1f1b", "gpipe", "zb-h1", "forward")  # "1f1b" is interleaved when v > 1; "forward" = eval
+SPLIT_KINDS = ("zb-h1",)  # backward split into B (input gradient) and W (weight gradient)
 # Receives are posted two computes ahead: one is enough for decoupled sends, but the coupled
 # comparison mode (a send waits for its receive) deadlocks interleaved 1F1B with one.
 DEFAULT_LOOKAHEAD = 2
@@ -70,12 +80,18 @@ class Schedule:
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.op in COMPUTE]
 
-    def last_backward(self, rank: int) -> dict[int, int]:
-        """Local chunk -> index (in the rank's action list) of its last BACKWARD: where ZeRO's
-        reduce-scatter of that chunk may start."""
+    @property
+    def split(self) -> bool:
+        """Backwards are split into B and W actions."""
+        return self.kind in SPLIT_KINDS
+
+    def grads_final(self, rank: int) -> dict[int, int]:
+        """Local chunk -> index (in the rank's action list) of its last BACKWARD, or its last
+        WEIGHT when the backward is split: where ZeRO's reduce-scatter of that chunk may start."""
+        last = Op.WEIGHT if self.split else Op.BACKWARD
         out: dict[int, int] = {}
         for i, a in enumerate(self.ranks[rank]):
-            if a.op is Op.BACKWARD:
+            if a.op is last:
                 out[a.chunk] = i
         return out
 
@@ -86,13 +102,15 @@ class Schedule:
 def check_layout(p: int, v: int, m: int, kind: str = "1f1b") -> None:
     """Raise a ConfigError naming the keys when (p, v, m) cannot fill the schedule."""
     if kind not in KINDS:
-        raise ConfigError(f"parallel.schedule must be one of {KINDS[:2]}, got {kind!r}")
+        raise ConfigError(f"parallel.schedule must be one of {KINDS[:3]}, got {kind!r}")
     if p < 1 or v < 1 or m < 1:
         raise ConfigError(
             f"parallel.pp={p}, parallel.vpp={v} and the micro-batches per step ({m}) must be >= 1"
         )
     if v > 1 and p == 1:
         raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
+    if v > 1 and kind in SPLIT_KINDS:
+        raise ConfigError(f"parallel.schedule={kind!r} runs one chunk per stage: set parallel.vpp=1")
     if v > 1 and kind == "1f1b" and m % p:
         raise ConfigError(
             f"interleaved 1F1B needs the micro-batches per step ({m} = train.global_batch / "
@@ -124,12 +142,31 @@ def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op
         return [fwd(k) for k in range(total)]
     if kind == "gpipe":
         return [fwd(k) for k in range(total)] + [bwd(k) for k in range(total)]
+    if kind == "zb-h1":
+        return _zb_h1(p, m, rank)
     warmup = min(total, p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p)
     order = [fwd(k) for k in range(warmup)]
     for i in range(total - warmup):
         order += [fwd(warmup + i), bwd(i)]
     order += [bwd(k) for k in range(total - warmup, total)]
     return order
+
+
+def _zb_h1(p: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
+    """ZB-H1 on one rank (v = 1): 1F1B's order with each B followed by the oldest pending W,
+    except in the first `rank` steady rounds, whose W's are left for the end; the deferred W's
+    fill the cool-down, where 1F1B's rank r idles while the gradients come back."""
+    warmup = min(m, p - rank - 1)
+    order = [(Op.FORWARD, k, 0) for k in range(warmup)]
+    weights = 0
+    for i in range(m):  # round i: the B of micro-batch i, preceded in steady state by a forward
+        if warmup + i < m:
+            order.append((Op.FORWARD, warmup + i, 0))
+        order.append((Op.BACKWARD, i, 0))
+        if i >= rank:
+            order.append((Op.WEIGHT, weights, 0))
+            weights += 1
+    return order + [(Op.WEIGHT, k, 0) for k in range(weights, m)]
 
 
 def build_schedule(kind: str, p: int, v: int, m: int,
@@ -160,7 +197,39 @@ def build_schedule(kind: str, p: int, v: int, m: int,
             actions.append(Action(op, mb, chunk))
             actions += sends[i]
         ranks.append(tuple(actions))
-    return Schedule(kind, p, v, m, tuple(ranks))
+    schedule = Schedule(kind, p, v, m, tuple(ranks))
+    check_schedule(schedule)
+    return schedule
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """The checker every built schedule passes: on each rank every (micro-batch, local chunk)
+    runs F, then B, then W when the backward is split (F alone for evaluation), each exactly
+    once; then the whole schedule plays to its end in `simulate`, so it cannot deadlock.
+    Raises ScheduleError (or Deadlock) naming the rank and the action."""
+    steps = (Op.FORWARD,) if schedule.kind == "forward" else (Op.FORWARD, Op.BACKWARD)
+    steps += (Op.WEIGHT,) if schedule.split else ()
+    names = "".join(op.value for op in steps)
+    head = f"{schedule.kind} p={schedule.p} v={schedule.v} m={schedule.m}"
+    for rank in range(schedule.p):
+        done: dict[tuple[int, int], int] = {(mb, c): 0 for mb in range(schedule.m)
+                                            for c in range(schedule.v)}
+        for a in schedule.compute(rank):
+            key = (a.mb, a.chunk)
+            if key not in done:
+                raise ScheduleError(f"{head} rank {rank}: {a} is outside the layout")
+            if done[key] == len(steps) or a.op is not steps[done[key]]:
+                raise ScheduleError(f"{head} rank {rank}: {a} is out of order; each (micro-batch, "
+                                    f"chunk) runs {names} once, in that order")
+            done[key] += 1
+        missing = [f"{steps[n].value}{key}" for key, n in done.items() if n < len(steps)]
+        if missing:
+            raise ScheduleError(f"{head} rank {rank}: missing {', '.join(missing[:4])}")
+    simulate(schedule)
 
 
 def message_tag(grad: bool, boundary: int, mb: int, m: int) -> int:
@@ -170,7 +239,10 @@ def message_tag(grad: bool, boundary: int, mb: int, m: int) -> int:
 
 def needed_message(op: Op, g: int, mb: int, p: int, v: int, m: int) -> tuple[int, int] | None:
     """(source pipeline rank, tag) of the message a compute on global chunk g waits for: the
-    activation from chunk g-1 (forward), the gradient from chunk g+1 (backward), or None."""
+    activation from chunk g-1 (forward), the gradient from chunk g+1 (backward), or None (a
+    weight-gradient action needs only what its own B left)."""
+    if op is Op.WEIGHT:
+        return None
     if op is Op.FORWARD:
         return None if g == 0 else ((g - 1) % p, message_tag(False, g - 1, mb, m))
     return None if g == p * v - 1 else ((g + 1) % p, message_tag(True, g, mb, m))
@@ -183,6 +255,7 @@ class SimResult:
     busy: list[float]  # compute time per rank
     idle: list[float]  # makespan - busy, per rank
     peak_activations: list[int]  # chunk-activations held at once (forward done, backward not)
+    peak_held: list[int]  # (micro-batch, chunk)s holding anything: forward done, last W (or B) not
     timeline: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
 
 
@@ -191,10 +264,11 @@ class Deadlock(RuntimeError):
 
 
 def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
-             coupled: bool = False, latency: float = 0.0,
+             coupled: bool = False, latency: float = 0.0, t_wgt: float = 1.0,
              duration: Callable[[int, Action], float] | None = None) -> SimResult:
     """Play every rank's actions in lock-step with fixed compute times (or `duration(rank,
     action)`, e.g. times measured on a real run, to predict its bubble with ideal links).
+    `t_bwd` is a whole backward, or only its B when the schedule splits it (W takes `t_wgt`).
 
     Decoupled (default): a send costs nothing and never waits; a compute waits for its own
     message, which arrives `latency` after the peer sent it. Coupled: a send blocks its rank
@@ -207,8 +281,10 @@ def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
     posted: dict[tuple[int, int], float] = {}  # (dst, tag) -> time the receive was posted
     arrived: dict[tuple[int, int], float] = {}  # (dst, tag) -> time the data is there
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
-    live = [0] * p
-    peak = [0] * p
+    live, held = [0] * p, [0] * p
+    peak, peak_held = [0] * p, [0] * p
+    times = {Op.FORWARD: t_fwd, Op.BACKWARD: t_bwd, Op.WEIGHT: t_wgt}
+    release = Op.WEIGHT if schedule.split else Op.BACKWARD
     while True:
         progressed = False
         for r in range(p):
@@ -234,13 +310,11 @@ def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
                             break
                         clock[r] = max(clock[r], arrived[key])
                     start = clock[r]
-                    if duration is not None:
-                        clock[r] += duration(r, a)
-                    else:
-                        clock[r] += t_fwd if a.op is Op.FORWARD else t_bwd
+                    clock[r] += duration(r, a) if duration is not None else times[a.op]
                     timeline[r].append((start, clock[r], a))
-                    live[r] += 1 if a.op is Op.FORWARD else -1
-                    peak[r] = max(peak[r], live[r])
+                    live[r] += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(a.op, 0)
+                    held[r] += 1 if a.op is Op.FORWARD else -1 if a.op is release else 0
+                    peak[r], peak_held[r] = max(peak[r], live[r]), max(peak_held[r], held[r])
                 pos[r] += 1
                 progressed = True
         if all(pos[r] == len(schedule.ranks[r]) for r in range(p)):
@@ -251,4 +325,4 @@ def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
             raise Deadlock(f"{schedule.kind} p={p} v={schedule.v} m={schedule.m}: stuck {stuck}")
     makespan = max(clock)
     busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
-    return SimResult(makespan, busy, [makespan - b for b in busy], peak, timeline)
+    return SimResult(makespan, busy, [makespan - b for b in busy], peak, peak_held, timeline)
