@@ -1,8 +1,10 @@
 """Rank layout of a 3D-parallel job: pure arithmetic, no processes.
 
-Ranks are laid out as `arange(world).view(pp, dp, tp)`: tp innermost (neighbouring ranks, the
-fastest links inside a node), then dp, then pp. MegaScale places DP groups closer than PP groups
-because ZeRO's all-gather/reduce-scatter traffic is heavier than pipeline point-to-point traffic.
+Ranks are laid out as `arange(world).view(pp, dp, cp, tp)`: tp innermost (neighbouring ranks, the
+fastest links inside a node), then cp (context parallelism: its halo/ring point-to-point traffic
+runs every layer, so it sits next to tp, as in Megatron's tp-cp-dp-pp order), then dp, then pp.
+MegaScale places DP groups closer than PP groups because ZeRO's all-gather/reduce-scatter traffic
+is heavier than pipeline point-to-point traffic.
 Every process group of the job is derived from this one grid, so the mesh, the data loader, the
 checkpointer and the diagnostics agree on who is whose neighbour.
 """
@@ -12,18 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
-Dim = Literal["tp", "dp", "pp"]
-DIMS: tuple[Dim, ...] = ("tp", "dp", "pp")
+Dim = Literal["tp", "cp", "dp", "pp"]
+DIMS: tuple[Dim, ...] = ("tp", "cp", "dp", "pp")
 
 
 class Coords(NamedTuple):
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 class HasDegrees(Protocol):
-    """Anything that states the three degrees: `ParallelConfig`, the planner's `Layout`."""
+    """Anything that states the degrees: `ParallelConfig`, the planner's `Layout` (cp: 1 if absent)."""
 
     @property
     def pp(self) -> int: ...
@@ -40,33 +43,35 @@ class RankGrid:
     pp: int
     dp: int
     tp: int
+    cp: int = 1
 
     @classmethod
     def of(cls, degrees: HasDegrees) -> RankGrid:
-        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp)
+        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp, cp=getattr(degrees, "cp", 1))
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp"):
+        for name in ("pp", "dp", "tp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RankGrid.{name} must be an integer >= 1, got {value!r}")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def coords(self, rank: int) -> Coords:
         self._check_rank(rank)
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
-        return Coords(pp=pp, dp=dp, tp=tp)
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return Coords(pp=pp, dp=dp, tp=tp, cp=cp)
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+    def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp), ("cp", cp, self.cp)):
             if not 0 <= value < size:
                 raise ValueError(f"{name} coordinate {value} out of range [0, {size})")
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def groups(self, dim: Dim) -> list[list[int]]:
         """Every group of `dim`, each sorted, ordered by the smallest rank it holds."""

@@ -19,6 +19,7 @@ from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import shard_spec
+from megascale.parallel.context import sum_grads_over
 from megascale.parallel.tensor import sync_sequence_parallel_grads
 
 
@@ -86,10 +87,13 @@ class ModelRunner:
         return total
 
     def finish_grads(self) -> None:
-        """Gradients are complete when this returns: summed over dp (ZeRO) and, for parameters
-        used on a sequence slice, over tp."""
+        """Gradients are complete when this returns: summed over dp (ZeRO), over cp (each cp
+        rank saw a part of every sequence) and, for parameters used on a sequence slice, over tp."""
         if self.grad_sync is not None:
             self.grad_sync.finish()
+        cp_group = None if self.mesh is None else self.mesh.cp_group
+        if cp_group is not None:
+            sum_grads_over(self.optimizer_tensors(), cp_group)
         tp_group = None if self.mesh is None else self.mesh.tp_group
         if tp_group is not None:
             if self._sp_partial is None:
