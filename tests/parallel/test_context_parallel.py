@@ -27,7 +27,7 @@ from megascale.testing.launch import run_local
 
 from layout_parity import Case, compare, run_cases, train  # isort: skip
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # one spawn: ~25 s quiet, 105 s loaded
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # one spawn: 105 s on the loaded 2-core machine
 
 SEQ, STEPS = 32, 2
 TRAINER_CASES = [Case(cp=2, dp=2, model="swa"), Case(cp=2, tp=2, model="swa")]
