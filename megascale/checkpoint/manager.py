@@ -12,15 +12,11 @@ one if any file is corrupt.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import posixpath
-import queue
 import secrets
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +32,7 @@ from megascale.checkpoint.replica import Holding, PeerReplicator, ReplicaStore, 
 from megascale.checkpoint.restore import InMemory, Loaded, load
 from megascale.checkpoint.shm import reap_stale, segment_name
 from megascale.checkpoint.snapshot import HostBuffer, layout
+from megascale.checkpoint.stage2 import Result, Stage2
 from megascale.checkpoint.state import (
     install_optimizer_state,
     load_targets,
@@ -46,7 +43,7 @@ from megascale.checkpoint.state import (
 )
 from megascale.checkpoint.stateful import CheckpointState
 from megascale.checkpoint.storage import CheckpointError, open_root, step_name
-from megascale.checkpoint.writer import WriteJob, persist
+from megascale.checkpoint.writer import WriteJob
 from megascale.config import JobConfig, to_dict
 from megascale.config.operations import checkpoint_root
 from megascale.data.shards import DataError
@@ -73,7 +70,7 @@ class CheckpointManager:
             log.info("removed %d checkpoint buffer(s) of dead jobs from /dev/shm: %s", len(stale), ", ".join(stale))
         self.committed: tuple[int, str] | None = None  # (step, path) of the newest confirmed commit
         self.last_stall_s = 0.0  # newest save: time in save() + the optimizer's wait for stage 1
-        self.last_result: tuple[str, int, Any] | None = None  # newest stage-2 outcome
+        self.last_result: Result | None = None  # newest stage-2 outcome
         self.last_restore: dict[str, Any] | None = None
         self._buffer: HostBuffer | None = None
         self._buffers_made = 0
@@ -81,10 +78,7 @@ class CheckpointManager:
         self._inflight: int | None = None
         self._capture: threading.Thread | None = None  # stage 1 in progress
         self._hooked: torch.optim.Optimizer | None = None
-        self._writer: subprocess.Popen | None = None
-        self._results: queue.Queue = queue.Queue()
-        if self.cfg.async_save:
-            self._start_writer()
+        self.stage2 = Stage2(self.cfg.async_save, self.rank)
         self.replicas = replicas
         self.replicator = self._replicator(replicas)
 
@@ -106,7 +100,7 @@ class CheckpointManager:
     @property
     def writer_pid(self) -> int | None:
         """The stage-2 writer process (fault tests kill it)."""
-        return self._writer.pid if self._writer is not None else None
+        return self.stage2.pid
 
     def maybe_save(self) -> None:
         if self.cfg.every > 0 and self.state.step % self.cfg.every == 0:
@@ -157,7 +151,7 @@ class CheckpointManager:
             self._capture.start()
         else:
             self._buffer.capture(tensors, offsets)
-            self._finish(self._persist_inline(job))
+            self._finish(self.stage2.run_inline(job, self._buffer.segment.buf))
         self.last_stall_s = time.perf_counter() - start
         if blocking:
             self._wait()
@@ -185,9 +179,9 @@ class CheckpointManager:
         try:
             self._buffer.capture(tensors, offsets)
         except Exception as exc:
-            self._results.put(("error", job.step, f"stage 1 failed: {type(exc).__name__}: {exc}"))
+            self.stage2.report(("error", job.step, f"stage 1 failed: {type(exc).__name__}: {exc}"))
             return
-        self._send({"job": dataclasses.asdict(job)})
+        self.stage2.submit(job)
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Before any optimizer step changes a tensor, the snapshot must be complete."""
@@ -205,13 +199,13 @@ class CheckpointManager:
     def _agree(self, step: int, keys: list, blocking: bool) -> bool:
         """One collective: all ranks save the same step, wait or skip together, and learn
         which replicated pieces they write (the lowest rank holding a piece writes it)."""
-        dead = self.cfg.async_save and self._writer.poll() is not None
+        exit_code = self.stage2.exit_code()
+        dead = exit_code is not None
         if dead:
-            log.error("the checkpoint writer process died (exit code %s)%s; restarting it",
-                      self._writer.returncode,
+            log.error("the checkpoint writer process died (exit code %s)%s; restarting it", exit_code,
                       f" while writing step {self._inflight}" if self._inflight is not None else "")
             self._inflight = None
-            self._start_writer()
+            self.stage2.start()
         new_layout = self._writes is None or self._writes[0] != keys
         inflight = -1 if self._inflight is None else self._inflight
         top, low, busy, any_dead, any_new = self.comm.all_reduce([step, -step, inflight, dead, new_layout])
@@ -219,7 +213,7 @@ class CheckpointManager:
             log.error("checkpoint skipped: ranks are at different steps (%d to %d)", -low, top)
             return False
         if any_dead and self.rank == 0 and self._inflight is not None:
-            self._send({"abort": self._inflight})  # the committer would wait for a dead writer
+            self.stage2.abort(self._inflight)
         if any_new:
             holders = self.comm.lowest_holder([json.dumps(key) for key in keys])
             self._writes = (keys, [holder == self.rank for holder in holders])
@@ -243,61 +237,20 @@ class CheckpointManager:
             "torch": torch.__version__,
         }
 
-    def _persist_inline(self, job: WriteJob) -> tuple[str, int, Any]:
-        try:
-            return ("ok", job.step, persist(job, self._buffer.segment.buf))
-        except Exception as exc:
-            return ("error", job.step, f"{type(exc).__name__}: {exc}")
-
-    def _start_writer(self) -> None:
-        """A plain child process (not multiprocessing: it works under daemonic launchers and
-        never re-imports the trainer's main module); results come back on its stdout."""
-        self._writer = subprocess.Popen(
-            [sys.executable, "-m", "megascale.checkpoint.writer"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-            start_new_session=True,  # a launcher's SIGTERM to the rank's group must not kill a commit
-        )
-        self._collector = threading.Thread(
-            target=self._collect, args=(self._writer,), daemon=True,
-            name=f"megascale-checkpoint-results-{self.rank}")
-        self._collector.start()
-
-    def _collect(self, writer: subprocess.Popen) -> None:
-        for line in writer.stdout:
-            try:
-                message = json.loads(line)
-            except ValueError:  # something else printed: pass it on
-                log.info("checkpoint writer: %s", line.rstrip())
-                continue
-            self._results.put((message["kind"], message["step"], message["info"]))
-
-    def _send(self, message: dict) -> None:
-        try:
-            self._writer.stdin.write(json.dumps(message) + "\n")
-            self._writer.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            log.error("cannot reach the checkpoint writer process: %s", exc)
-
     def _poll(self) -> None:
         """Report finished stage-2 writes without waiting."""
-        while self.cfg.async_save:
-            try:
-                self._finish(self._results.get_nowait())
-            except queue.Empty:
-                return
+        for result in self.stage2.ready():
+            self._finish(result)
 
     def _wait(self) -> None:
         """Block until this rank's in-flight save has finished (or its writer died)."""
         self._join_capture()
         while self._inflight is not None and self.cfg.async_save:
-            try:
-                self._finish(self._results.get(timeout=0.5))
-            except queue.Empty:
-                if self._writer.poll() is not None and self._results.empty():
-                    self._finish(("error", self._inflight,
-                                  f"the writer process died (exit code {self._writer.returncode})"))
+            result = self.stage2.next(timeout=0.5, inflight=self._inflight)
+            if result is not None:
+                self._finish(result)
 
-    def _finish(self, message: tuple[str, int, Any]) -> None:
+    def _finish(self, message: Result) -> None:
         kind, step, info = message
         self.last_result = message
         if step == self._inflight:
@@ -467,9 +420,7 @@ class CheckpointManager:
         written still lands, as when a rank dies) and end, free the host buffer; wait for
         nothing that needs another rank."""
         self._join_capture()  # a memory copy, no communication
-        if self._writer is not None and self._writer.poll() is None:
-            with contextlib.suppress(OSError):
-                self._writer.stdin.close()  # it ends after its current job
+        self.stage2.detach()
         if self._buffer is not None:
             self._buffer.close()  # the writer keeps its own mapping until it is done
             self._buffer = None
@@ -479,13 +430,7 @@ class CheckpointManager:
         if self.replicator is not None:
             self.replicator.wait()
         self._wait()
-        if self._writer is not None and self._writer.poll() is None:
-            self._writer.stdin.close()
-            try:
-                self._writer.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._writer.kill()
-            self._collector.join(timeout=5)
+        self.stage2.close()
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None

@@ -11,7 +11,6 @@ backend and needs no extra process group.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,16 +50,6 @@ def job_store(mesh: Any) -> dist.Store | None:
     return store if store is not None else dist.distributed_c10d._get_default_store()
 
 
-def node_ranks(rank: int, world_size: int) -> list[int] | None:
-    """This host's ranks from torchrun's environment (contiguous per node), if it is set."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if not local:
-        return None
-    size = int(local)
-    node = int(os.environ.get("GROUP_RANK", rank // size))
-    return list(range(node * size, min((node + 1) * size, world_size)))
-
-
 def find_group(mode: str, mesh: Any, store: dist.Store, timeout: float) -> ReaderGroup | None:
     """This rank's reader group, or None when it reads alone (or needs no tokens)."""
     if mode == "rank":
@@ -76,7 +65,7 @@ def find_group(mode: str, mesh: Any, store: dist.Store, timeout: float) -> Reade
     store.set(f"{base}/info/{mesh.rank}", json.dumps(info))
     if not needs:
         return None
-    candidates = node_ranks(mesh.rank, mesh.world_size) or list(range(mesh.world_size))
+    candidates = mesh.launch.node_ranks() or list(range(mesh.world_size))
     keys = [f"{base}/info/{r}" for r in candidates]
     store.wait(keys, timedelta(seconds=timeout))
     infos = {r: json.loads(store.get(k)) for r, k in zip(candidates, keys, strict=True)}

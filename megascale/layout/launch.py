@@ -1,7 +1,7 @@
 """Where this process sits in the launch, read once from the torchrun-style environment.
 
 A launcher (torchrun, `megascale train --nproc`, an executor) gives each rank RANK, WORLD_SIZE,
-LOCAL_RANK and LOCAL_WORLD_SIZE. They are read here, once per process, and the mesh carries the
+LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK. They are read here, once per process, and the mesh carries the
 result (`mesh.launch`), so the trainer, the mesh and the checkpointer cannot read them
 differently -- above all, they cannot pick different devices.
 """
@@ -24,6 +24,16 @@ class LaunchEnv:
     local_rank: int = 0
     local_world_size: int | None = None  # None: no per-node launcher said how many ranks a node has
     launched: bool = False  # a launcher started this process (RANK is set)
+    node: int | None = None  # GROUP_RANK: this node's index among the job's nodes, if the launcher said
+
+    def node_ranks(self) -> list[int] | None:
+        """This node's ranks (contiguous per node, as torchrun numbers them), if a launcher said
+        how many a node has."""
+        if self.local_world_size is None:
+            return None
+        size = self.local_world_size
+        node = self.node if self.node is not None else self.rank // size
+        return list(range(node * size, min((node + 1) * size, self.world_size)))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -32,8 +42,9 @@ class LaunchEnv:
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
         local_world = _integer(env, "LOCAL_WORLD_SIZE", 0) or None
+        node = _integer(env, "GROUP_RANK", -1)
         return cls(rank=rank, world_size=world, local_rank=_integer(env, "LOCAL_RANK", rank),
-                   local_world_size=local_world, launched="RANK" in env)
+                   local_world_size=local_world, launched="RANK" in env, node=None if node < 0 else node)
 
     def device(self, choice: str) -> torch.device:
         """The device `train.device` (auto, cpu or cuda) means for this rank: its node's GPU

@@ -12,12 +12,7 @@ from megascale.config import ConfigError
 from megascale.layout.launch import LaunchEnv
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megascale"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-# modules besides layout/launch.py that still read a launch variable from os.environ, and why
-READERS = {
-    "data/sharing.py": "node_ranks reads LOCAL_WORLD_SIZE/GROUP_RANK; to take mesh.launch (data/ was "
-                       "being changed by another hand when LaunchEnv came)",
-}
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def test_from_env_reads_the_launcher_once():
@@ -27,6 +22,14 @@ def test_from_env_reads_the_launcher_once():
     alone = LaunchEnv.from_env({})
     assert (alone.rank, alone.world_size, alone.local_world_size, alone.launched) == (0, 1, None, False)
     assert LaunchEnv.from_env({"RANK": "3", "WORLD_SIZE": "4"}).local_rank == 3  # no LOCAL_RANK: the rank
+
+
+def test_node_ranks_follow_group_rank_or_the_rank():
+    assert LaunchEnv(rank=5, world_size=8, local_world_size=4, node=1).node_ranks() == [4, 5, 6, 7]
+    assert LaunchEnv(rank=5, world_size=6, local_world_size=4).node_ranks() == [4, 5]  # a short last node
+    assert LaunchEnv(rank=1, world_size=8, local_world_size=4, node=1).node_ranks() == [4, 5, 6, 7]
+    assert LaunchEnv(rank=5, world_size=8).node_ranks() is None  # no launcher said what a node holds
+    assert LaunchEnv.from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}).node == 1
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -67,7 +70,5 @@ def test_the_mesh_carries_the_launch_and_its_device(monkeypatch):
 def test_no_other_module_reads_the_launch_variables():
     names = "|".join(LAUNCH_VARS)
     pattern = re.compile(rf"environ(?:\.get\(|\[)\s*[\"']({names})[\"']")
-    readers = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text())}
-    extra = sorted(readers - set(READERS))
-    assert not extra, f"read the launch through LaunchEnv (mesh.launch): {extra}"
-    assert set(READERS) <= readers, f"READERS entries nobody needs: {sorted(set(READERS) - readers)}"
+    readers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text()))
+    assert not readers, f"read the launch through LaunchEnv (mesh.launch): {readers}"
