@@ -5,7 +5,8 @@ runs off CUDA), for sequence lengths 1k.. (8k by default; `--all`: up to 32k).
 
 Both run side by side at each length, alternating, on the same inputs (batch 1, 8 query heads,
 8 or `--kv-heads` key/value heads, head dim 64, fp32). Memory: the most bytes of tensors alive at
-once that the call allocated beyond its inputs (`diagnostics.tensor_memory`), in the timed runs.
+once that the call allocated beyond its inputs (`diagnostics.tensor_memory`), in one more run
+after the timed ones (the tracker slows every op).
 Goals: the SWA time grows linearly (ratio 32k/4k <= 10 at fixed w) and SWA is faster than full
 from 2k on.
 
@@ -54,13 +55,11 @@ def measure(seq: int, args: argparse.Namespace) -> dict:
 
     row: dict = {"seq": seq, "full": {"seconds": []}, "swa": {"seconds": []}}
     step(args.window)  # warm-up (the mask cache)
-    for r in range(args.repeats):  # tracked runs are timed too: the tracker costs µs per op
+    for r in range(args.repeats):  # untracked: the memory tracker costs µs per op, more for more ops
         for name, window in (windows.items() if r % 2 == 0 else reversed(windows.items())):
-            peak: list[int] = []
-            row[name]["seconds"].append(wall_seconds(
-                lambda w=window, peak=peak: peak.append(
-                    peak_tensor_bytes(lambda: step(w), external=(q, k, v, grad_out)))))
-            row[name]["peak_bytes"] = peak[0]
+            row[name]["seconds"].append(wall_seconds(lambda w=window: step(w)))
+    for name, window in windows.items():
+        row[name]["peak_bytes"] = peak_tensor_bytes(lambda w=window: step(w), external=(q, k, v, grad_out))
     for name in windows:
         row[name]["best_s"] = min(row[name]["seconds"])
     row["swa_vs_full_time"] = row["swa"]["best_s"] / row["full"]["best_s"]

@@ -83,26 +83,85 @@ def _eager_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return grad_q, fold(grad_k), fold(grad_v)
 
 
+GROUP_KEY_BYTES = 16 << 20  # key + value windows of one group of chunks (one kernel call)
+
+
 class _Chunks:
     """Where chunk c's queries and keys lie: queries [c * block, +block), keys from `window - 1`
-    positions before its first query (zeros, masked, before the first key)."""
+    positions before its first query (zeros, masked, before the first key). Chunks go to the
+    kernel in groups, stacked along the batch: the interior chunks (all of one shape, one band
+    mask) as many at a time as fit `GROUP_KEY_BYTES`, so the kernel is called s / block / group
+    times, not s / block (each call is a parallel region: many small ones cost much on a loaded
+    machine); the first chunks (padding in front) and a short last chunk alone."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, window: int, block: int):
         self.s, self.keys, self.window, self.block = q.shape[2], k.shape[2], window, block
         self.prefix = self.keys - self.s
         self.scale = 1.0 / math.sqrt(q.shape[-1])
+        span = block + window - 1
+        self.group = max(1, GROUP_KEY_BYTES // (2 * k.shape[0] * k.shape[1] * span * k.shape[3] * k.element_size()))
 
     def __iter__(self):
-        return iter(range(0, self.s, self.block))
+        """(first query, chunks) of every group."""
+        start = 0
+        while start < self.s:
+            lo, _ = self.key_range(start)
+            if lo < 0 or start + self.block > self.s:
+                count = 1
+            else:
+                count = max(1, min(self.group, (self.s - start) // self.block))
+            yield start, count
+            start += count * self.block
 
-    def key_range(self, start: int) -> tuple[int, int]:
-        """Keys of the chunk from query `start`, in k's positions (the first may be < 0)."""
-        stop = min(start + self.block, self.s) + self.prefix
+    def key_range(self, start: int, count: int = 1) -> tuple[int, int]:
+        """Keys of the chunks from query `start`, in k's positions (the first may be < 0)."""
+        stop = min(start + count * self.block, self.s) + self.prefix
         return start + self.prefix - (self.window - 1), stop
 
-    def kv(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        lo, hi = self.key_range(start)
-        return F.pad(x[:, :, max(lo, 0):hi], (0, 0, max(0, -lo), 0)) if lo < 0 else x[:, :, lo:hi]
+    def rows(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Queries (or outputs) of a group `[b, heads, s, e]` -> `[b * count, heads, block, e]`."""
+        if count == 1:
+            return x[:, :, start:start + self.block]
+        b, h, _, e = x.shape
+        part = x[:, :, start:start + count * self.block].view(b, h, count, self.block, e)
+        return part.transpose(1, 2).reshape(b * count, h, self.block, e)
+
+    def put(self, dst: torch.Tensor, start: int, count: int, value: torch.Tensor) -> None:
+        b, h, _, e = dst.shape
+        value = value.view(b, count, h, -1, e).transpose(1, 2).reshape(b, h, -1, e)
+        dst[:, :, start:start + value.shape[2]] = value
+
+    def kv(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Keys (or values) of a group: `[b * count, kv_heads, keys of a chunk, d]`."""
+        lo, hi = self.key_range(start, count)
+        if lo < 0:
+            return F.pad(x[:, :, 0:hi], (0, 0, -lo, 0))
+        if count == 1:
+            return x[:, :, lo:hi]
+        b, g, _, d = x.shape
+        windows = x[:, :, lo:hi].unfold(2, self.block + self.window - 1, self.block)  # [b, g, count, d, span]
+        return windows.permute(0, 2, 1, 4, 3).reshape(b * count, g, -1, d)
+
+    def fold(self, dst: torch.Tensor, start: int, count: int, grad: torch.Tensor) -> None:
+        """Add a group's key (or value) gradients `[b * count, kv_heads, span, d]` into place."""
+        lo, hi = self.key_range(start, count)
+        if count == 1:
+            dst[:, :, max(lo, 0):hi] += grad[:, :, max(0, -lo):]
+            return
+        b, g, _, d = dst.shape
+        grad = grad.view(b, count, g, -1, d).transpose(1, 2)  # [b, g, count, span, d]
+        span, rows = grad.shape[3], count * self.block
+        for offset in range(0, span, self.block):  # window piece `offset` of every chunk
+            width = min(self.block, span - offset)
+            first = lo + offset
+            if first + rows <= dst.shape[2]:
+                target = dst[:, :, first:first + rows].view(b, g, count, self.block, d)
+                target[:, :, :, :width] += grad[:, :, :, offset:offset + width]
+            else:  # the last piece ends the keys: the last chunk's part of it is shorter than a block
+                target = dst[:, :, first:first + rows - self.block].view(b, g, count - 1, self.block, d)
+                target[:, :, :, :width] += grad[:, :, :-1, offset:offset + width]
+                last = first + rows - self.block
+                dst[:, :, last:last + width] += grad[:, :, -1, offset:offset + width]
 
     def mask(self, start: int, like: torch.Tensor) -> torch.Tensor:
         lo, hi = self.key_range(start)
@@ -119,17 +178,17 @@ class _SlidingWindowAttention(Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, block: int) -> torch.Tensor:
         chunks = _Chunks(q, k, window, block)
         out = q.new_empty(q.shape)
-        lse = q.new_empty(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-        for start in chunks:
-            rows = slice(start, start + block)
-            args = (q[:, :, rows], chunks.kv(k, start), chunks.kv(v, start))
+        lse = q.new_empty(*q.shape[:3], 1, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        for start, count in chunks:
+            args = (chunks.rows(q, start, count), chunks.kv(k, start, count), chunks.kv(v, start, count))
             mask = chunks.mask(start, q)
             if _fused(q):
                 o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     *args, attn_mask=mask, scale=chunks.scale)
             else:
                 o, m = _eager_forward(*args, mask, chunks.scale)
-            out[:, :, rows], lse[:, :, rows] = o, m
+            chunks.put(out, start, count, o)
+            chunks.put(lse, start, count, m.unsqueeze(-1))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.chunks = chunks
         return out
@@ -140,20 +199,19 @@ class _SlidingWindowAttention(Function):
         chunks: _Chunks = ctx.chunks
         grad_q = torch.empty_like(q)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        for start in chunks:
-            rows = slice(start, start + chunks.block)
-            args = (grad_out[:, :, rows], q[:, :, rows], chunks.kv(k, start), chunks.kv(v, start), out[:, :, rows],
-                    lse[:, :, rows])
+        for start, count in chunks:
+            args = (chunks.rows(grad_out, start, count), chunks.rows(q, start, count), chunks.kv(k, start, count),
+                    chunks.kv(v, start, count), chunks.rows(out, start, count),
+                    chunks.rows(lse, start, count).squeeze(-1))
             mask = chunks.mask(start, q)
             if _fused(q):
                 dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     *args, 0.0, False, attn_mask=mask, scale=chunks.scale)
             else:
                 dq, dk, dv = _eager_backward(*args, mask, chunks.scale)
-            lo, hi = chunks.key_range(start)
-            grad_q[:, :, rows] = dq
-            grad_k[:, :, max(lo, 0):hi] += dk[:, :, max(0, -lo):]
-            grad_v[:, :, max(lo, 0):hi] += dv[:, :, max(0, -lo):]
+            chunks.put(grad_q, start, count, dq)
+            chunks.fold(grad_k, start, count, dk)
+            chunks.fold(grad_v, start, count, dv)
         return grad_q, grad_k, grad_v, None, None
 
 
