@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Simulated nodes in network namespaces for local fault tests (root and iproute2 needed).
 #
-#   scripts/netns.sh up TAG COUNT       bridge msbrTAG at 10.77.0.1/24; namespaces msTAG-0..COUNT-1,
-#                                       node i at 10.77.0.(10+i) on its own veth (eth0 inside)
+#   scripts/netns.sh up TAG COUNT       bridge msbrTAG at 10.N.0.1/24 (N in 100-199, from TAG);
+#                                       namespaces msTAG-0..COUNT-1, node i at 10.N.0.(10+i) on its
+#                                       own veth (eth0 inside)
 #   scripts/netns.sh cut TAG I          take node I's link down (a pulled cable)
 #   scripts/netns.sh restore TAG I      bring it back
 #   scripts/netns.sh down TAG COUNT     remove the namespaces, veths and the bridge

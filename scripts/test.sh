@@ -2,7 +2,9 @@
 # Set up and run the checks and the test suite (what CI runs: .ci/run, the whole suite).
 #   bash scripts/test.sh [--fast] [pytest args]
 # --fast runs the fast subset (-m "not slow": no test marked slow, i.e. none of the multi-rank
-# tests over ~20 s). Installs the system services the tests use (redis-server, chromium) from
+# tests over ~20 s). Test files run on MEGASCALE_TEST_WORKERS pytest-xdist workers (default 2; 0
+# runs them in this process), a file's tests on one worker in order: many tests wait on
+# heartbeats, timeouts and child processes, and a second worker fills those waits. Installs the system services the tests use (redis-server, chromium) from
 # Debian's packages when running as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +20,5 @@ fi
 export OMP_NUM_THREADS=1
 .venv/bin/python -m ruff check megascale tests bench
 .venv/bin/python -m mypy  # the package, as pyproject.toml's [tool.mypy] says
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "${select[@]}" "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${MEGASCALE_TEST_WORKERS:-2}" --dist loadfile \
+  "${select[@]}" "$@"

@@ -278,7 +278,7 @@ def test_the_loads_that_are_there_are_seen():
     assert ("megascale.data", "megascale.data.loader", "string") in seen  # the _EXPORTS table
     assert ("megascale.cli", "megascale.train.cli", "string") in seen  # SUBCOMMANDS
     assert ("megascale.resilience.ranks", "megascale.train.cli", "process") in seen  # -m megascale.cli train
-    assert ("megascale.checkpoint.manager", "megascale.checkpoint.writer", "process") in seen
+    assert ("megascale.checkpoint.stage2", "megascale.checkpoint.writer", "process") in seen
 
 
 # Each way around the rule, planted in a copy of the package: (file, text appended or (old, new)).

@@ -65,6 +65,43 @@ class RopeScaling:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs: a router sends each token to `top_k` of `experts` SwiGLU (the
+    model's MLP kind) experts; `experts = 0` keeps every MLP dense."""
+
+    experts: int = opt(0, "routed experts per MoE layer; 0 = dense MLPs (no MoE)")
+    top_k: int = opt(2, "experts each token is sent to")
+    every: int = opt(1, "block i has an MoE MLP when (i + 1) % every == 0 (1: every block)")
+    ffn_hidden: int = opt(0, "width of one expert's MLP; 0 = model.ffn_hidden (its default)")
+    router: Literal["softmax", "sigmoid"] = opt(
+        "softmax", "softmax over experts (Mixtral, Qwen-MoE) or per-expert sigmoid (DeepSeek-V3)")
+    normalize: bool = opt(True, "rescale each token's top-k gates to sum to 1 (Mixtral); sigmoid always does")
+    shared_ffn_hidden: int = opt(0, "width of a shared expert every token goes through; 0 = none")
+    aux_loss_coef: float = opt(0.01, "load-balancing loss (Switch/GShard, per sequence) coefficient; 0 = off")
+    z_loss_coef: float = opt(0.001, "router z-loss (ST-MoE: mean squared log-sum-exp of router logits) coefficient")
+    bias_balancing: bool = opt(
+        False, "DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias on the routing scores, moved each step")
+    bias_update_rate: float = opt(0.001, "bias_balancing: step of the bias towards the mean load per optimizer step")
+    capacity_factor: float = opt(
+        0.0, "0 = dropless; else an expert takes at most ceil(factor * seq_len * top_k / experts) tokens of a "
+        "sequence, later tokens beyond it are dropped (pass through the residual)")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.experts > 0 and (index + 1) % self.every == 0
+
+    def validate(self) -> None:
+        if self.experts == 0:
+            return
+        positive(self, "model.moe", ["experts", "top_k", "every"])
+        if self.top_k > self.experts:
+            raise ConfigError(f"model.moe.top_k={self.top_k} must be <= model.moe.experts={self.experts}")
+        for key in ("ffn_hidden", "shared_ffn_hidden", "aux_loss_coef", "z_loss_coef", "bias_update_rate",
+                    "capacity_factor"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.moe.{key} must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
 class ModelConfig:
     """The GPT: sizes, block kind, attention, positions and the Llama-family layer options."""
 
@@ -91,10 +128,16 @@ class ModelConfig:
     rope_base: float = opt(10000.0, "rotary base (theta): 10000 for GPT-NeoX/Llama 2, 500000 for Llama 3")
     rotary_fraction: float = opt(1.0, "share of each head's dimensions that rotate (GPT-NeoX: 0.25)")
     rope_scaling: RopeScaling = opt(factory=RopeScaling, doc="rotary scaling for long contexts (a section of its own)")
+    moe: MoEConfig = opt(factory=MoEConfig, doc="mixture-of-experts MLPs (a section of its own)")
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def expert_ffn(self) -> int:
+        """Width of one routed expert's MLP."""
+        return self.moe.ffn_hidden or self.ffn
 
     @property
     def head_dim(self) -> int:
@@ -146,6 +189,7 @@ class ModelConfig:
             raise ConfigError(f"model.window must be >= 1 or absent (full causal), got {self.window}")
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("model.norm_eps and model.init_std must be > 0")
+        self.moe.validate()
 
 
 @dataclass
@@ -186,6 +230,7 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree (inside a node; with sequence parallelism)")
     pp: int = opt(1, "pipeline stages")
     cp: int = opt(1, "context-parallel degree: each sequence split along its length over cp ranks (SWA halo exchange)")
+    ep: int = opt(1, "expert-parallel degree, carved from dp: ep consecutive dp ranks split each MoE layer's experts")
     vpp: int = opt(1, "virtual pipeline chunks per stage (interleaved 1F1B when > 1)")
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
     # last the head and loss), "even" splits by count, or a list of pp*vpp counts in chunk order
@@ -195,6 +240,9 @@ class ParallelConfig:
     sequence_parallel: bool = opt(True, "shard LayerNorm/residual activations along the sequence over tp")
     tp_overlap: bool = opt(True, "chunked all-gather/reduce-scatter fused into the GEMMs")
     tp_overlap_chunks: int = opt(2, "chunks each collective GEMM is cut into")
+    ep_overlap_chunks: int = opt(
+        2, "expert parallelism: parts a micro-batch's routed rows are cut into, each part's all-to-all in flight "
+        "while another part's experts compute; 1 = no overlap")
     dp_overlap: bool = opt(True, "ZeRO-2 all-gather prefetch and reduce-scatter overlap")
     dp_bucket_mb: float = opt(16.0, "ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier")
     backend: Literal["auto", "gloo", "nccl"] = opt("auto", "auto (NCCL on CUDA, gloo on CPU), gloo or nccl")
@@ -219,7 +267,7 @@ class ParallelConfig:
         return os.environ.get(REDIS_PASSWORD_ENV) or None
 
     def validate(self) -> None:
-        positive(self, "parallel", ["dp", "tp", "pp", "cp", "vpp", "tp_overlap_chunks"])
+        positive(self, "parallel", ["dp", "tp", "pp", "cp", "ep", "vpp", "tp_overlap_chunks", "ep_overlap_chunks"])
         if self.dp_bucket_mb <= 0:
             raise ConfigError(f"parallel.dp_bucket_mb must be > 0, got {self.dp_bucket_mb}")
         if self.vpp > 1 and self.pp == 1:
@@ -383,6 +431,7 @@ class JobConfig:
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
         if p.cp > 1:
             check_context_parallel(m, p, self.checkpoint.every)
+        check_expert_parallel(m, p)
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and self.micro_batches % p.pp:
             raise ConfigError(
@@ -429,10 +478,28 @@ def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: 
                           f"(seq_len / cp): use model.window <= {local + 1} or a smaller parallel.cp")
     if p.sequence_parallel and p.tp > 1 and local % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
-    if p.pp > 1:
-        raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet; use pp=1")
+    if p.pp > 1 or p.ep > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp}, parallel.ep={p.ep} is not supported yet; "
+                          "use pp=1 and ep=1")
     if checkpoint_every > 0:
         raise ConfigError(f"parallel.cp={p.cp}: checkpoints do not reshard across cp yet; set checkpoint.every=0")
+
+
+def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """ep groups of consecutive dp ranks, each rank holding experts / ep whole experts of every MoE layer."""
+    if m.moe.experts and m.moe.capacity_factor > 0 and p.tp > 1 and p.sequence_parallel:
+        raise ConfigError(f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.tp={p.tp} and sequence "
+                          "parallelism: a token's place in its expert's queue spans the tp ranks' slices, which is "
+                          "not built yet; use capacity_factor=0 (dropless), parallel.sequence_parallel=false or tp=1")
+    if p.ep == 1:
+        return
+    if not m.moe.experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs MoE layers (model.moe.experts > 0); use parallel.ep=1")
+    valid = [d for d in divisors(p.dp) if m.moe.experts % d == 0]
+    if p.dp % p.ep or m.moe.experts % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (ep is carved from dp) and model.moe.experts="
+            f"{m.moe.experts} (each ep rank holds whole experts); valid parallel.ep: {valid}")
 
 
 def check_pipeline_split(layers: int, pp: int, vpp: int, split: str | list[int]) -> None:

@@ -59,11 +59,16 @@ def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
                                           cfg.straggler_min_fraction,
                                           warmup_steps=cfg.straggler_warmup_steps)
         figures: dict[str, Path] = {}
+        warmup = cfg.straggler_warmup_steps
+        ratios = straggler.compute_ratios(conn, warmup)
+        aggregated = len({r["rank"] for r in ratios}) > straggler.MAX_ROWS
         for order in ("host", "grid"):
-            png = straggler.plot_heatmap(conn, out / f"heatmap_{order}.png", order,
-                                         cfg.straggler_warmup_steps)
-            if png:
+            if png := straggler.plot_heatmap(conn, out / f"heatmap_{order}.png", order, warmup):
                 figures[f"heatmap_{order}"] = png
+            if aggregated and (png := straggler.plot_heatmap(
+                    conn, out / f"heatmap_{order}_detail.png", order, warmup,
+                    straggler.drilldown_ranks(ratios, order))):
+                figures[f"heatmap_{order}_detail"] = png
         if (png := plot_breakdown(conn, out / "breakdown.png")) is not None:
             figures["breakdown"] = png
         if (png := plot_mfu(conn, out / "mfu.png")) is not None:
@@ -73,6 +78,8 @@ def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
         analysis = hang.analyse(run_dir, grid)
         if analysis is not None:
             figures["hang"] = hang.plot_hang(analysis, out / "hang.png")
+            if (png := hang.plot_hang_detail(analysis, out / "hang_detail.png")) is not None:
+                figures["hang_detail"] = png
             (out / "hang.json").write_text(json.dumps(analysis.to_dict(), indent=1, default=str))
         report = Report(out, out / "report.html", found, analysis, figures, traces)
         report.html.write_text(render_html(run_dir, report, conn))
@@ -82,8 +89,12 @@ def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
         collector.close()
 
 
+BREAKDOWN_RANKS = 64  # past this many ranks the right panel has a bar per stage, not per rank
+
+
 def plot_breakdown(conn: sqlite3.Connection, path: Path) -> Path | None:
-    """Stacked bars: time per kind, averaged over ranks per step (left) and over steps per rank."""
+    """Stacked bars: time per kind, averaged over ranks per step (left) and over steps per rank
+    (per pipeline stage past `BREAKDOWN_RANKS` ranks: 12,288 bars per kind draw nothing legible)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,12 +103,14 @@ def plot_breakdown(conn: sqlite3.Connection, path: Path) -> Path | None:
     cols = ", ".join(f"AVG({k}) AS {k}" for k in KINDS)
     by_step = query(conn, f"SELECT step, {cols}, AVG(step_time) AS step_time FROM rank_steps "
                           "GROUP BY step ORDER BY step")
-    by_rank = query(conn, f"SELECT rank, {cols}, AVG(step_time) AS step_time FROM rank_steps "
-                          "GROUP BY rank ORDER BY rank")
     if not by_step:
         return None
+    (ranks,) = conn.execute("SELECT COUNT(DISTINCT rank) FROM spans").fetchone()
+    right = "rank" if ranks <= BREAKDOWN_RANKS else "pp"
+    by_right = query(conn, f"SELECT {right}, {cols}, AVG(step_time) AS step_time FROM rank_steps "
+                           f"GROUP BY {right} ORDER BY {right}")
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    for ax, rows, x in ((axes[0], by_step, "step"), (axes[1], by_rank, "rank")):
+    for ax, rows, x in ((axes[0], by_step, "step"), (axes[1], by_right, right)):
         xs = [r[x] for r in rows]
         bottom = [0.0] * len(rows)
         for kind in KINDS:
@@ -110,10 +123,10 @@ def plot_breakdown(conn: sqlite3.Connection, path: Path) -> Path | None:
         ax.bar(xs, idle, bottom=bottom, label="untimed", width=0.8, color="#dddddd")
         if len(xs) <= 32:
             ax.set_xticks(xs)
-        ax.set_xlabel(x)
+        ax.set_xlabel("pp stage" if x == "pp" else x)
         ax.set_ylabel("ms")
     axes[0].set_title("step time by kind (mean over ranks)")
-    axes[1].set_title("step time by kind (mean over steps)")
+    axes[1].set_title(f"step time by kind (mean over steps{'' if right == 'rank' else ' and the stage'})")
     axes[1].legend(fontsize=8)
     return save_figure(fig, path)
 
@@ -182,6 +195,9 @@ while it stayed, and what was done about it.</p>
 {% for group, name in traces %}<a href="{{ name }}">by {{ group }}</a>{{ ", " if not loop.last }}{% endfor %}</p>
 </body></html>"""
 TITLES = {"heatmap_host": "Compute heat map, ranks by host", "heatmap_grid": "Compute heat map, ranks by pp/dp/tp",
+          "heatmap_host_detail": "Drill-down: the ranks of the most deviant hosts",
+          "heatmap_grid_detail": "Drill-down: the ranks of the most deviant tp groups",
+          "hang_detail": "Hang drill-down: the stuck ranks' dp replicas",
           "breakdown": "Step-time breakdown", "mfu": "MFU over time"}
 
 

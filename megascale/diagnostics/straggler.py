@@ -13,13 +13,19 @@ MegaScale's culprits were machines that were ~10% slower all the time, not one-o
 from __future__ import annotations
 
 import bisect
+import math
 import sqlite3
 import statistics
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megascale.diagnostics.figures import save_figure
 from megascale.diagnostics.store import query
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _MAD_TO_SIGMA = 1.4826
 
@@ -102,12 +108,95 @@ def find_stragglers(conn: sqlite3.Connection, threshold: float = 1.10, min_fract
     return sorted(found, key=lambda s: -s.median_ratio)
 
 
+MAX_ROWS = 256  # heat-map rows: at the 40-inch height cap each keeps >= 15 px
+DRILL_GROUPS = 4  # hosts (or tp groups) drawn rank by rank in the drill-down
+
+
+def heatmap_rows(rows: list[dict], order: str,
+                 cap: int = MAX_ROWS) -> list[tuple[str, list[int], object]]:
+    """The heat map's rows as (label, ranks, separator group), in `order`.
+
+    A row per rank up to `cap` ranks; beyond, a row per host (`order="host"`) or per tp group
+    (pp, dp) (`order="grid"`), and past `cap` of those, runs of consecutive ones: the figure's
+    height is capped, and at 12,288 ranks a row per rank would be a third of a pixel.
+    """
+    if order not in ("host", "grid"):
+        raise ValueError(f"order must be 'host' or 'grid', got {order!r}")
+    key = ((lambda r: (r["host"], r["rank"])) if order == "host"
+           else (lambda r: (r["pp"], r["dp"], r["tp"], r["rank"])))
+    ranks = sorted({(key(r), r["rank"], r["host"], r["pp"], r["dp"], r["tp"]) for r in rows})
+    if len(ranks) <= cap:
+        return [(f"{h} r{rk} pp{p} dp{d} tp{t}", [rk], h if order == "host" else p)
+                for _, rk, h, p, d, t in ranks]
+    natural: dict[tuple, list[tuple]] = {}
+    for e in ranks:
+        natural.setdefault((e[2],) if order == "host" else (e[3], e[4]), []).append(e)
+    per_row = -(-len(natural) // cap)
+    out: dict[tuple, list[tuple]] = {}
+    for i, (g, members) in enumerate(natural.items()):
+        block = (i // per_row,) if order == "host" else (g[0], g[1] // per_row)
+        out.setdefault(block, []).extend(members)
+    labelled = []
+    for members in out.values():
+        if order == "host":
+            hosts = sorted({m[2] for m in members})
+            label = hosts[0] if len(hosts) == 1 else f"{hosts[0]}..{hosts[-1]}"
+            sep: object = None
+        else:
+            dps = sorted({m[4] for m in members})
+            label = f"pp{members[0][3]} dp{dps[0]}" + (f"..{dps[-1]}" if len(dps) > 1 else "")
+            sep = members[0][3]
+        labelled.append((label, [m[1] for m in members], sep))
+    return labelled
+
+
+def drilldown_ranks(rows: list[dict], order: str, groups: int = DRILL_GROUPS) -> list[int]:
+    """The ranks of the `groups` hosts (or tp groups) whose most deviant rank deviates most
+    from its peers (median over steps of |log ratio|): what the drill-down map shows."""
+    per_rank: dict[int, list[float]] = {}
+    where: dict[int, object] = {}
+    for r in rows:
+        per_rank.setdefault(r["rank"], []).append(abs(math.log(r["ratio"])) if r["ratio"] > 0 else 0.0)
+        where[r["rank"]] = r["host"] if order == "host" else (r["pp"], r["dp"])
+    worst: dict[object, float] = {}
+    for rank, devs in per_rank.items():
+        worst[where[rank]] = max(worst.get(where[rank], 0.0), statistics.median(devs))
+    chosen = set(sorted(worst, key=lambda g: -worst[g])[:groups])
+    return sorted(r for r in per_rank if where[r] in chosen)
+
+
+def heatmap_matrix(rows: list[dict], order: str) -> tuple[list[tuple[str, list[int], object]],
+                                                         list[int], np.ndarray]:
+    """(rows as `heatmap_rows` makes them, steps, ratio per row and step): a row's value is the
+    ratio of its most deviant rank in that step (largest |log ratio|)."""
+    import numpy as np
+
+    lines = heatmap_rows(rows, order)
+    steps = sorted({r["step"] for r in rows})
+    rank_ids = sorted({r["rank"] for r in rows})
+    index = {rk: i for i, rk in enumerate(rank_ids)}
+    col = {s: j for j, s in enumerate(steps)}
+    logs = np.full((len(rank_ids), len(steps)), np.nan)
+    for r in rows:
+        if r["ratio"] > 0:
+            logs[index[r["rank"]], col[r["step"]]] = np.log(r["ratio"])
+    grid = np.full((len(lines), len(steps)), np.nan)
+    for i, (_, members, _) in enumerate(lines):
+        sub = logs[[index[m] for m in members]]
+        deviation = np.where(np.isnan(sub), -1.0, np.abs(sub))
+        grid[i] = np.exp(sub[deviation.argmax(axis=0), np.arange(len(steps))])
+    return lines, steps, grid
+
+
 def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host",
-                 warmup_steps: int = 1) -> Path | None:
+                 warmup_steps: int = 1, ranks: Collection[int] | None = None) -> Path | None:
     """PNG of compute / stage median per rank (rows) and step (columns).
 
     `order="host"` groups rows by host (a slow machine shows as a band); `order="grid"` sorts by
-    (pp, dp, tp) so a slow stage or replica shows. Returns None when there is nothing to draw.
+    (pp, dp, tp) so a slow stage or replica shows. Past `MAX_ROWS` ranks a row is a host or tp
+    group (or a run of them) showing its most deviant rank's ratio, so one slow rank still
+    colours its row; `ranks` restricts the map to those (the drill-down). None when there is
+    nothing to draw.
     """
     import matplotlib
 
@@ -117,34 +206,28 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
     from matplotlib.colors import LogNorm
 
     rows = compute_ratios(conn, warmup_steps)
+    if ranks is not None:
+        keep = set(ranks)
+        rows = [r for r in rows if r["rank"] in keep]
     if not rows:
         return None
-    key = ((lambda r: (r["host"], r["rank"])) if order == "host"
-           else (lambda r: (r["pp"], r["dp"], r["tp"], r["rank"])))
-    ranks = sorted({(key(r), r["rank"], r["host"], r["pp"], r["dp"], r["tp"]) for r in rows})
-    steps = sorted({r["step"] for r in rows})
-    index = {entry[1]: i for i, entry in enumerate(ranks)}
-    col = {s: j for j, s in enumerate(steps)}
-    grid = np.full((len(ranks), len(steps)), np.nan)
-    for r in rows:
-        grid[index[r["rank"]], col[r["step"]]] = r["ratio"]
-    height = min(2 + 0.25 * len(ranks), 40)
-    fig, ax = plt.subplots(figsize=(min(4 + 0.12 * len(steps), 24), height))
-    positive = np.where(grid > 0, grid, np.nan)
-    span = max(1.25, float(np.nanmax(np.maximum(positive, 1 / positive))))  # symmetric in log
-    im = ax.imshow(positive, aspect="auto", cmap="RdBu_r", norm=LogNorm(1 / span, span),
+    lines, steps, grid = heatmap_matrix(rows, order)
+    aggregated = any(len(members) > 1 for _, members, _ in lines)
+    height = min(2 + 0.25 * len(lines), 40)
+    fig, ax = plt.subplots(figsize=(min(max(7, 4 + 0.12 * len(steps)), 24), height))
+    span = max(1.25, float(np.nanmax(np.maximum(grid, 1 / grid))))  # symmetric in log
+    im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", norm=LogNorm(1 / span, span),
                    interpolation="nearest",
-                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(ranks) - 0.5, -0.5))
-    if len(ranks) <= 128:
-        ax.set_yticks(range(len(ranks)))
-        ax.set_yticklabels([f"{h} r{rk} pp{p} dp{d} tp{t}" for _, rk, h, p, d, t in ranks],
-                           fontsize=7)
-    group_of = (lambda e: e[2]) if order == "host" else (lambda e: e[3])
-    for i in range(1, len(ranks)):
-        if group_of(ranks[i]) != group_of(ranks[i - 1]):
+                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(lines) - 0.5, -0.5))
+    every = max(1, len(lines) // 128)
+    ax.set_yticks(range(0, len(lines), every))
+    ax.set_yticklabels([lines[i][0] for i in range(0, len(lines), every)], fontsize=7)
+    for i in range(1, len(lines)):
+        if lines[i][2] is not None and lines[i][2] != lines[i - 1][2]:
             ax.axhline(i - 0.5, color="black", linewidth=0.8)
     ax.set_xlabel("step")
-    ax.set_title(f"compute time / stage median (rows by {order})")
+    what = "group: its most deviant rank" if aggregated else "rank"
+    ax.set_title(f"compute / stage median, by {order}\n(a row per {what})", fontsize=10)
     bar = fig.colorbar(im, ax=ax, label="ratio to peers' median")
     ticks: list[float] = []
     for v in (1.0, 1.1, 1 / 1.1, 1.25, 0.8, 1.5, 1 / 1.5, 2.0, 0.5, 4.0, 0.25, 8.0, 0.125):

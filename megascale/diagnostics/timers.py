@@ -153,15 +153,17 @@ class Timers:
         return time.perf_counter() - self._step_start
 
     # ---- step boundary ---------------------------------------------------------------------
-    def end_step(self, step: int) -> dict[str, float]:
+    def end_step(self, step: int, end: float | None = None) -> dict[str, float]:
         """Close a step: write its spans, return per-kind self-time totals and `step` (wall s).
 
+        `end` (a `time.perf_counter()` value, default now) is for steps timed elsewhere, like
+        the intervals of `record()`: replayed or simulated ranks (megascale.testing.simtraces).
         On GPU the spans are resolved one step late (their events are complete by then), so
         the totals returned are those of the previous step (empty after the first step).
         """
         if not self.enabled:
             return {}
-        now = time.perf_counter()
+        now = time.perf_counter() if end is None else end
         closed, self._closed = self._closed, []
         recorded, self._recorded = self._recorded, []
         first = self._step_start

@@ -4,7 +4,8 @@ Each `Architecture` says, for one `model_type`: which megascale `ModelConfig` a 
 describes (refusing, in one line, what has no megascale equivalent), which config.json describes
 a `ModelConfig` it can express exactly, and where each megascale parameter lives in its state
 dict (`rules.Rule`). GPT-2, GPT-NeoX, Llama, Mistral and Qwen 2 are mapped; the same option of
-each maps to the same megascale option (docs/interop.md has the table).
+each maps to the same megascale option (docs/interop.md has the table). Mixtral is the Mistral
+layers with every MLP a mixture of experts (megascale's `model.moe`, softmax top-k, renormalised).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megascale.config.fields import ConfigError
-from megascale.config.schema import ModelConfig, RopeScaling
+from megascale.config.schema import ModelConfig, MoEConfig, RopeScaling
 from megascale.interop.hf_files import InteropError
 from megascale.interop.rules import Rule, copies, fused_qkv_conv1d, gate_up, same, separate_qkv, transposed
 
@@ -120,7 +121,7 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
         if attention_bias != mlp_bias:
             raise _refuse(model_type, f"attention_bias={attention_bias} with mlp_bias={mlp_bias}")
         window = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             window = c.get("sliding_window")
         elif model_type == "qwen2":
             window = _qwen2_window(c)
@@ -128,8 +129,24 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
             **_shape(c), seq_len=_seq_len(c, learned=False), ffn_hidden=int(c["intermediate_size"]),
             block="serial", norm="rmsnorm", mlp="swiglu", window=window, positions="rotary",
             bias=attention_bias, qkv_bias=model_type == "qwen2", norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            **_rope(c, model_type)), model_type)
+            moe=_mixtral_moe(c) if model_type == "mixtral" else MoEConfig(), **_rope(c, model_type)), model_type)
     return read
+
+
+def _mixtral_moe(c: dict) -> MoEConfig:
+    """Mixtral's router: softmax over the experts, top-k, the k gates renormalised; every block.
+    Its balancing loss coefficient carries over; it has no z-loss."""
+    return MoEConfig(experts=int(c["num_local_experts"]), top_k=int(c.get("num_experts_per_tok", 2)),
+                     router="softmax", normalize=True, aux_loss_coef=float(c.get("router_aux_loss_coef", 0.01)),
+                     z_loss_coef=0.0)
+
+
+def _mixtral_expresses(m: ModelConfig) -> bool:
+    """Mixtral computes a megascale MoE whose every block routes by renormalised softmax top-k
+    through experts of the model's width, dropless, without a shared expert or routing bias."""
+    e = m.moe
+    return (_llama_family(m, moe=True) and not m.bias and not m.qkv_bias and e.every == 1 and e.router == "softmax"
+            and e.normalize and not e.shared_ffn_hidden and not e.bias_balancing and e.capacity_factor == 0)
 
 
 def _qwen2_window(c: dict) -> int | None:
@@ -145,9 +162,10 @@ def _qwen2_window(c: dict) -> int | None:
     return int(c["sliding_window"])
 
 
-def _llama_family(m: ModelConfig) -> bool:
+def _llama_family(m: ModelConfig, moe: bool = False) -> bool:
+    """The Llama layers, with dense MLPs (or, `moe`, mixtures of experts)."""
     return (m.block == "serial" and m.norm == "rmsnorm" and m.mlp == "swiglu" and m.positions == "rotary"
-            and m.rotary_fraction == 1.0)
+            and m.rotary_fraction == 1.0 and (m.moe.experts > 0) == moe)
 
 
 def _llama_write(model_type: str) -> Callable[[ModelConfig], dict]:
@@ -159,6 +177,9 @@ def _llama_write(model_type: str) -> Callable[[ModelConfig], dict]:
             out.update(use_sliding_window=m.window is not None, sliding_window=m.window, max_window_layers=0)
         elif model_type == "mistral":
             out.update(sliding_window=m.window)
+        elif model_type == "mixtral":
+            out.update(sliding_window=m.window, num_local_experts=m.moe.experts, num_experts_per_tok=m.moe.top_k,
+                       intermediate_size=m.expert_ffn, router_aux_loss_coef=m.moe.aux_loss_coef)
         else:
             out.update(attention_bias=m.bias, mlp_bias=m.bias)
         return out
@@ -178,6 +199,14 @@ def _llama_names(m: ModelConfig) -> dict[str, Rule]:
             rules[ms + f"attn.qkv.{kind}"] = separate_qkv(
                 *(f"{attn}{p}_proj.{kind}" for p in "qkv"), m.heads, m.kv_groups)
         rules[ms + "attn.proj.weight"] = same(attn + "o_proj.weight")
+        if m.moe.is_moe_layer(i):  # Mixtral's block_sparse_moe: w1 gate, w3 up, w2 down
+            moe = hf + "block_sparse_moe."
+            rules[ms + "mlp.router.weight"] = same(moe + "gate.weight")
+            for e in range(m.moe.experts):
+                w = f"{moe}experts.{e}."
+                rules[ms + f"mlp.experts.{e}.fc.weight"] = gate_up(w + "w1.weight", w + "w3.weight")
+                rules[ms + f"mlp.experts.{e}.proj.weight"] = same(w + "w2.weight")
+            continue
         rules[ms + "mlp.fc.weight"] = gate_up(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
         rules[ms + "mlp.proj.weight"] = same(hf + "mlp.down_proj.weight")
         if m.bias:
@@ -296,6 +325,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     _llama_like("mistral", "MistralForCausalLM",
                 lambda m: _llama_family(m) and not m.bias and not m.qkv_bias and m.window is not None),
     _llama_like("qwen2", "Qwen2ForCausalLM", lambda m: _llama_family(m) and not m.bias and m.qkv_bias),
+    _llama_like("mixtral", "MixtralForCausalLM", _mixtral_expresses),
     Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_read, _gpt2_expresses, _gpt2_write,
                  _gpt2_names),
     Architecture("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.", _neox_read, _neox_expresses, _neox_write,
@@ -308,9 +338,9 @@ def architecture_of(config: dict) -> Architecture:
     """The mapping for a config.json, or a one-line refusal naming what is unsupported."""
     model_type = config.get("model_type")
     moe = [k for k in MOE_KEYS if config.get(k)]
-    if moe:
-        raise InteropError(f"model_type {model_type!r} is a mixture of experts ({moe[0]}={config[moe[0]]}); "
-                           "megascale trains dense models only")
+    if moe and model_type != "mixtral":
+        raise InteropError(f"model_type {model_type!r} is a mixture of experts ({moe[0]}={config[moe[0]]}) that "
+                           "megascale does not map; of the mixtures of experts it imports mixtral")
     if model_type not in ARCHITECTURES:
         raise InteropError(f"model_type {model_type!r} is not supported; megascale imports "
                            f"{', '.join(sorted(ARCHITECTURES))} (and its own exports, model_type 'megascale')")

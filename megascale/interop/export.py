@@ -26,7 +26,7 @@ from megascale.config.loader import from_dict, to_dict
 from megascale.config.schema import ModelConfig
 from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from megascale.interop.architectures import standard_architecture
-from megascale.interop.hf_files import write_safetensors
+from megascale.interop.hf_files import InteropError, write_safetensors
 from megascale.interop.pretrained import MEGASCALE_TYPE, MODEL_KEY
 from megascale.interop.tokenizer_files import run_tokenizer, write_tokenizer
 
@@ -76,6 +76,10 @@ def write_export(model: ModelConfig, weights: dict[str, torch.Tensor], out: Path
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(tok, out, model.seq_len)
     arch = standard_architecture(model)
+    if arch is None and model.moe.experts:
+        raise InteropError("a mixture-of-experts model exports as mixtral only (serial Llama layers, softmax "
+                           "top-k renormalised in every block, no shared expert, routing bias or capacity); the "
+                           "remote-code export has no MoE layers")
     if arch is None:
         config = remote_code_config(model)
         named = sorted(weights.items())

@@ -44,16 +44,20 @@ class RankGrid:
     dp: int
     tp: int
     cp: int = 1
+    ep: int = 1  # expert parallelism, carved from dp (not a dimension of its own)
 
     @classmethod
     def of(cls, degrees: HasDegrees) -> RankGrid:
-        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp, cp=getattr(degrees, "cp", 1))
+        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp, cp=getattr(degrees, "cp", 1),
+                   ep=getattr(degrees, "ep", 1))
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "cp"):
+        for name in ("pp", "dp", "tp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RankGrid.{name} must be an integer >= 1, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"RankGrid.ep={self.ep} must divide dp={self.dp}")
 
     @property
     def world_size(self) -> int:
@@ -83,6 +87,17 @@ class RankGrid:
         c = self.coords(rank)._asdict()
         axis = self._axis(dim)
         return [self.rank_of(**{**c, axis: i}) for i in range(getattr(self, axis))]
+
+    def expert_groups_of(self, rank: int) -> tuple[list[int], list[int]]:
+        """(ep group, expert-data group) of `rank`. The ep group is `ep` consecutive dp ranks (the
+        closest ones, as the all-to-all is the heaviest traffic); the expert-data group holds the
+        ranks with the same experts (same place in their ep groups), over which expert gradients
+        are summed."""
+        c = self.coords(rank)
+        block, place = divmod(c.dp, self.ep)
+        ep = [self.rank_of(c.pp, block * self.ep + i, c.tp, c.cp) for i in range(self.ep)]
+        data = [self.rank_of(c.pp, b * self.ep + place, c.tp, c.cp) for b in range(self.dp // self.ep)]
+        return ep, data
 
     def group_size(self, dim: Dim) -> int:
         return getattr(self, self._axis(dim))

@@ -34,6 +34,9 @@ class ShardSpec:
     # Process groups over which the pieces' sums of squares add up to the whole tensor's (tp for
     # a sliced weight, dp for a ZeRO shard). Runtime only: never saved, never compared.
     groups: tuple[dist.ProcessGroup, ...] = field(default=(), compare=False, repr=False)
+    # Groups whose ranks hold *different* whole tensors of this kind (expert parallelism: each ep
+    # rank its own experts), whose totals add up in a model-wide norm. Runtime only, as `groups`.
+    disjoint: tuple[dist.ProcessGroup, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def tp_shape(self) -> tuple[int, ...]:
@@ -81,6 +84,10 @@ class ShardSpec:
     def split_over(self, *groups: dist.ProcessGroup | None) -> ShardSpec:
         """The same piece, now also one of several summed over `groups` (None entries ignored)."""
         return replace(self, groups=self.groups + tuple(g for g in groups if g is not None))
+
+    def held_apart_over(self, group: dist.ProcessGroup | None) -> ShardSpec:
+        """The same piece, on a rank of `group` whose other ranks hold other tensors (experts)."""
+        return self if group is None else replace(self, disjoint=self.disjoint + (group,))
 
     def with_flat_range(self, start: int, end: int) -> ShardSpec:
         return replace(self, flat_range=(start, end))

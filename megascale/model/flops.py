@@ -50,10 +50,26 @@ class FlopsBreakdown:
         return 3.0 * self.forward
 
 
+def mlp_matmuls(cfg: ModelConfig, width: int) -> int:
+    """Multiply-adds per token of one MLP of hidden width `width` (SwiGLU: three matrices)."""
+    return cfg.hidden * width * (3 if cfg.mlp == "swiglu" else 2)
+
+
+def mlp_layer_matmuls(cfg: ModelConfig, index: int) -> int:
+    """Multiply-adds per token of block `index`'s MLP. An MoE layer counts what one token really
+    runs -- the router, its `top_k` experts and the shared expert -- not every expert it holds."""
+    moe = cfg.moe
+    if not moe.is_moe_layer(index):
+        return mlp_matmuls(cfg, cfg.ffn)
+    shared = mlp_matmuls(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+    return cfg.hidden * moe.experts + moe.top_k * mlp_matmuls(cfg, cfg.expert_ffn) + shared
+
+
 def flops_per_token(cfg: ModelConfig) -> FlopsBreakdown:
-    """GQA's smaller key/value projections and SwiGLU's third matrix count as what they are."""
+    """GQA's smaller key/value projections and SwiGLU's third matrix count as what they are, and
+    an MoE layer its active experts only."""
     h, layers = cfg.hidden, cfg.layers
-    dense = layers * 2 * (h * cfg.qkv_width + h * h + h * cfg.mlp_in_width + cfg.ffn * h)
+    dense = 2 * sum(h * cfg.qkv_width + h * h + mlp_layer_matmuls(cfg, i) for i in range(layers))
     attention = layers * attention_flops(mean_attention_span(cfg.seq_len, cfg.window), h)
     head = 2 * h * cfg.vocab_size
     return FlopsBreakdown(dense=float(dense), attention=float(attention), head=float(head))
@@ -66,16 +82,31 @@ def norm_parameters(cfg: ModelConfig) -> int:
 
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of the GPT in `megascale.model` (kept in step with it by a test)."""
-    h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
+    h, v = cfg.hidden, cfg.vocab_size
     b = 1 if cfg.bias else 0
     qkv_b = 1 if cfg.bias or cfg.qkv_bias else 0
     norms_per_layer = cfg.parallel_norms if cfg.block == "parallel" else 2
     per_layer = (
         (h + qkv_b) * cfg.qkv_width  # qkv
         + h * h + h * b  # attention output
-        + (h + b) * cfg.mlp_in_width + f * h + h * b  # MLP
         + norms_per_layer * norm_parameters(cfg)
     )
+    mlps = sum(_mlp_layer_parameters(cfg, i) for i in range(cfg.layers))
     embed = v * h + (cfg.seq_len * h if cfg.positions == "learned" else 0)
     head = 0 if cfg.tie_embeddings else v * h
-    return cfg.layers * per_layer + embed + norm_parameters(cfg) + head
+    return cfg.layers * per_layer + mlps + embed + norm_parameters(cfg) + head
+
+
+def _mlp_parameters(cfg: ModelConfig, width: int) -> int:
+    b = 1 if cfg.bias else 0
+    return (cfg.hidden + b) * width * (2 if cfg.mlp == "swiglu" else 1) + width * cfg.hidden + cfg.hidden * b
+
+
+def _mlp_layer_parameters(cfg: ModelConfig, index: int) -> int:
+    """Block `index`'s MLP: dense, or router + every expert + shared expert (+ routing bias)."""
+    moe = cfg.moe
+    if not moe.is_moe_layer(index):
+        return _mlp_parameters(cfg, cfg.ffn)
+    shared = _mlp_parameters(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+    bias = moe.experts if moe.bias_balancing else 0
+    return cfg.hidden * moe.experts + moe.experts * _mlp_parameters(cfg, cfg.expert_ffn) + shared + bias

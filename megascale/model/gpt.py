@@ -5,7 +5,8 @@ Parallel: y = x + MLP(LN(x)) + Attn(LN(x))      (one norm feeds both branches; G
 
 Each layer option exists once, here, and composes with both blocks: LayerNorm or RMSNorm, GeLU
 or SwiGLU, multi-head or grouped-query attention, full or sliding-window, rotary (partial,
-Llama-3-scaled) or learned positions, biases or none, tied or untied embeddings.
+Llama-3-scaled) or learned positions, biases or none, tied or untied embeddings, a dense or a
+mixture-of-experts MLP (`model.moe`, megascale.model.moe).
 
 No parallelism lives here. The model is three stages -- `embed`, `blocks`, `head` -- so that the
 pipeline splitter can cut it into chunks. The block's forward is written once: tensor
@@ -25,6 +26,7 @@ from megascale.model.attention import KVCache, causal_attention
 from megascale.model.init import initial_value
 from megascale.model.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the labels' ignore value
 from megascale.model.loss import chunked_cross_entropy
+from megascale.model.moe import MoE
 from megascale.model.rotary import apply_rotary, rotary_tables, scaling_key
 
 
@@ -114,11 +116,13 @@ class MLP(nn.Module):
     layer whose rows interleave them (gate 0, up 0, gate 1, up 1, ...), so that a contiguous
     slice of rows -- a tensor-parallel slice -- holds matching gate and up columns."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
+        """`width`: the hidden width (default the model's ffn; an MoE expert's own)."""
         super().__init__()
         self.kind = cfg.mlp
-        self.fc = Linear(cfg.hidden, cfg.mlp_in_width, bias=cfg.bias)
-        self.proj = Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
+        width = width or cfg.ffn
+        self.fc = Linear(cfg.hidden, 2 * width if cfg.mlp == "swiglu" else width, bias=cfg.bias)
+        self.proj = Linear(width, cfg.hidden, bias=cfg.bias)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
@@ -131,13 +135,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """`index`: the block's place in the model (`model.moe.every` picks the MoE blocks)."""
         super().__init__()
         self.kind = cfg.block
         self.ln1 = make_norm(cfg)
         self.ln2 = make_norm(cfg) if cfg.block == "serial" or cfg.parallel_norms == 2 else None
         self.attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, lambda width: MLP(cfg, width)) if cfg.moe.is_moe_layer(index) else MLP(cfg)
         # Parallel block with one norm only: QKV and the MLP up-projection as one GEMM over the
         # concatenated weights (one pass over the norm's output; under tensor parallelism one
         # gather), and both output projections as one (one reduce-scatter). Speed only.
@@ -145,8 +150,8 @@ class Block(nn.Module):
 
     @property
     def fusable(self) -> bool:
-        """Both branches read the same input (MegaScale's parallel block)."""
-        return self.kind == "parallel" and self.ln2 is None
+        """Both branches read the same input (MegaScale's parallel block) and the MLP is dense."""
+        return self.kind == "parallel" and self.ln2 is None and isinstance(self.mlp, MLP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "serial":
@@ -202,7 +207,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.tokens.weight

@@ -46,12 +46,24 @@ def global_grad_norm(
 ) -> torch.Tensor:
     """L2 norm of all gradients of the model, counting every element exactly once.
 
-    `across` are groups holding disjoint parameters (pipeline stages) whose totals add up."""
+    `across` are groups holding disjoint parameters (pipeline stages) whose totals add up; a
+    tensor's `ShardSpec.disjoint` names more such groups for its kind (expert parallelism)."""
     with_grad = [p for p in params if p.grad is not None]
-    total = whole_sq_norms([p.grad for p in with_grad if p.grad is not None], with_grad).sum()
-    for group in across:
-        if group is not None:
-            dist.all_reduce(total, group=group)
+    sq = whole_sq_norms([p.grad for p in with_grad if p.grad is not None], with_grad)
+    apart: dict[tuple, list[int]] = defaultdict(list)
+    for i, p in enumerate(with_grad):
+        apart[shard_spec(p).disjoint].append(i)
+    # every kind the parameters have, in one order on every rank, even if no gradient exists here
+    kinds = sorted({shard_spec(p).disjoint for p in params}, key=len)
+    total = sq.new_zeros(()) if sq.numel() else torch.zeros(())
+    for kind in kinds:
+        part = sq[apart[kind]].sum() if apart[kind] else total.new_zeros(())
+        for group in kind:
+            dist.all_reduce(part, group=group)
+        total = total + part
+    for outer in across:
+        if outer is not None:
+            dist.all_reduce(total, group=outer)
     return total.sqrt()
 
 

@@ -2,10 +2,10 @@
 
 `build_runner` applies parallelism from outside the model, in a fixed order: tensor parallel
 (layers replaced by sharded ones), context parallel (attention and positions told their part of
-the sequence), pipeline split (keep this rank's chunks), materialization of
-what this rank kept, ZeRO-2 over dp (per chunk; at dp = 1 over a group of one: it holds the fp32
-master weights in every layout), then the speed-only block transformations. The trainer only
-sees the `ModelRunner` it returns (`parallel/runner.py`).
+the sequence), expert parallel (this rank's experts kept), pipeline split (keep this rank's
+chunks), materialization of what this rank kept, ZeRO-2 over dp (per chunk; at dp = 1 over a
+group of one: it holds the fp32 master weights in every layout), then the speed-only block
+transformations. The trainer only sees the `ModelRunner` it returns (`parallel/runner.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from megascale.model.efficiency import (
 )
 from megascale.model.init import SeededValues, ValueSource
 from megascale.parallel.context import apply_context_parallel
+from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
 from megascale.parallel.runner import ModelRunner
@@ -59,6 +60,9 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
         apply_tensor_parallel(model, cfg.parallel, mesh)
     if distributed and mesh.cp_size > 1:
         apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size)
+    if distributed and mesh.ep_size > 1:
+        # before materialization: other ranks' experts never exist here
+        apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)
     if distributed and mesh.pp_size > 1:
         chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
@@ -67,7 +71,9 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     device = mesh.device if mesh is not None else torch.device("cpu")
     materialize(runner.chunks, values, device)  # only what this rank kept
     # ZeRO-2 per chunk; at dp = 1 a group of one, still the home of the fp32 masters
-    runner.grad_sync = ZeroGradSync(runner.chunks, cfg, mesh)
+    # (with expert parallelism: the experts' ZeRO over the ranks holding the same experts)
+    runner.grad_sync = (ExpertGradSync(runner.chunks, cfg, mesh) if distributed and mesh.ep_size > 1
+                        else ZeroGradSync(runner.chunks, cfg, mesh))
     return runner
 
 

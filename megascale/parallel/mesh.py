@@ -115,6 +115,32 @@ class ParallelMesh:
     def pp_group(self) -> ProcessGroup | None:
         return self._groups["pp"]
 
+    # expert parallelism (carved from dp; None when ep = 1 or the group would be one rank)
+    @property
+    def ep_size(self) -> int:
+        return self.grid.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coords.dp % self.grid.ep
+
+    @property
+    def ep_group(self) -> ProcessGroup | None:
+        return self._groups.get("ep")
+
+    @property
+    def expert_dp_size(self) -> int:
+        """Ranks holding the same experts (their gradients are summed over them)."""
+        return self.grid.dp // self.grid.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.coords.dp // self.grid.ep
+
+    @property
+    def expert_dp_group(self) -> ProcessGroup | None:
+        return self._groups.get("edp")
+
     @property
     def cp_group(self) -> ProcessGroup | None:
         """Context parallelism's ranks: one sequence, split along it (`parallel/context.py`)."""
@@ -203,6 +229,11 @@ def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
     counter = join_world(cfg, rank, env_world, backend, timeout)
     init_ops = counter.total_ops
     groups, created = create_groups(grid, rank, timeout)
+    if grid.ep > 1:  # after the dimensions' groups, in the same order on every rank
+        for key, members in zip(("ep", "edp"), grid.expert_groups_of(rank), strict=True):
+            groups[key] = None if len(members) == 1 else dist.new_group(
+                members, timeout=timeout, use_local_synchronization=True, group_desc=key)
+            created += len(members) > 1
     stats = StartupStats(
         store=cfg.store,
         time_s=time.perf_counter() - start,

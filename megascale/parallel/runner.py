@@ -19,7 +19,9 @@ from megascale.config.schema import JobConfig
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import shard_spec
+from megascale.model.moe import balance_step, moe_layers, set_aux_scale
 from megascale.parallel.context import sum_grads_over
+from megascale.parallel.expert import balance_reducer
 from megascale.parallel.tensor import sync_sequence_parallel_grads
 
 
@@ -34,6 +36,7 @@ class ModelRunner:
         self.mesh = mesh
         self.grad_sync = None  # build_runner sets ZeRO (the fp32 masters, any dp): reduce-scatter, all-gather
         self._sp_partial: list[torch.Tensor] | None = None  # optimizer tensors with partial grads
+        self.moe_stats: dict = {}  # the last step's expert load (finish_grads): metrics
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast around forwards when train.dtype = bf16 (backward follows it)."""
@@ -61,6 +64,7 @@ class ModelRunner:
         returns this rank's summed token loss (detached, float64, on the model's device: reading
         it on the host once per step, not once per micro-batch, keeps the GPU queue full)."""
         timers = get_timers()
+        self.scale_aux_losses(token_count)
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         model = self.module
         if self.grad_sync is not None:
@@ -74,6 +78,10 @@ class ModelRunner:
         if self.grad_sync is not None:
             self.grad_sync.after_backward(0)
         return total
+
+    def scale_aux_losses(self, token_count: int) -> None:
+        """MoE auxiliary losses are scaled as the loss is: by 1 / the global token count."""
+        set_aux_scale(self.chunks, 1.0 / token_count)
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
@@ -94,6 +102,9 @@ class ModelRunner:
         cp_group = None if self.mesh is None else self.mesh.cp_group
         if cp_group is not None:
             sum_grads_over(self.optimizer_tensors(), cp_group)
+        layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
+        if layers:  # the step's expert loads over dp: the routing bias moves, the metrics read them
+            self.moe_stats = balance_step(layers, balance_reducer(self.mesh, self.cfg.parallel.sequence_parallel))
         tp_group = None if self.mesh is None else self.mesh.tp_group
         if tp_group is not None:
             if self._sp_partial is None:

@@ -30,6 +30,7 @@ whatever tensors the optimizer steps on (parameters, or their ZeRO shards).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import ShardSpec, set_shard_spec, shard_spec, tp_slice
 from megascale.model.gpt import GPT, Embedding, Head, Linear
 from megascale.model.loss import chunked_cross_entropy
+from megascale.model.moe import MoE
 from megascale.parallel.collective_gemm import all_gather_matmul, matmul_reduce_scatter
 from megascale.parallel.tp_comm import (
     TPContext,
@@ -198,8 +200,14 @@ def parallelize(model: GPT, tp: TPContext) -> None:
     slicer = _Slicer(tp)
     vocab_parallel = model.cfg.vocab_size % tp.size == 0
     for block in model.blocks:
+        moe = isinstance(block.mlp, MoE)
         for path, kind in LAYER_PLAN.items():
-            slicer.swap(block, path, kind)
+            if not (moe and path.startswith("mlp.")):
+                slicer.swap(block, path, kind)
+        if moe:  # replicated over tp, on this rank's sequence slice under SP (see megascale.parallel.expert)
+            slicer.partial(*block.mlp.parameters())
+            if tp.sequence_parallel:
+                block.mlp.sequence_sum = partial(sum_over_tp, group=tp.group)
         for norm in (block.ln1, block.ln2):
             if norm is not None:
                 slicer.partial(*norm.parameters())
@@ -223,6 +231,13 @@ def apply_tensor_parallel(model: GPT, p: ParallelConfig, mesh) -> None:
     tp = TPContext(mesh.tp_group, mesh.tp_rank, mesh.tp_size, p.sequence_parallel,
                    p.tp_overlap, p.tp_overlap_chunks)
     parallelize(model, tp)
+
+
+def sum_over_tp(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A statistic of this rank's sequence slice summed over the whole sequence (no gradient)."""
+    t = t.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def sync_sequence_parallel_grads(tensors: Iterable[torch.Tensor], tp_group: dist.ProcessGroup | None) -> None:

@@ -34,6 +34,7 @@ With overlap off every collective runs synchronously at the end of the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,11 +98,15 @@ class _Chunk:
 class ZeroGradSync:
     """The `grad_sync` hooks of a runner: ZeRO-2 sharding of gradients and optimizer state."""
 
-    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh=None):
-        """`mesh` None (or dp = 1): the group of one, with no collective."""
-        self.group = None if mesh is None else mesh.dp_group
-        self.dp = 1 if mesh is None else mesh.dp_size
-        self.dp_rank = 0 if mesh is None else mesh.dp_rank
+    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh=None,
+                 select: Callable[[str], bool] | None = None, over: tuple | None = None):
+        """`mesh` None (or dp = 1): the group of one, with no collective. `select`: the
+        parameters (by name) this instance holds, default all; `over`: (group, size, rank) to
+        shard over instead of the mesh's dp (expert parameters: their expert-data group)."""
+        if over is None:
+            over = (None, 1, 0) if mesh is None else (mesh.dp_group, mesh.dp_size, mesh.dp_rank)
+        self.group, self.dp, self.dp_rank = over
+        self.select = select or (lambda name: True)
         self.reduce_dtype = REDUCE_DTYPES[cfg.train.reduce_dtype]
         self.overlap = cfg.parallel.dp_overlap
         self.expected_backwards = cfg.micro_batches
@@ -111,7 +116,7 @@ class ZeroGradSync:
 
     # ------------------------------------------------------------------ layout
     def _build_chunk(self, module: nn.Module, bucket_numel: int) -> _Chunk:
-        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and self.select(n)]
         buckets, current, region = [], [], 0
         for name, p in reversed(params):  # backward produces the last parameters' grads first
             piece = -(-p.numel() // self.dp)

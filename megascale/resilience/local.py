@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,13 @@ class Netns:
     """Names and addresses of one job's simulated-node namespaces."""
 
     tag: str  # short, unique per job (interface names are limited to 15 characters)
-    net: int = 77  # second octet of 10.<net>.0.0/24
+    net: int | None = None  # second octet of 10.<net>.0.0/24; None: 100-199, chosen by the tag
+
+    @property
+    def octet(self) -> int:
+        """Two local jobs at once (two users, two test workers) must not route one subnet to
+        two bridges: each job's tag picks its own."""
+        return self.net if self.net is not None else 100 + zlib.crc32(self.tag.encode()) % 100
 
     @property
     def bridge(self) -> str:
@@ -31,7 +38,7 @@ class Netns:
 
     @property
     def bridge_address(self) -> str:
-        return f"10.{self.net}.0.1"
+        return f"10.{self.octet}.0.1"
 
     def name(self, i: int) -> str:
         return f"ms{self.tag}-{i}"
@@ -40,7 +47,7 @@ class Netns:
         return f"msv{self.tag}{i}"
 
     def address(self, i: int) -> str:
-        return f"10.{self.net}.0.{10 + i}"
+        return f"10.{self.octet}.0.{10 + i}"
 
 
 def netns_available() -> str | None:

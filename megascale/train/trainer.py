@@ -172,7 +172,7 @@ class Trainer:
             norm = global_grad_norm(params, across=[self.mesh.pp_group])  # every group: alike on all ranks
             loss = self.reduce_loss(loss_sum) / tokens
             lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-            record = {"loss": loss, "lr": lr, "grad_norm": float(norm)}
+            record = {"loss": loss, "lr": lr, "grad_norm": float(norm), **self.runner.moe_stats}
             record.update(self._bad_step(record))
             if "skipped" not in record:
                 clip_to_norm_(params, self.cfg.optim.grad_clip, norm)

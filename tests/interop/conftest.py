@@ -29,6 +29,8 @@ CASES = {
     "mistral-swa": ("mistral", lambda: transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8)),
     "qwen2-tied": ("qwen2", lambda: transformers.Qwen2Config(**COMMON, num_key_value_heads=2,
                                                              tie_word_embeddings=True)),
+    "mixtral-gqa": ("mixtral", lambda: transformers.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4,
+                                                                  num_experts_per_tok=2)),
 }
 
 

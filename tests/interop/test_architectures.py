@@ -132,3 +132,14 @@ def test_byte_level_tokenizer_ships_as_an_equivalent_tokenizer_json(tmp_path):
     assert ids == list(text.encode()) and tokenizer.decode(ids) == text
     assert tokenizer.eos_token_id == 256
     assert tokenizer_spec(tmp_path / "out" / "tokenizer.json") == "bytes"
+
+
+def test_a_mixture_of_experts_mixtral_cannot_express_is_refused_on_export(tmp_path):
+    """A shared expert has no Mixtral equivalent, and the remote-code model has no MoE layers."""
+    from megascale.config.schema import MoEConfig
+    from megascale.interop.hf_files import InteropError
+
+    cfg = ModelConfig(vocab_size=VOCAB, seq_len=32, layers=2, hidden=32, heads=4, block="serial", norm="rmsnorm",
+                      mlp="swiglu", bias=False, moe=MoEConfig(experts=4, shared_ffn_hidden=8))
+    with pytest.raises(InteropError, match="a mixture-of-experts model exports as mixtral only"):
+        write_export(cfg, _weights(GPT(cfg, seed=1)), tmp_path / "out", "bytes", step=0)

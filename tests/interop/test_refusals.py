@@ -27,10 +27,12 @@ def _refused(path, match: str) -> str:
 
 
 @pytest.mark.parametrize(("name", "config", "match"), [
-    ("mixtral", lambda: transformers.MixtralConfig(**SMALL, num_local_experts=2, num_experts_per_tok=1),
-     r"model_type 'mixtral' is a mixture of experts \(num_local_experts=2\); megascale trains dense models only"),
+    ("qwen2_moe", lambda: transformers.Qwen2MoeConfig(**SMALL, num_experts=2, num_experts_per_tok=1,
+                                                      moe_intermediate_size=8, shared_expert_intermediate_size=8),
+     r"model_type 'qwen2_moe' is a mixture of experts \(num_experts=2\) that megascale does not map; of the "
+     r"mixtures of experts it imports mixtral"),
     ("gemma", lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
-     r"model_type 'gemma' is not supported; megascale imports gpt2, gpt_neox, llama, mistral, qwen2"),
+     r"model_type 'gemma' is not supported; megascale imports gpt2, gpt_neox, llama, mistral, mixtral, qwen2"),
     ("yarn", lambda: transformers.LlamaConfig(**SMALL, rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                                     "original_max_position_embeddings": 32}),
      r"llama: rope_type 'yarn' \(supported: default, llama3\) has no megascale equivalent"),
@@ -91,8 +93,9 @@ def test_import_writes_the_config_train_accepts_and_init_from_is_checked_first(t
     code = main(["train", "--config", str(tmp_path / "job" / "config.toml"), "--parallel.tp=4"])
     assert code == 2 and "must divide model.kv_heads=2" in capsys.readouterr().err
 
-    moe = saved(random_hf_model(transformers.MixtralConfig(**SMALL, num_local_experts=2, num_experts_per_tok=1)),
-                tmp_path / "moe")
+    qwen_moe = transformers.Qwen2MoeConfig(**SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                                           shared_expert_intermediate_size=8)
+    moe = saved(random_hf_model(qwen_moe), tmp_path / "moe")
     assert main(["import", str(moe), "--out", str(tmp_path / "moe-job")]) == 2
     assert "mixture of experts" in capsys.readouterr().err
     assert not (tmp_path / "moe-job" / "config.toml").exists()

@@ -17,11 +17,20 @@ import torch
 
 from megascale.checkpoint.state import shared_pieces
 from megascale.checkpoint.stateful import CheckpointState, TrainState
-from megascale.config.schema import CheckpointConfig, JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megascale.config.schema import (
+    CheckpointConfig,
+    JobConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers
 from megascale.layout.shard import shard_spec
 from megascale.model import GPT, IGNORE_INDEX
+from megascale.model.init import SeededValues, ValueSource
 from megascale.optim import build_optimizer
 from megascale.parallel.engine import build_runner
 from megascale.parallel.mesh import ParallelMesh, init_mesh
@@ -55,6 +64,7 @@ class Case:
     model: str = "gpt"  # a key of MODELS
     dtype: str = "fp32"  # train.dtype and train.param_dtype
     lr: float = 1e-2
+    ep: int = 1  # expert parallelism (carved from dp; the MoE models)
 
     @property
     def world(self) -> int:
@@ -66,6 +76,7 @@ class Case:
             f"-{self.optim}"
             f"{'' if self.overlap else '-sync'}{'' if self.split is None else f'-split{list(self.split)}'}"
             f"{'' if self.dtype == 'fp32' else f'-{self.dtype}'}{'' if self.lr == 1e-2 else f'-lr{self.lr:g}'}"
+            f"{'' if self.ep == 1 else f'-ep{self.ep}'}"
         )
 
 
@@ -80,7 +91,32 @@ MODELS = {
     # needs the previous rank's last 4
     "swa": ModelConfig(vocab_size=64, seq_len=16, layers=2, hidden=16, heads=4, kv_heads=2, window=5,
                        block="serial"),
+    # Mixture of experts in blocks 1 and 3 (every=2): 4 SwiGLU experts, top-2, a shared expert,
+    # the balancing loss and z-loss on. "moe-skew": top-1 with a routing bias (DeepSeek-V3
+    # balancing, `SkewedValues`) that sends every token to expert 0: one ep rank gets all rows.
+    "moe": ModelConfig(vocab_size=64, seq_len=8, layers=4, hidden=16, heads=4, kv_heads=2, ffn_hidden=20,
+                       block="serial", norm="rmsnorm", mlp="swiglu", bias=False,
+                       moe=MoEConfig(experts=4, top_k=2, every=2, ffn_hidden=12, shared_ffn_hidden=8)),
+    "moe-skew": ModelConfig(vocab_size=64, seq_len=8, layers=2, hidden=16, heads=4, ffn_hidden=20, block="parallel",
+                            norm="rmsnorm", mlp="swiglu", bias=False,
+                            moe=MoEConfig(experts=4, top_k=1, normalize=False, bias_balancing=True)),
 }
+
+
+class SkewedValues:
+    """Seeded values, except a routing bias that makes every token choose expert 0."""
+
+    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+        self.seeded = SeededValues(cfg, seed)
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("mlp.expert_bias"):
+            return torch.tensor([1e3] + [0.0] * (shape[0] - 1))
+        return self.seeded(name, shape)
+
+
+def values_for(case: Case, cfg: JobConfig) -> ValueSource | None:
+    return SkewedValues(cfg.model, cfg.train.seed) if case.model == "moe-skew" else None
 
 
 def job_config(case: Case, steps: int = STEPS) -> JobConfig:
@@ -93,6 +129,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             dp=case.dp,
             tp=case.tp,
             pp=case.pp,
+            ep=case.ep,
             vpp=case.vpp,
             cp=case.cp,
             pp_split="auto" if case.split is None else list(case.split),
@@ -143,13 +180,13 @@ class StepTrainer(Trainer):
     """The real `Trainer.train_step` (token count, sync, clipping, loss reduction) on a model
     built here, without the data loaders, checkpoints and metrics of a full run."""
 
-    def __init__(self, cfg: JobConfig, mesh: ParallelMesh) -> None:
+    def __init__(self, cfg: JobConfig, mesh: ParallelMesh, values: ValueSource | None = None) -> None:
         self.cfg, self.mesh, self.train_state = cfg, mesh, TrainState()  # step 0
         with torch.device("meta"):  # as the Trainer builds it: values after the layout
             model = GPT(cfg.model)
         if cfg.train.param_dtype == "bf16":
             model.to(torch.bfloat16)
-        self.runner = build_runner(model, cfg, mesh)
+        self.runner = build_runner(model, cfg, mesh, values)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.timers = Timers(mesh.rank, {}, "", None, enabled=False)
         self.init_numerics()
@@ -158,7 +195,7 @@ class StepTrainer(Trainer):
 def train(case: Case, mesh: ParallelMesh | None = None, steps: int = STEPS) -> dict:
     """Run `steps` steps of `case` on this rank (mesh None = one process)."""
     cfg = job_config(case, steps)
-    trainer = StepTrainer(cfg, mesh or init_mesh(cfg.parallel, device="cpu"))
+    trainer = StepTrainer(cfg, mesh or init_mesh(cfg.parallel, device="cpu"), values_for(case, cfg))
     losses, norms, moved = [], [], {}
     initial = [t.detach().clone() for _, t in trainer.runner.optimizer_tensors()]
     for inputs, labels in global_batches(cfg, steps):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import megascale.parallel.expert as expert
 import megascale.parallel.tp_comm as tp_comm
 import megascale.parallel.zero as zero
 
@@ -112,6 +113,8 @@ def install(monkeypatch_setattr: Callable[[object, str, object], None], recorder
                             _wrapped(module.all_gather_single, f"{prefix}.all_gather", recorder, 1))
         monkeypatch_setattr(module, "reduce_scatter_single",
                             _wrapped(module.reduce_scatter_single, f"{prefix}.reduce_scatter", recorder, 1))
+    monkeypatch_setattr(expert, "all_to_all_single",
+                        _wrapped(expert.all_to_all_single, "ep.all_to_all", recorder, 1))
     monkeypatch_setattr(dist, "isend", _wrapped(dist.isend, "pp.send", recorder, 0))
     monkeypatch_setattr(dist, "irecv", _wrapped(dist.irecv, "pp.recv", recorder, 0))
     return _Gemms(recorder)

@@ -94,6 +94,7 @@ class PipelineRunner(ModelRunner):
 
     # ------------------------------------------------------------------ the runner interface
     def forward_backward(self, batch: TokenBatch | None, token_count: int) -> torch.Tensor:
+        self.scale_aux_losses(token_count)
         return self._run(self.kind, _Step(batch, token_count))
 
     @torch.no_grad()

@@ -1,0 +1,231 @@
+"""Expert parallelism: each MoE layer's experts split over an ep group carved from dp.
+
+Layout (`RankGrid.expert_groups_of`): ep consecutive dp ranks form an ep group; rank j of it
+holds experts `[j * E/ep, (j+1) * E/ep)` of every MoE layer (names unchanged, the others are
+dropped before materialization, so they never take memory). Every rank still routes its own
+tokens (its dp share of the batch). The dispatcher sends each expert's rows -- already sorted by
+expert, so by destination rank -- to the rank holding it with one all-to-all of variable splits,
+runs the local experts over the rows it received (grouped by local expert), and sends the
+results back with the inverse all-to-all; backward is the same two all-to-alls reversed (gloo
+has `all_to_all_single` with uneven splits, synchronous and asynchronous: checked, used as is).
+The row counts travel first, in a small all-to-all of E integers per part.
+
+Overlap (`parallel.ep_overlap_chunks`, MegaScale-MoE's intra-operator overlap in its simplest
+form): a micro-batch's rows are cut into parts, each sorted by expert; part c+1's dispatch and
+the combine of part c are issued asynchronously, so they are in flight while part c's (and
+then part c+1's) experts compute. Chunking rather than overlapping the shared expert or
+attention with the dispatch keeps the model's block unchanged and works whether or not a shared
+expert exists. Only the forward is pipelined: the backward's exchanges (autograd runs them as
+the graph's nodes come) are synchronous.
+
+Gradients: dense parameters are replicated over dp and ZeRO-sharded over it as before; expert
+parameters are replicated over the expert-data group (ranks with the same experts, dp / ep of
+them) and ZeRO-sharded over that (`ExpertGradSync`). Their `ShardSpec` names the ep group as
+holding other experts, so the global gradient norm adds the experts of every ep rank once.
+
+The balancing statistics (expert loads for the DeepSeek-V3 bias and the metrics) are summed
+over dp -- every rank that routes tokens -- so every rank moves the bias alike.
+
+Tensor parallelism (megascale.parallel.tensor): an MoE layer is not sliced; it runs on the tp
+rank's sequence slice under SP (its parameters' gradients are partial, summed over tp like the
+norms'; its per-sequence expert counts are summed over tp for the balancing loss), or on the
+whole replicated sequence without SP. The ep group is made of ranks with the same tp rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Function
+from torch.distributed import all_to_all_single  # a module name: the overlap test records its calls
+
+from megascale.config.fields import ConfigError
+from megascale.config.schema import JobConfig
+from megascale.diagnostics.timers import get_timers
+from megascale.layout.shard import set_shard_spec, shard_spec
+from megascale.model.moe import ExpertsFn, MoE, is_expert_parameter, moe_layers
+from megascale.parallel.zero import ZeroGradSync
+
+
+class _Exchanged(Function):
+    """`out` (filled by an all-to-all of `x`, rows split `send` ways out and `recv` in) joined
+    to `x` in the graph; backward: the reverse exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        with get_timers().span("ep.all_to_all.backward", kind="comm", op="all_to_all", group="ep"):
+            all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None, None
+
+
+class _InFlight:
+    """An all-to-all of rows issued asynchronously; `result()` waits and joins the graph."""
+
+    def __init__(self, x: torch.Tensor, send: list[int], recv: list[int], group) -> None:
+        self.x, self.send, self.recv, self.group = x, send, recv, group
+        self.out = x.new_empty((sum(recv), *x.shape[1:]))
+        self.work = all_to_all_single(self.out, x.detach().contiguous(), recv, send, group=group, async_op=True)
+
+    def result(self) -> torch.Tensor:
+        with get_timers().span("ep.all_to_all", kind="comm", op="all_to_all", group="ep"):
+            self.work.wait()
+        return _Exchanged.apply(self.x, self.out, self.send, self.recv, self.group)
+
+
+def expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Received rows come as blocks (source rank s, local expert j), source-major, `recv[s, j]`
+    rows each; the indices that put them local-expert-major (each expert's rows together)."""
+    sizes = recv.t().reshape(-1)  # blocks in (j, s) order
+    starts = (recv.reshape(-1).cumsum(0) - recv.reshape(-1)).view_as(recv).t().reshape(-1)
+    block_of_row = torch.repeat_interleave(torch.arange(sizes.numel(), device=recv.device), sizes)
+    first_row = (sizes.cumsum(0) - sizes)[block_of_row]
+    return starts[block_of_row] + torch.arange(block_of_row.numel(), device=recv.device) - first_row
+
+
+def chunk_rows(counts: torch.Tensor, chunks: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Cut rows sorted by expert (`counts[e]` each) into `chunks` parts, each again sorted by
+    expert: part c takes the c-th share of every expert's rows. Returns each part's row indices
+    and the parts' counts `[chunks, E]`."""
+    starts = counts.cumsum(0) - counts
+    bounds = torch.stack([counts * c // chunks for c in range(chunks + 1)])  # [chunks+1, E]
+    sizes = bounds[1:] - bounds[:-1]
+    parts = []
+    for c in range(chunks):
+        first = torch.repeat_interleave(starts + bounds[c], sizes[c])
+        offset = torch.arange(first.numel(), device=counts.device) - torch.repeat_interleave(
+            sizes[c].cumsum(0) - sizes[c], sizes[c])
+        parts.append(first + offset)
+    return parts, sizes
+
+
+class ExpertParallelDispatch:
+    """`MoE.dispatcher` of an ep rank: rows out to the experts' ranks, results back.
+
+    With `chunks` > 1 (parallel.ep_overlap_chunks) the rows are cut into parts, each sorted by
+    expert, and pipelined: part c+1's dispatch and part c-1's combine are in flight while part
+    c's experts compute (forward; the backward's exchanges run one after another)."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, chunks: int = 1) -> None:
+        self.group, self.ep, self.chunks = group, ep, chunks
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """[parts, E] rows this rank sends to each expert -> [parts, ep, E/ep] rows each source
+        sends to each of this rank's experts, for every part, in one small all-to-all."""
+        parts = counts.shape[0]
+        send = counts.view(parts, self.ep, -1).transpose(0, 1).contiguous()  # by destination rank
+        recv = torch.empty_like(send)
+        with get_timers().span("ep.all_to_all", kind="comm", op="all_to_all", group="ep"):
+            all_to_all_single(recv, send, group=self.group)
+        return recv.transpose(0, 1)  # [parts, source rank, local expert]
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        chunks = self.chunks  # alike on every ep rank (their row counts differ)
+        rows, sizes = chunk_rows(counts, chunks) if chunks > 1 else ([None], counts.view(1, -1))
+        recv = self.exchange_counts(sizes)
+        send_rows = sizes.view(chunks, self.ep, -1).sum(2).tolist()
+        recv_rows = recv.sum(2).tolist()
+
+        def dispatch(c: int) -> _InFlight:
+            part = x if rows[c] is None else x[rows[c]]
+            return _InFlight(part, send_rows[c], recv_rows[c], self.group)
+
+        dispatches, combines = [dispatch(0)], []
+        for c in range(chunks):
+            if c + 1 < chunks:
+                dispatches.append(dispatch(c + 1))  # in flight while part c computes
+            received = dispatches[c].result()
+            order = expert_major(recv[c])
+            y = experts(received[order], recv[c].sum(0).tolist())
+            back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+            combines.append(_InFlight(y[back], recv_rows[c], send_rows[c], self.group))
+        outs = [combine.result() for combine in combines]
+        if chunks == 1:
+            return outs[0]
+        where = torch.cat(rows)  # part rows back to the order of x
+        return torch.empty_like(x).index_copy(0, where, torch.cat(outs))
+
+
+def check_expert_layout(model: nn.Module, ep: int) -> None:
+    """Every MoE layer splits into ep equal sets of whole experts (checked before any collective)."""
+    for layer in moe_layers(model):
+        if layer.num_experts % ep:
+            raise ConfigError(f"parallel.ep={ep} must divide model.moe.experts={layer.num_experts}")
+
+
+def apply_expert_parallel(model: nn.Module, mesh, chunks: int = 1) -> None:
+    """Keep this rank's experts of every MoE layer and route through the ep group (`chunks`:
+    parts of a micro-batch's rows pipelined against the experts)."""
+    ep, rank = mesh.ep_size, mesh.ep_rank
+    check_expert_layout(model, ep)
+    for layer in moe_layers(model):
+        per_rank = layer.num_experts // ep
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        for key in list(layer.experts.keys()):
+            if int(key) not in mine:
+                del layer.experts[key]
+        layer.dispatcher = ExpertParallelDispatch(mesh.ep_group, ep, chunks)
+        for p in layer.experts.parameters():
+            set_shard_spec(p, shard_spec(p).held_apart_over(mesh.ep_group))
+
+
+class ExpertGradSync:
+    """ZeRO-2 of the dense parameters over dp and of the expert parameters over their
+    expert-data group: the `grad_sync` of a runner whose model has routed experts."""
+
+    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh) -> None:
+        dense = ZeroGradSync(chunks, cfg, mesh, select=lambda name: not is_expert_parameter(name))
+        over = (mesh.expert_dp_group, mesh.expert_dp_size, mesh.expert_dp_rank)
+        experts = ZeroGradSync(chunks, cfg, mesh, select=is_expert_parameter, over=over)
+        self.parts = (dense, experts)
+
+    def before_forward(self, chunk_index: int) -> None:
+        for part in self.parts:
+            part.before_forward(chunk_index)
+
+    def after_backward(self, chunk_index: int) -> None:
+        for part in self.parts:
+            part.after_backward(chunk_index)
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def after_step(self) -> None:
+        for part in self.parts:
+            part.after_step()
+
+    def optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [t for part in self.parts for t in part.optimizer_tensors()]
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def wait_params(self) -> None:
+        for part in self.parts:
+            part.wait_params()
+
+
+def balance_reducer(mesh, sequence_parallel: bool):
+    """Sum of the routing statistics over every rank that routes its own tokens: dp, and tp under
+    sequence parallelism (each tp rank routes its slice; without it they route the same tokens)."""
+    groups = [] if mesh is None else [mesh.dp_group] + ([mesh.tp_group] if sequence_parallel else [])
+
+    def reduce(stats: torch.Tensor) -> torch.Tensor:
+        for group in groups:
+            if group is not None:
+                stats = stats.to(mesh.device)
+                dist.all_reduce(stats, group=group)
+        return stats
+    return reduce
+
+
+__all__ = ["ExpertGradSync", "ExpertParallelDispatch", "MoE", "apply_expert_parallel", "balance_reducer",
+           "chunk_rows", "expert_major"]
