@@ -107,7 +107,7 @@ def _grid_of_run(run_dir: str | Path, records: list[dict[str, Any]]) -> RankGrid
 
 def analyse_dumps(grid: RankGrid, dumps: dict[int, dict[str, Any]],
                   hosts: dict[int, str] | None = None) -> HangAnalysis:
-    ranks = {r: RankState(r, _coords(grid, r), (hosts or {}).get(r, "?")) for r in range(grid.world_size)}
+    ranks = {r: RankState(r, grid.named_coords(r), (hosts or {}).get(r, "?")) for r in range(grid.world_size)}
     for r, dump in dumps.items():
         s = ranks[r]
         s.host = dump.get("host", s.host)
@@ -137,14 +137,6 @@ def analyse_dumps(grid: RankGrid, dumps: dict[int, dict[str, Any]],
                     shared[key] = _dependencies(grid, ranks, s)
                 s.depends_on = shared[key]
     return HangAnalysis(grid, ranks, _stuck(ranks))
-
-
-def _coords(grid: RankGrid, rank: int) -> dict[str, int]:
-    """pp, dp, tp (and cp in a context-parallel job) of `rank`."""
-    coords = grid.coords(rank)._asdict()
-    if grid.cp == 1:
-        del coords["cp"]
-    return coords
 
 
 def _members(grid: RankGrid, s: RankState) -> list[int] | None:

@@ -71,6 +71,13 @@ class RankGrid:
         pp = rank // (self.tp * self.cp * self.dp)
         return Coords(pp=pp, dp=dp, tp=tp, cp=cp)
 
+    def named_coords(self, rank: int) -> dict[str, int]:
+        """pp, dp, tp of `rank` (and cp in a context-parallel job), for logs, timers and reports."""
+        coords = self.coords(rank)._asdict()
+        if self.cp == 1:
+            del coords["cp"]
+        return coords
+
     def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
         for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp), ("cp", cp, self.cp)):
             if not 0 <= value < size:

@@ -85,7 +85,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
         self.timers = Timers(
-            self.rank, self.mesh.coords._asdict(), socket.gethostname(), self.run_dir,
+            self.rank, self.mesh.grid.named_coords(self.rank), socket.gethostname(), self.run_dir,
             enabled=cfg.diagnostics.timers, device=self.device,
         )
         set_timers(self.timers)
@@ -188,7 +188,8 @@ class Trainer:
         """{} for a good step; else why it is skipped (and, after a rollback, where to)."""
         step = self.step + 1
         if not np.isfinite(record["grad_norm"]):
-            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.coords._asdict(), self.mesh.rank,
+            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.grid.named_coords(self.mesh.rank),
+                                      self.mesh.rank,
                                       self.mesh.world_size)
             last_good = self.checkpoints.last_good() if getattr(self, "checkpoints", None) else "none (no checkpoints)"
             self.nonfinite.skipped(step, record["grad_norm"], origin, last_good)
