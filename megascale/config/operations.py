@@ -105,6 +105,9 @@ class ResilienceConfig:
     spares: int = opt(0, "spare nodes that replace evicted ones")
     spare_pool: int = opt(4, "node ids admitted beyond nodes + spares over the job's life (replacement "
                              "nodes); any further new id is refused")
+    peer_address_check: bool = opt(True, "a registration's address must be the one it connects to the driver "
+                                         "from; off behind NAT, or when executors get an --address the driver "
+                                         "does not see them from")
     max_step_rate: float = opt(1000.0, "a rank's reported step may advance at most this many steps per "
                                        "second since it last advanced (or since the job started); more is refused")
     stop_timeout_s: float = opt(20.0, "how long ranks get to stop before they are killed")

@@ -10,15 +10,20 @@ What listens where: the rank-0 TCPStore serves MASTER_PORT. PyTorch binds it to 
 whatever host it is given, so when MASTER_ADDR is an address of this machine (127.0.0.1 in local
 runs, the node's own address on a cluster) rank 0 hands it a socket bound to that address only
 (`bound_listener`); the store has no authentication, so firewall the port between nodes
-(docs/cluster.md, docs/security.md).
+(docs/cluster.md, docs/security.md). And it stops taking connections once every rank of the
+world holds one (`seal_when_joined`): the ranks keep using theirs (gloo's and NCCL's later group
+creations go through them), while anyone else who connects to MASTER_PORT later gets nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
+import logging
 import os
 import socket
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,6 +35,9 @@ from megascale.config.schema import ParallelConfig
 
 # Key that PyTorch's store-based barrier (init/new_group barrier) adds to; one add per barrier.
 _BARRIER_KEY = "store_based_barrier_key"
+JOINED_KEY = "ranks_connected"  # each rank adds 1 once its store client is connected
+SO_ATTACH_FILTER = 26  # linux/socket.h
+log = logging.getLogger(__name__)
 
 
 class CountingStore(dist.Store):
@@ -181,6 +189,8 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
     # Under torchrun the agent already hosts the TCPStore on MASTER_PORT; workers join it.
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_master = rank == 0 and not agent_hosts
+    listen = bound_listener(address.host, address.port) if is_master else {}
+    listener = socket.socket(fileno=os.dup(listen["master_listen_fd"])) if listen else None
     tcp = dist.TCPStore(
         address.host,
         address.port,
@@ -188,9 +198,49 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
         is_master=is_master,
         timeout=timeout,
         wait_for_workers=False,
-        **(bound_listener(address.host, address.port) if is_master else {}),
+        **listen,
     )
+    if not agent_hosts:
+        tcp.add(address.prefix + JOINED_KEY, 1)
+    if listener is not None:
+        threading.Thread(target=seal_when_joined, args=(listener, address, world_size, timeout.total_seconds()),
+                         name="store-seal", daemon=True).start()
     return dist.PrefixStore(address.prefix, tcp)
+
+
+def seal_when_joined(listener: socket.socket, address: StoreAddress, world_size: int, timeout_s: float) -> None:
+    """Once `world_size` ranks have connected (or the rendezvous timed out), stop the store's
+    listener taking connections. Polled on a client of its own: the ranks' clients may be
+    blocked in a `wait`. The listener is not closed (PyTorch's libuv loop would spin on a dead
+    one) but given a socket filter that drops every packet, so a new connection never forms."""
+    key, deadline = address.prefix + JOINED_KEY, time.monotonic() + timeout_s
+    try:
+        probe = dist.TCPStore(address.host, address.port, world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        while probe.add(key, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        del probe
+        seal(listener)
+        log.info("rendezvous store %s:%d sealed: no new connections", address.host, address.port)
+    except (OSError, RuntimeError) as exc:  # the store went first (a rank failed): nothing to seal
+        log.warning("rendezvous store %s:%d not sealed: %s", address.host, address.port, exc)
+    finally:
+        listener.close()
+
+
+class _BpfInsn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _BpfProg(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_BpfInsn))]
+
+
+def seal(listener: socket.socket) -> None:
+    """Drop every packet that reaches `listener` (classic BPF `ret #0`): no handshake completes;
+    connections it already accepted are sockets of their own, untouched."""
+    program = (_BpfInsn * 1)(_BpfInsn(0x06, 0, 0, 0))  # BPF_RET | BPF_K, accept 0 bytes
+    listener.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(_BpfProg(1, program)))
 
 
 def bound_listener(host: str, port: int) -> dict[str, int]:

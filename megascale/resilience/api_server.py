@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http
 import json
 import logging
@@ -31,6 +32,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from typing import Any
 import h11
 from pydantic import BaseModel, ValidationError
 
+from megascale.resilience.api_budget import Budget, CallerBudgets, caller_key
 from megascale.resilience.identity import Principal
 from megascale.resilience.protocol import first_error
 
@@ -57,6 +60,7 @@ class Limits:
     max_unauthenticated: int = 512  # connected, not yet past a request with the token
     max_pending: int = 1024  # requests queued for the handlers
     handler_threads: int = 4
+    budget: Budget = Budget()  # per caller (api_budget.py)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class ApiServer:
         self.unauthenticated: dict[_Connection, None] = {}  # oldest first, a subset of conns
         self.pending = 0  # requests submitted to the pool and not yet answered
         self.shed = 0  # requests refused or dropped for load (503)
+        self.budgets = CallerBudgets(limits.budget)
         self.refusals = _RateLimitedLog(per_s=10)
         self.at_cap = _RateLimitedLog(per_s=2)  # apart: a flood of bad requests never hides the cap
         self._loop = asyncio.new_event_loop()
@@ -152,19 +157,27 @@ class ApiServer:
                 self._loop.call_later(0.1, self._loop.add_reader, fd, self._accept)
                 return
             sock.setblocking(False)
+            ip = peer[0] if isinstance(peer, tuple) else str(peer)
             if len(self.conns) >= self.cap and not self.evict_idle():
                 self.at_cap.note("api: connection from %s refused: %d connections, all busy", _peer(peer), self.cap)
                 sock.close()
                 continue
             if len(self.unauthenticated) >= self.limits.max_unauthenticated:
-                oldest = next(iter(self.unauthenticated))
-                self.at_cap.note("api: %d connections without a token yet: closed the oldest, from %s",
-                                 len(self.unauthenticated), oldest.peer)
+                oldest = self._most_unauthenticated()
+                self.at_cap.note("api: %d connections without a token yet: closed the oldest, from %s "
+                                 "(the address holding the most)", len(self.unauthenticated), oldest.peer)
                 oldest.abort()
-            conn = _Connection(self, sock, _peer(peer))
+            conn = _Connection(self, sock, _peer(peer), ip)
             self.conns[conn] = None
             self.unauthenticated[conn] = None
             self._loop.create_task(conn.handshake())
+
+    def _most_unauthenticated(self) -> _Connection:
+        """The oldest connection without a token of the address that holds the most of them: a
+        flood from one address sheds its own connections, never another's."""
+        counts = Counter(c.ip for c in self.unauthenticated)
+        top = max(counts.values())
+        return next(c for c in self.unauthenticated if counts[c.ip] == top)
 
     def evict_idle(self) -> bool:
         """Make room at the cap: the oldest connection without a token, else the oldest idle one."""
@@ -176,9 +189,11 @@ class ApiServer:
         return victim is not None
 
     # ------------------------------------------------------------------ requests
-    def check(self, method: str, path: str,
-              headers: list[tuple[bytes, bytes]]) -> tuple[int, str] | Principal:
-        """The refusal (status, reason) of a request head, before its body is read; else who calls."""
+    def check(self, method: str, path: str, headers: list[tuple[bytes, bytes]],
+              ip: str = "") -> tuple[int, str] | Principal:
+        """The refusal (status, reason) of a request head, before its body is read; else who calls.
+        A request within its caller's budget only (`api_budget.py`; `ip` names callers without
+        a node credential)."""
         if sum(len(k) + len(v) for k, v in headers) > self.limits.max_header:  # h11 caps only partial heads
             return 431, f"headers exceed {self.limits.max_header} bytes"
         auth = [v for k, v in headers if k == b"authorization"]
@@ -193,7 +208,10 @@ class ApiServer:
         length = next((v for k, v in headers if k == b"content-length"), b"0")
         if int(length) > self.limits.max_body:  # h11 has checked it is digits
             return 413, f"body of {int(length)} bytes exceeds {self.limits.max_body}"
-        return who
+        wait = self.budgets.take(caller_key(who, ip), self.budgets.cost(int(length)), time.monotonic())
+        if wait:
+            return 429, f"over this caller's request budget; retry in {max(wait, 0.1):.1f} s"
+        return dataclasses.replace(who, address=ip)
 
     def call(self, method: str, path: str, body: bytes, who: Principal,
              queued: float = 0.0) -> tuple[int, dict[str, Any]]:
@@ -217,33 +235,37 @@ class ApiServer:
             log.exception("api: %s %s failed", method, path)
             return 500, {"error": "internal error; the driver's log has the details"}
 
-    def submit(self, method: str, path: str, body: bytes, who: Principal) -> Future | None:
-        """Queue a request for the handlers; None when `max_pending` are queued already."""
+    def submit(self, method: str, path: str, body: bytes, who: Principal, key: str) -> Future | int:
+        """Queue a request for the handlers; else the refusal's status: 503 when `max_pending`
+        are queued already, 429 when its caller (`key`) has its share queued."""
         if self.pending >= self.limits.max_pending:
             self.shed += 1
-            return None
+            return 503
+        if not self.budgets.queue(key):
+            return 429
         self.pending += 1
         future = self._pool.submit(self.call, method, path, body, who, time.monotonic())
-        future.add_done_callback(self._answered)
+        future.add_done_callback(lambda _: self._answered(key))
         return future
 
-    def _answered(self, future: Future) -> None:
+    def _answered(self, key: str) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
-            self._loop.call_soon_threadsafe(self._count_answered)
+            self._loop.call_soon_threadsafe(self._count_answered, key)
 
-    def _count_answered(self) -> None:
+    def _count_answered(self, key: str) -> None:
         self.pending -= 1
+        self.budgets.done(key)
 
 
 class _Connection(asyncio.Protocol):
     """One client connection: TLS handshake, then requests one at a time, each within its deadline."""
 
-    def __init__(self, server: ApiServer, sock: socket.socket, peer: str) -> None:
-        self.server, self.sock, self.peer = server, sock, peer
+    def __init__(self, server: ApiServer, sock: socket.socket, peer: str, ip: str) -> None:
+        self.server, self.sock, self.peer, self.ip = server, sock, peer, ip
         self.loop = server._loop
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=server.limits.max_header)
         self.transport: asyncio.Transport | None = None
-        self.busy = self.closed = False
+        self.busy = self.closed = self.write_paused = False
         self.request: tuple[str, str] | None = None
         self.who: Principal | None = None
         self.body = bytearray()
@@ -280,6 +302,15 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self._arm(self.server.limits.request_timeout_s)
 
+    def pause_writing(self) -> None:
+        self.write_paused = True  # a client that sends requests and never reads the answers
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if not (self.busy or self.closed):
+            self.transport.resume_reading()
+            self._advance()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.timer is not None:
@@ -309,7 +340,7 @@ class _Connection(asyncio.Protocol):
             if isinstance(event, h11.Request):
                 self.request = (event.method.decode(errors="replace"),
                                 event.target.decode(errors="replace").split("?")[0])
-                checked = self.server.check(*self.request, list(event.headers))
+                checked = self.server.check(*self.request, list(event.headers), self.ip)
                 if isinstance(checked, Principal) or checked[0] != 401:
                     self.server.unauthenticated.pop(self, None)  # it holds a credential
                 if not isinstance(checked, Principal):
@@ -329,9 +360,13 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         self.transport.pause_reading()
-        future = self.server.submit(*self.request, bytes(self.body), self.who)
-        if future is None:
+        future = self.server.submit(*self.request, bytes(self.body), self.who, caller_key(self.who, self.ip))
+        if future == 503:
             return self._refuse(503, f"{self.server.limits.max_pending} requests queued already; retry")
+        if future == 429:
+            return self._refuse(429, f"this caller has {self.server.limits.budget.max_pending} requests queued "
+                                     "already; retry")
+        assert isinstance(future, Future)
         self.future = future
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._reply, f))
 
@@ -350,8 +385,10 @@ class _Connection(asyncio.Protocol):
             return self._close()
         self.busy, self.request, self.who = False, None, None
         self.body.clear()
-        self.transport.resume_reading()
         self._arm(self.server.limits.request_timeout_s)
+        if self.write_paused:  # its answers pile up unread: the next request waits until they drain
+            return
+        self.transport.resume_reading()
         self._advance()  # a request the client already sent behind this one
 
     def _refuse(self, status: int, why: str) -> None:
@@ -367,6 +404,8 @@ class _Connection(asyncio.Protocol):
         headers = [("content-type", "application/json"), ("content-length", str(len(raw)))]
         if status == 401:
             headers.append(("www-authenticate", 'Bearer realm="megascale"'))
+        if status in (429, 503):
+            headers.append(("retry-after", "1"))
         if close:
             headers.append(("connection", "close"))
         try:

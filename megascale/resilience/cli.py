@@ -178,8 +178,9 @@ def run(args: argparse.Namespace) -> int:
 def _routes(driver: Driver, identities: Identities) -> dict[tuple[str, str], Route]:
     """The API: each route's handler, the schema its body must pass first, and who may call it."""
     node, operator = frozenset({NODE}), frozenset({OPERATOR})
-    return {("POST", "/v1/register"): Route(registration(driver.on_register, identities), protocol.Register,
-                                            frozenset({JOIN, NODE})),
+    return {("POST", "/v1/register"): Route(registration(driver.on_register, identities,
+                                                         driver.rcfg.peer_address_check),
+                                            protocol.Register, frozenset({JOIN, NODE})),
             ("POST", "/v1/heartbeat"): Route(for_node(driver.on_heartbeat), protocol.Heartbeat, node),
             ("GET", "/v1/status"): Route(for_operator(driver.on_status), None, operator),
             ("POST", "/v1/evict"): Route(for_operator(driver.on_evict), protocol.Evict, operator),

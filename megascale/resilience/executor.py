@@ -70,6 +70,7 @@ UNTRUSTED_LOG_EVERY_S = 30.0
 # same reason (`executor_cli.py`).
 REQUEST_TIMEOUT_S = 2.0
 RETRY_S = (0.0, 0.25, 0.5, 1.0)
+BUSY = (429, 503)  # the driver sheds load (api_budget.py, the handlers' queue): retried, never fatal
 
 
 @dataclass
@@ -120,6 +121,9 @@ class Executor:
                 reply = RegisterReply.model_validate(reply)
                 break
             except ApiError as exc:
+                if exc.status in BUSY and time.monotonic() < deadline:  # the driver sheds load
+                    time.sleep(0.5)
+                    continue
                 if exc.status != 401 or self.client.token == self.join_token:
                     raise
                 log.warning("the kept credential is not this job's (%s); registering with the join token", exc)
@@ -164,7 +168,7 @@ class Executor:
                     self.stop_ranks()
                     return 3
                 log.warning("heartbeat rejected: %s", exc)
-                unanswered = exc.status == 503  # the driver sheds load: soon again, not in a period
+                unanswered = exc.status in BUSY  # the driver sheds load: soon again, not in a period
             except OSError as exc:
                 log.warning("driver unreachable (%s); ranks keep running", exc)
                 unanswered = True

@@ -21,7 +21,9 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,7 @@ Reply = tuple[int, dict[str, Any]]
 class Principal:
     role: str  # OPERATOR, JOIN or NODE
     node: str | None = None  # the node a NODE credential speaks for
+    address: str = ""  # where the request came from (the TCP peer), set by the API server
 
 
 class Identities:
@@ -112,18 +115,41 @@ def for_node(handler: Callable[[dict[str, Any]], Reply]) -> Callable[[dict[str, 
     return call
 
 
-def registration(handler: Callable[[dict[str, Any], bool], Reply],
-                 identities: Identities) -> Callable[[dict[str, Any], Principal], Reply]:
+def registration(handler: Callable[[dict[str, Any], bool], Reply], identities: Identities,
+                 peer_check: bool = True) -> Callable[[dict[str, Any], Principal], Reply]:
     """The register route: with the join token (a new node) or the node's own credential; the
-    reply carries the node's credential."""
+    reply carries the node's credential. `peer_check`: the address registered (every attempt's
+    rendezvous is an active node's) must be the one the request comes from."""
     def call(body: dict[str, Any], who: Principal) -> Reply:
         if who.role == NODE and who.node != body["node_id"]:
             return 403, {"error": f"this credential speaks for {who.node}, not for {body['node_id']}"}
+        if peer_check and who.address and _canonical(who.address) not in _addresses(body["address"]):
+            return 403, {"error": f"node {body['node_id']} registers address {body['address']} but connects from "
+                                  f"{who.address}; register the address the driver sees (behind NAT, set "
+                                  "resilience.peer_address_check=false)"}
         status, reply = handler(body, who.role == NODE)
         if status == 200:
             reply = {**reply, "credential": identities.credential_for(body["node_id"])}
         return status, reply
     return call
+
+
+def _canonical(address: str) -> str:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+def _addresses(address: str) -> set[str]:
+    """The IP addresses `address` (an IP, or a name: resolved, in a handler thread) stands for."""
+    try:
+        return {_canonical(address)}
+    except ValueError:
+        pass
+    try:
+        return {_canonical(str(info[4][0]).split("%")[0]) for info in socket.getaddrinfo(address, None)}
+    except (OSError, ValueError):
+        return set()
 
 
 def for_operator(handler: Callable[[dict[str, Any]], Reply]) -> Callable[[dict[str, Any], Principal], Reply]:

@@ -34,7 +34,9 @@ def driver_args(run_dir: Path, nodes: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "megascale.cli", "launch", "--external", "--nodes", str(nodes),
             "--ranks-per-node", str(RANKS_PER_NODE), f"--parallel.dp={world}", f"--train.global_batch={world}",
             "--train.micro_batch=1", "--train.steps=1000000000", "--resilience.hang_floor_s=600",
-            "--resilience.startup_timeout_s=300", "--resilience.in_place=true", f"--train.run_dir={run_dir}", *extra]
+            "--resilience.startup_timeout_s=300", "--resilience.in_place=true", f"--train.run_dir={run_dir}",
+            "--resilience.peer_address_check=false",  # simulated nodes claim 10.x addresses from loopback
+            *extra]
 
 
 def cpu_s(pid: int) -> float:

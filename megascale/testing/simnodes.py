@@ -101,6 +101,9 @@ class SimNode:
                 self.stats.errors.append(str(exc))
                 await asyncio.sleep(0.5 + random.random())
                 continue
+            if status in (429, 503):  # the driver sheds load: as an executor does, try again
+                await asyncio.sleep(0.5 + random.random())
+                continue
             if status != 200:
                 raise RuntimeError(f"{self.node_id}: registration refused: {status} {reply}")
             self.heartbeat_s = reply["heartbeat_s"]

@@ -179,3 +179,30 @@ def test_namespace_comes_from_job_and_restart_count():
     assert StoreAddress.from_env({}, need_master=False).prefix == "megascale/job/attempt0/"
     with pytest.raises(ConfigError, match="MASTER_ADDR and MASTER_PORT"):
         StoreAddress.from_env({})
+
+
+def _sealed_mesh(timeout_s: float) -> tuple[bool, float]:
+    """Join a 2-rank TCPStore mesh; then whether a new connection to MASTER_PORT still forms (as
+    another local user would make it), and a collective on groups created after the seal."""
+    import os
+
+    mesh = init_mesh(ParallelConfig(dp=2, init_timeout_s=timeout_s, collective_timeout_s=timeout_s), device="cpu")
+    port = int(os.environ["MASTER_PORT"])
+    deadline, connects = time.monotonic() + 10, True
+    while connects and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            time.sleep(0.1)
+        except OSError:
+            connects = False
+    t = torch.tensor([float(mesh.rank + 1)])
+    dist.all_reduce(t, group=mesh.checkpoint_groups["dp"])  # a gloo group made through the store now
+    mesh.destroy()
+    return connects, t.item()
+
+
+def test_the_rendezvous_store_takes_no_connection_once_every_rank_holds_one():
+    """Before, rank 0's TCPStore listened on MASTER_PORT for the whole run: any local user could
+    connect and rewrite the rendezvous keys. Now, once both ranks are connected, a new connection
+    never forms, while groups created later (through the ranks' own connections) still work."""
+    assert run_local(_sealed_mesh, 2, (30,), timeout_s=120) == [(False, 3.0)] * 2

@@ -3,7 +3,8 @@
 The driver is the real `megascale launch --external` process (no training: the node is this
 test's own client, speaking the protocol with the real `ApiClient`, heartbeating every 0.5 s
 from a thread). It runs with a lowered descriptor limit, a Redis password in its URL and a short
-request timeout, so that attacks on all of these are quick. `untouched()` is the job as it must
+request timeout, so that attacks on all of these are quick; the check of registered addresses
+against the connection's is off unless asked for (`peer_check`). `untouched()` is the job as it must
 stay: running, attempt 0, no fault, the node active, the node's heartbeats all answered.
 """
 
@@ -32,7 +33,8 @@ REQUEST_TIMEOUT_S = 1.0
 
 
 class LiveDriver:
-    def __init__(self, run_dir: Path, fd_limit: int = FD_LIMIT, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, run_dir: Path, fd_limit: int = FD_LIMIT, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 peer_check: bool = False) -> None:
         self.run_dir = run_dir
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = run_dir.parent / "driver.log"
@@ -41,7 +43,9 @@ class LiveDriver:
                 f"--parallel.redis_url=redis://:{REDIS_PASSWORD}@127.0.0.1:1/0",
                 "--resilience.hang_floor_s=3600", "--resilience.heartbeat_timeout_s=5",
                 "--resilience.startup_timeout_s=3600", f"--resilience.api_request_timeout_s={request_timeout_s}",
-                f"--train.run_dir={run_dir}"]
+                f"--train.run_dir={run_dir}",
+                # the attacks claim addresses (10.x, 127.0.0.2) from this one process on 127.0.0.1
+                f"--resilience.peer_address_check={str(peer_check).lower()}"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,

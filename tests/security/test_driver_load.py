@@ -6,16 +6,20 @@ timeout (the driver serves connections that hold the token first; see api_server
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import socket
+import ssl
 import threading
 import time
 
 import pytest
 
+from megascale.resilience.api import ApiClient
 from megascale.resilience.api_server import Limits
-from tests.security.live import LiveDriver, attacker_tls
+from tests.security import flood
+from tests.security.live import LiveDriver, attacker_tls, raw_request, read_response, request_bytes
 
 pytestmark = pytest.mark.timeout(180)
 FLOOD = 3000
@@ -23,7 +27,8 @@ FLOOD = 3000
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    live = LiveDriver(tmp_path_factory.mktemp("load") / "run", fd_limit=8192, request_timeout_s=10.0)  # the defaults
+    live = LiveDriver(tmp_path_factory.mktemp("load") / "run", fd_limit=8192, request_timeout_s=10.0,
+                      peer_check=True)  # the defaults
     try:
         yield live
     finally:
@@ -58,6 +63,72 @@ def test_3000_idle_connections_without_a_token_cost_the_node_no_heartbeat(driver
     assert held < Limits().max_unauthenticated + 100, held
     driver.untouched()
     assert "connections without a token yet: closed the oldest" in driver.log()
+
+
+def test_a_flood_from_one_peer_costs_that_peer_not_the_others(driver):
+    """A node with its own credential (node-b, from 127.0.0.2) pipelines maximum-size valid
+    heartbeats over 100 connections for 10 s, while 127.0.0.3 floods handshakes with a wrong
+    token, both from their own processes. node-a (127.0.0.1) keeps heartbeating every 0.5 s:
+    its beats are answered never more than 4 s apart (the heartbeat timeout is 5 s; the slack is
+    for a loaded machine) and the operator's status (its kept-alive connection) within 4 s
+    throughout. Before the per-caller budgets node-a went 5.5 s unanswered (3 beats in 10 s)."""
+    node_b = ApiClient.for_run(driver.run_dir, operator=False)
+    credential = node_b.call("POST", "/v1/register", {"node_id": "node-b", "address": "127.0.0.1",
+                                                      "host": "flood", "pid": 1})["credential"]
+    rank = {"rank": 0, "local_rank": 0, "pid": 1, "alive": True, "step": 1, "recent": [[1, 0.1]] * 64}
+    body = json.dumps({"node_id": "node-b", "ranks": [dict(rank, rank=i) for i in range(1024)]}).encode()
+    heavy = request_bytes("POST", "/v1/heartbeat", body, token=credential)
+    wrong = request_bytes("GET", "/v1/status", token="w" * 43)
+    assert len(heavy) > 700_000
+    latencies: list[float] = []
+
+    def operator() -> None:
+        client = ApiClient.for_run(driver.run_dir)  # kept alive, as an operator's script keeps it
+        while time.monotonic() < stop_at:
+            started = time.monotonic()
+            client.status()
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.5)
+
+    began = time.monotonic()
+    stop_at = began + 10.0
+    floods = [flood.start(driver.port, "127.0.0.2", heavy, 100, 10.0, pipelined=2),
+              flood.start(driver.port, "127.0.0.3", wrong, 20, 10.0)]
+    watcher = threading.Thread(target=operator, daemon=True)
+    watcher.start()
+    heavy_seen, wrong_seen = (flood.result(proc) for proc in floods)
+    watcher.join(10)
+    beats = [t for t in driver.node.answered if began <= t <= stop_at]
+    gaps = [b - a for a, b in zip([began, *beats], [*beats, stop_at], strict=True)]
+    assert max(gaps) < 4.0, (len(beats), max(gaps), heavy_seen, wrong_seen)
+    assert latencies and max(latencies) < 4.0, latencies
+    assert heavy_seen.get("429", 0) > 0 and wrong_seen.get("401", 0) > 0, (heavy_seen, wrong_seen)
+    status = driver.status()  # node-b, a spare silent since its flood, may be evicted as lost by now
+    assert (status["phase"], status["attempt"], status["faults"]) == ("running", 0, []), status
+    assert status["nodes"]["node-a"]["role"] == "active" and driver.node.refused == [], driver.node.refused
+    assert "429 POST /v1/heartbeat from 127.0.0.2" in driver.log()
+
+
+def test_a_node_registers_only_the_address_it_connects_from(driver):
+    """The address a node registers becomes every attempt's MASTER_ADDR when it is the first
+    active node: a join-token holder claiming another host's address is refused, from loopback
+    and from 127.0.0.2 alike; the address it does connect from is admitted."""
+    body = {"node_id": "node-c", "host": "x", "pid": 1}
+    for address in ("10.66.0.1", "127.0.0.2", "0:0:0:0:0:ffff:a42:1"):  # the last: 10.66.0.1 as IPv6
+        status, reply = raw_request(driver.port, request_bytes(
+            "POST", "/v1/register", json.dumps({**body, "address": address}).encode(), driver.join_token))
+        assert status == 403 and "connects from 127.0.0.1" in reply["error"], (address, status, reply)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    for address, expected in (("127.0.0.1", 403), ("127.0.0.2", 200)):
+        sock = socket.create_connection(("127.0.0.1", driver.port), source_address=("127.0.0.2", 0))
+        with ctx.wrap_socket(sock) as tls:
+            tls.sendall(request_bytes("POST", "/v1/register", json.dumps({**body, "address": address}).encode(),
+                                      driver.join_token))
+            assert read_response(tls)[0] == expected, address
+    status = driver.status()
+    assert status["nodes"]["node-c"]["address"] == "127.0.0.2" and status["master"]["addr"] == "127.0.0.1"
+    assert (status["phase"], status["attempt"], status["faults"]) == ("running", 0, [])
 
 
 def test_requests_whose_clients_left_are_dropped_unrun_and_the_queue_is_bounded(tmp_path):
