@@ -5,8 +5,15 @@ runs off CUDA), for sequence lengths 1k.. (8k by default; `--all`: up to 32k).
 
 Both run side by side at each length, alternating, on the same inputs (batch 1, 8 query heads,
 8 or `--kv-heads` key/value heads, head dim 64, fp32). Memory: the most bytes of tensors alive at
-once that the call allocated (`diagnostics.tensor_memory`), in the timed runs. Goals: the
-SWA time grows linearly (ratio 32k/4k <= 10 at fixed w) and SWA is faster than full from 2k on.
+once that the call allocated beyond its inputs (`diagnostics.tensor_memory`), in one more run
+after the timed ones (the tracker slows every op).
+Goals: the SWA time grows linearly (ratio 32k/4k <= 10 at fixed w) and SWA is faster than full
+from 2k on.
+
+Then context parallelism at the longest length: the SWA layer's forward + backward with the
+sequence whole on one process (cp = 1) and split over two gloo processes with the halo exchange
+(cp = 2, `parallel/context.py`), one thread per process: tokens/s (the sequence over the slowest
+rank's time) and peak tensor memory per rank.
 
     python bench/long_context.py [--all] [--window 512] [--repeats 2]
 
@@ -23,9 +30,12 @@ import platform
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megascale.diagnostics.tensor_memory import peak_tensor_bytes, wall_seconds
 from megascale.model.attention import causal_attention
+from megascale.parallel.context import ContextParallel
+from megascale.testing.launch import run_local
 
 RESULTS = Path(__file__).parent / "results" / "long_context.json"
 DEFAULT_LENGTHS = [1024, 2048, 4096, 8192]
@@ -45,12 +55,11 @@ def measure(seq: int, args: argparse.Namespace) -> dict:
 
     row: dict = {"seq": seq, "full": {"seconds": []}, "swa": {"seconds": []}}
     step(args.window)  # warm-up (the mask cache)
-    for r in range(args.repeats):  # tracked runs are timed too: the tracker costs µs per op
+    for r in range(args.repeats):  # untracked: the memory tracker costs µs per op, more for more ops
         for name, window in (windows.items() if r % 2 == 0 else reversed(windows.items())):
-            peak: list[int] = []
-            row[name]["seconds"].append(wall_seconds(
-                lambda w=window, peak=peak: peak.append(peak_tensor_bytes(lambda: step(w)))))
-            row[name]["peak_bytes"] = peak[0]
+            row[name]["seconds"].append(wall_seconds(lambda w=window: step(w)))
+    for name, window in windows.items():
+        row[name]["peak_bytes"] = peak_tensor_bytes(lambda w=window: step(w), external=(q, k, v, grad_out))
     for name in windows:
         row[name]["best_s"] = min(row[name]["seconds"])
     row["swa_vs_full_time"] = row["swa"]["best_s"] / row["full"]["best_s"]
@@ -59,6 +68,49 @@ def measure(seq: int, args: argparse.Namespace) -> dict:
           f"swa {row['swa']['best_s']:8.3f} s {row['swa']['peak_bytes'] / 2**20:8.1f} MiB   "
           f"swa/full time {row['swa_vs_full_time']:.2f}", flush=True)
     return row
+
+
+def _cp_rank(seq: int, window: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+    """One rank of the cp comparison (spawned by `run_local`: its environment, one thread)."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        local = seq // size
+        q = torch.randn(1, heads, local, head_dim, generator=g).requires_grad_()
+        k, v = (torch.randn(1, kv_heads, local, head_dim, generator=g).requires_grad_() for _ in range(2))
+        grad_out = torch.randn(q.shape, generator=g)
+        context = ContextParallel(dist.group.WORLD, rank, size)
+
+        def step() -> None:
+            q.grad = k.grad = v.grad = None
+            context.attend(q, k, v, window).backward(grad_out)
+
+        step()  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            dist.barrier()
+            seconds.append(wall_seconds(step))
+        peak = peak_tensor_bytes(step, external=(q, k, v, grad_out))
+        return {"rank": rank, "best_s": min(seconds), "peak_bytes": peak}
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_cp(seq: int, args: argparse.Namespace) -> dict:
+    out: dict = {"seq": seq, "window": args.window}
+    for size in (1, 2):
+        ranks = run_local(_cp_rank, size, args=(seq, args.window, args.heads, args.kv_heads, args.head_dim,
+                                                args.repeats), timeout_s=1800)
+        slowest = max(r["best_s"] for r in ranks)
+        out[f"cp{size}"] = {"ranks": ranks, "tokens_per_s": seq / slowest,
+                            "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks)}
+    out["cp2_vs_cp1_tokens_per_s"] = out["cp2"]["tokens_per_s"] / out["cp1"]["tokens_per_s"]
+    out["cp2_vs_cp1_memory_per_rank"] = out["cp2"]["peak_bytes_per_rank"] / out["cp1"]["peak_bytes_per_rank"]
+    print(f"cp at {seq}: cp1 {out['cp1']['tokens_per_s']:.0f} tok/s {out['cp1']['peak_bytes_per_rank'] / 2**20:.1f} "
+          f"MiB/rank; cp2 {out['cp2']['tokens_per_s']:.0f} tok/s {out['cp2']['peak_bytes_per_rank'] / 2**20:.1f} "
+          f"MiB/rank", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(seq, args) for seq in (ALL_LENGTHS if args.all else DEFAULT_LENGTHS)]
     by_seq = {r["seq"]: r for r in rows}
     longest = max(by_seq)
+    context = measure_cp(longest, args)
     summary = {
         "swa_time_ratio_longest_vs_4k": by_seq[longest]["swa"]["best_s"] / by_seq[4096]["swa"]["best_s"],
         "longest": longest,
@@ -92,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "note": "CPU, fp32, the machine shared with other jobs (see the load average): times are noisy; "
-                "full and SWA are timed side by side at each length",
+                "full and SWA are timed side by side at each length; cp: one thread per rank, gloo on loopback",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows,
+        "context_parallel": context,
         "summary": summary,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -224,11 +224,12 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """The (pp, dp, tp) layout, the overlaps and how ranks meet at start-up."""
+    """The (pp, dp, cp, tp) layout, the overlaps and how ranks meet at start-up."""
 
     dp: int = opt(1, "data-parallel degree (ZeRO-2 shards gradients and optimizer state over it)")
     tp: int = opt(1, "tensor-parallel degree (inside a node; with sequence parallelism)")
     pp: int = opt(1, "pipeline stages")
+    cp: int = opt(1, "context-parallel degree: each sequence split along its length over cp ranks (SWA halo exchange)")
     ep: int = opt(1, "expert-parallel degree, carved from dp: ep consecutive dp ranks split each MoE layer's experts")
     vpp: int = opt(1, "virtual pipeline chunks per stage (interleaved 1F1B when > 1)")
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
@@ -267,7 +268,7 @@ class ParallelConfig:
         return os.environ.get(REDIS_PASSWORD_ENV) or None
 
     def validate(self) -> None:
-        positive(self, "parallel", ["dp", "tp", "pp", "ep", "vpp", "tp_overlap_chunks", "ep_overlap_chunks"])
+        positive(self, "parallel", ["dp", "tp", "pp", "cp", "ep", "vpp", "tp_overlap_chunks", "ep_overlap_chunks"])
         if self.dp_bucket_mb <= 0:
             raise ConfigError(f"parallel.dp_bucket_mb must be > 0, got {self.dp_bucket_mb}")
         if self.vpp > 1 and self.pp == 1:
@@ -431,6 +432,8 @@ class JobConfig:
             raise ConfigError("train.spike_action='rollback' restores the last checkpoint: it needs "
                               "checkpoint.every > 0 (or use spike_action='skip')")
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
+        if p.cp > 1:
+            check_context_parallel(m, p, self.checkpoint.every)
         check_expert_parallel(m, p)
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and self.micro_batches % p.pp:
@@ -463,6 +466,26 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
         raise ConfigError(f"parallel.tp={tp} must divide the MLP width {m.ffn}")
     if sequence_parallel and tp > 1 and m.seq_len % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.seq_len={m.seq_len} with sequence parallelism")
+
+
+def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
+    """What the halo exchange (`parallel/context.py`) needs, and the combinations not built yet."""
+    if m.window is None:
+        raise ConfigError(f"parallel.cp={p.cp} needs sliding-window attention (set model.window): ring attention "
+                          "for full causal attention is not implemented yet")
+    if m.seq_len % p.cp:
+        raise ConfigError(f"parallel.cp={p.cp} must divide model.seq_len={m.seq_len}")
+    local = m.seq_len // p.cp
+    if m.window - 1 > local:
+        raise ConfigError(f"model.window={m.window} reaches past the previous cp rank's {local} positions "
+                          f"(seq_len / cp): use model.window <= {local + 1} or a smaller parallel.cp")
+    if p.sequence_parallel and p.tp > 1 and local % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
+    if p.pp > 1 or p.ep > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp}, parallel.ep={p.ep} is not supported yet; "
+                          "use pp=1 and ep=1")
+    if checkpoint_every > 0:
+        raise ConfigError(f"parallel.cp={p.cp}: checkpoints do not reshard across cp yet; set checkpoint.every=0")
 
 
 def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:

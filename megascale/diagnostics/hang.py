@@ -107,8 +107,7 @@ def _grid_of_run(run_dir: str | Path, records: list[dict[str, Any]]) -> RankGrid
 
 def analyse_dumps(grid: RankGrid, dumps: dict[int, dict[str, Any]],
                   hosts: dict[int, str] | None = None) -> HangAnalysis:
-    ranks = {r: RankState(r, grid.coords(r)._asdict(), (hosts or {}).get(r, "?"))
-             for r in range(grid.world_size)}
+    ranks = {r: RankState(r, grid.named_coords(r), (hosts or {}).get(r, "?")) for r in range(grid.world_size)}
     for r, dump in dumps.items():
         s = ranks[r]
         s.host = dump.get("host", s.host)

@@ -1,8 +1,10 @@
 """Rank layout of a 3D-parallel job: pure arithmetic, no processes.
 
-Ranks are laid out as `arange(world).view(pp, dp, tp)`: tp innermost (neighbouring ranks, the
-fastest links inside a node), then dp, then pp. MegaScale places DP groups closer than PP groups
-because ZeRO's all-gather/reduce-scatter traffic is heavier than pipeline point-to-point traffic.
+Ranks are laid out as `arange(world).view(pp, dp, cp, tp)`: tp innermost (neighbouring ranks, the
+fastest links inside a node), then cp (context parallelism: its halo/ring point-to-point traffic
+runs every layer, so it sits next to tp, as in Megatron's tp-cp-dp-pp order), then dp, then pp.
+MegaScale places DP groups closer than PP groups because ZeRO's all-gather/reduce-scatter traffic
+is heavier than pipeline point-to-point traffic.
 Every process group of the job is derived from this one grid, so the mesh, the data loader, the
 checkpointer and the diagnostics agree on who is whose neighbour.
 """
@@ -12,18 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
-Dim = Literal["tp", "dp", "pp"]
-DIMS: tuple[Dim, ...] = ("tp", "dp", "pp")
+Dim = Literal["tp", "cp", "dp", "pp"]
+DIMS: tuple[Dim, ...] = ("tp", "cp", "dp", "pp")
 
 
 class Coords(NamedTuple):
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 class HasDegrees(Protocol):
-    """Anything that states the three degrees: `ParallelConfig`, the planner's `Layout`."""
+    """Anything that states the degrees: `ParallelConfig`, the planner's `Layout` (cp: 1 if absent)."""
 
     @property
     def pp(self) -> int: ...
@@ -40,14 +43,16 @@ class RankGrid:
     pp: int
     dp: int
     tp: int
+    cp: int = 1
     ep: int = 1  # expert parallelism, carved from dp (not a dimension of its own)
 
     @classmethod
     def of(cls, degrees: HasDegrees) -> RankGrid:
-        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp, ep=getattr(degrees, "ep", 1))
+        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp, cp=getattr(degrees, "cp", 1),
+                   ep=getattr(degrees, "ep", 1))
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "ep"):
+        for name in ("pp", "dp", "tp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RankGrid.{name} must be an integer >= 1, got {value!r}")
@@ -56,20 +61,28 @@ class RankGrid:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def coords(self, rank: int) -> Coords:
         self._check_rank(rank)
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
-        return Coords(pp=pp, dp=dp, tp=tp)
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return Coords(pp=pp, dp=dp, tp=tp, cp=cp)
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+    def named_coords(self, rank: int) -> dict[str, int]:
+        """pp, dp, tp of `rank` (and cp in a context-parallel job), for logs, timers and reports."""
+        coords = self.coords(rank)._asdict()
+        if self.cp == 1:
+            del coords["cp"]
+        return coords
+
+    def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp), ("cp", cp, self.cp)):
             if not 0 <= value < size:
                 raise ValueError(f"{name} coordinate {value} out of range [0, {size})")
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def groups(self, dim: Dim) -> list[list[int]]:
         """Every group of `dim`, each sorted, ordered by the smallest rank it holds."""
@@ -89,8 +102,8 @@ class RankGrid:
         are summed."""
         c = self.coords(rank)
         block, place = divmod(c.dp, self.ep)
-        ep = [self.rank_of(c.pp, block * self.ep + i, c.tp) for i in range(self.ep)]
-        data = [self.rank_of(c.pp, b * self.ep + place, c.tp) for b in range(self.dp // self.ep)]
+        ep = [self.rank_of(c.pp, block * self.ep + i, c.tp, c.cp) for i in range(self.ep)]
+        data = [self.rank_of(c.pp, b * self.ep + place, c.tp, c.cp) for b in range(self.dp // self.ep)]
         return ep, data
 
     def group_size(self, dim: Dim) -> int:

@@ -35,10 +35,13 @@ class Embedding(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.positions == "learned" else None
+        self.context = None  # context parallelism: this rank's part of the sequence (parallel.context)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """`offset`: the position of the first token (generation with a KV cache)."""
         h = self.tokens(tokens)
+        if self.context is not None:
+            offset = self.context.offset(tokens.shape[1])
         if self.positions is not None:
             h = h + self.positions.weight[offset: offset + tokens.shape[1]]
         return h
@@ -72,6 +75,7 @@ class Attention(nn.Module):
         self.rope = (cfg.rotary_dim, cfg.rope_base, scaling_key(cfg.rope_scaling))
         self.kernel = "auto"
         self.cache: KVCache | None = None  # set while generating (interop.generate)
+        self.context = None  # context parallelism: attends across the cp ranks (parallel.context)
         self.qkv = Linear(cfg.hidden, cfg.qkv_width, bias=cfg.bias or cfg.qkv_bias)
         self.proj = Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
@@ -90,11 +94,15 @@ class Attention(nn.Module):
         q = grouped[:, :, :, :per_group].reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
         k, v = grouped[:, :, :, per_group].transpose(1, 2), grouped[:, :, :, per_group + 1].transpose(1, 2)
         past = self.cache.seen if self.cache is not None else 0
+        if self.context is not None:
+            past = self.context.offset(s)
         if self.rotary:
             cos, sin = rotary_tables(past + s, *self.rope, qkv.device, qkv.dtype)
             q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
         if self.cache is not None:
             out = self.cache.attend(q, k, v, self.kernel)
+        elif self.context is not None:
+            out = self.context.attend(q, k, v, self.window)
         else:
             out = causal_attention(q, k, v, self.window, self.kernel)
         return out.transpose(1, 2).reshape(b, s, groups * per_group * self.head_dim)

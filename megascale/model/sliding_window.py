@@ -1,20 +1,22 @@
-"""Sliding-window attention that costs O(s*w) on any device, in plain PyTorch ("sliding chunks").
+"""Sliding-window attention that costs O(s*w) time and O(s*d) memory on any device.
 
 A band mask through SDPA computes all s*s scores and throws most away: on CPU a window makes
-attention slower than full causal attention. Here the queries are cut into blocks of `block`
-positions; block i attends only to the keys from block i - p to block i, where p =
-ceil((w - 1) / block) blocks cover the window, so the scores of one block are `block x
-(p + 1) * block` and the whole costs s * (w + block) pairs instead of s^2 / 2. The keys of every
-block are a strided view (`unfold`) of the keys padded with p blocks in front; the
-band (i - w < j <= i) and the padding are masked inside each block. Forward and backward are
-batched GEMMs over all blocks at once; the backward is written out (the softmax is kept from the
-forward, O(s*w) memory, its division by the row sums applied to the [.., d] output and output
-gradient; the softmax backward's row sums come from dO * O, as FlashAttention's) and adds
-each block's key/value gradients back into place.
+attention slower than full causal attention. Here the queries are cut into chunks of `block`
+positions; a chunk attends only to its own keys and the `w - 1` before them, under a band mask
+`[block, block + w - 1]`, so the whole costs s * (w + block) pairs instead of s^2 / 2.
+
+Each chunk is one call of an attention kernel that returns the output and the log-sum-exp of
+every query, as FlashAttention does; the backward calls the matching backward kernel per chunk,
+which recomputes the chunk's probabilities from the log-sum-exp. So only one chunk's scores are
+alive at once: memory is the inputs' size, as fused full attention's. On CPU the kernel is
+PyTorch's fused flash-attention kernel (`_scaled_dot_product_flash_attention_for_cpu`: its
+softmax never leaves the cache); elsewhere `_eager_forward`/`_eager_backward`, plain PyTorch.
 
 Semantics are the band-masked reference's (`attention.sdpa_attention`): query i attends to keys
-i - w + 1 .. i; w >= s is full causal attention; grouped-query attention (each key/value head
-serves `heads / kv_heads` consecutive query heads) without repeating keys or values.
+i - w + 1 .. i; grouped-query attention (each key/value head serves `heads / kv_heads`
+consecutive query heads) without repeating keys or values. Keys and values may be longer than
+the queries by a prefix (context parallelism's halo, `parallel/context.py`): query i then sits
+at key position i + prefix.
 """
 
 from __future__ import annotations
@@ -29,102 +31,199 @@ from megascale.model.eager_cache import eager_cache
 
 
 def default_block(window: int) -> int:
-    """Small blocks waste fewer pairs (s * block beyond the window's s * w), large ones make
-    larger GEMMs: a quarter of the window, a power of two between 16 and 128."""
+    """Small chunks waste fewer pairs (s * block beyond the window's s * w), large ones make
+    fewer, larger kernel calls: a quarter of the window, a power of two between 16 and 128."""
     return max(16, min(128, 1 << max(0, (window // 4).bit_length() - 1)))
 
 
 @eager_cache(maxsize=16)
-def _band_bias(window: int, block: int, previous: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask `[previous + 1, block, span]` (0 or -inf): entry i is the mask of query
-    block i for i < previous (whose first keys are padding) and of every later block at i = previous."""
-    span = (previous + 1) * block
-    blocks = torch.arange(previous + 1, device=device).view(-1, 1, 1)
-    q = blocks * block + torch.arange(block, device=device).view(1, -1, 1)
-    k = (blocks - previous) * block + torch.arange(span, device=device).view(1, 1, -1)
-    allowed = (k <= q) & (k > q - window) & (k >= 0)
+def _band(window: int, queries: int, keys: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[queries, keys]` (0 or -inf): query r sits at key column r + keys - queries
+    and sees the `window` columns up to it."""
+    q = torch.arange(queries, device=device).view(-1, 1) + keys - queries
+    k = torch.arange(keys, device=device).view(1, -1)
+    allowed = (k <= q) & (k > q - window)
     return torch.zeros(allowed.shape, device=device, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
 
-def _windows(x: torch.Tensor, span: int, block: int) -> torch.Tensor:
-    """`[b, g, L, d]` padded keys/values -> `[b, g, n, span, d]`, block i's keys (a view)."""
-    return x.unfold(2, span, block).transpose(-1, -2)
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Softmax arithmetic in fp32 at least (fp64 stays fp64)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _eager_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's contract in plain PyTorch: (output, log-sum-exp `[b, heads, queries]`)."""
+    per = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(per, 1), v.repeat_interleave(per, 1)
+    scores = _wide(q @ k.transpose(-1, -2)).mul_(scale).add_(mask)
+    lse = scores.logsumexp(-1)
+    return (scores.sub_(lse.unsqueeze(-1)).exp_().to(q.dtype) @ v), lse
+
+
+def _eager_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    per = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(per, 1), v.repeat_interleave(per, 1)
+    probs = _wide(q @ kr.transpose(-1, -2)).mul_(scale).add_(mask).sub_(lse.unsqueeze(-1)).exp_()
+    # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O)
+    delta = _wide((grad_out * out).sum(-1, keepdim=True))
+    grad_s = _wide(grad_out @ vr.transpose(-1, -2)).sub_(delta).mul_(probs).to(q.dtype)
+    grad_q = (grad_s @ kr) * scale
+    grad_k = (grad_s.transpose(-1, -2) @ q) * scale
+    grad_v = probs.to(q.dtype).transpose(-1, -2) @ grad_out
+
+    def fold(x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], k.shape[1], per, *x.shape[2:]).sum(2)
+
+    return grad_q, fold(grad_k), fold(grad_v)
+
+
+GROUP_KEY_BYTES = 16 << 20  # key + value windows of one group of chunks (one kernel call)
+
+
+class _Chunks:
+    """Where chunk c's queries and keys lie: queries [c * block, +block), keys from `window - 1`
+    positions before its first query (zeros, masked, before the first key). Chunks go to the
+    kernel in groups, stacked along the batch: the interior chunks (all of one shape, one band
+    mask) as many at a time as fit `GROUP_KEY_BYTES`, so the kernel is called s / block / group
+    times, not s / block (each call is a parallel region: many small ones cost much on a loaded
+    machine); the first chunks (padding in front) and a short last chunk alone."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, window: int, block: int):
+        self.s, self.keys, self.window, self.block = q.shape[2], k.shape[2], window, block
+        self.prefix = self.keys - self.s
+        self.scale = 1.0 / math.sqrt(q.shape[-1])
+        span = block + window - 1
+        self.group = max(1, GROUP_KEY_BYTES // (2 * k.shape[0] * k.shape[1] * span * k.shape[3] * k.element_size()))
+
+    def __iter__(self):
+        """(first query, chunks) of every group."""
+        start = 0
+        while start < self.s:
+            lo, _ = self.key_range(start)
+            if lo < 0 or start + self.block > self.s:
+                count = 1
+            else:
+                count = max(1, min(self.group, (self.s - start) // self.block))
+            yield start, count
+            start += count * self.block
+
+    def key_range(self, start: int, count: int = 1) -> tuple[int, int]:
+        """Keys of the chunks from query `start`, in k's positions (the first may be < 0)."""
+        stop = min(start + count * self.block, self.s) + self.prefix
+        return start + self.prefix - (self.window - 1), stop
+
+    def rows(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Queries (or outputs) of a group `[b, heads, s, e]` -> `[b * count, heads, block, e]`."""
+        if count == 1:
+            return x[:, :, start:start + self.block]
+        b, h, _, e = x.shape
+        part = x[:, :, start:start + count * self.block].view(b, h, count, self.block, e)
+        return part.transpose(1, 2).reshape(b * count, h, self.block, e)
+
+    def put(self, dst: torch.Tensor, start: int, count: int, value: torch.Tensor) -> None:
+        b, h, _, e = dst.shape
+        value = value.view(b, count, h, -1, e).transpose(1, 2).reshape(b, h, -1, e)
+        dst[:, :, start:start + value.shape[2]] = value
+
+    def kv(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Keys (or values) of a group: `[b * count, kv_heads, keys of a chunk, d]`."""
+        lo, hi = self.key_range(start, count)
+        if lo < 0:
+            return F.pad(x[:, :, 0:hi], (0, 0, -lo, 0))
+        if count == 1:
+            return x[:, :, lo:hi]
+        b, g, _, d = x.shape
+        windows = x[:, :, lo:hi].unfold(2, self.block + self.window - 1, self.block)  # [b, g, count, d, span]
+        return windows.permute(0, 2, 1, 4, 3).reshape(b * count, g, -1, d)
+
+    def fold(self, dst: torch.Tensor, start: int, count: int, grad: torch.Tensor) -> None:
+        """Add a group's key (or value) gradients `[b * count, kv_heads, span, d]` into place."""
+        lo, hi = self.key_range(start, count)
+        if count == 1:
+            dst[:, :, max(lo, 0):hi] += grad[:, :, max(0, -lo):]
+            return
+        b, g, _, d = dst.shape
+        grad = grad.view(b, count, g, -1, d).transpose(1, 2)  # [b, g, count, span, d]
+        span, rows = grad.shape[3], count * self.block
+        for offset in range(0, span, self.block):  # window piece `offset` of every chunk
+            width = min(self.block, span - offset)
+            first = lo + offset
+            if first + rows <= dst.shape[2]:
+                target = dst[:, :, first:first + rows].view(b, g, count, self.block, d)
+                target[:, :, :, :width] += grad[:, :, :, offset:offset + width]
+            else:  # the last piece ends the keys: the last chunk's part of it is shorter than a block
+                target = dst[:, :, first:first + rows - self.block].view(b, g, count - 1, self.block, d)
+                target[:, :, :, :width] += grad[:, :, :-1, offset:offset + width]
+                last = first + rows - self.block
+                dst[:, :, last:last + width] += grad[:, :, -1, offset:offset + width]
+
+    def mask(self, start: int, like: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.key_range(start)
+        queries = min(start + self.block, self.s) - start
+        band = _band(self.window, queries, hi - lo, like.device, like.dtype)
+        if lo < 0:
+            band = band.clone()
+            band[:, :-lo] = float("-inf")
+        return band
 
 
 class _SlidingWindowAttention(Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, block: int) -> torch.Tensor:
-        b, heads, s, d = q.shape
-        groups = k.shape[1]
-        per = heads // groups
-        n = -(-s // block)
-        previous = min(-(-(window - 1) // block), n - 1)
-        span = (previous + 1) * block
-        pad_end = n * block - s
-        # queries: [b, groups, n, per * block, d], scaled; keys/values padded with `previous` blocks
-        qb = F.pad(q * (1.0 / math.sqrt(d)), (0, 0, 0, pad_end)).view(b, groups, per, n, block, d)
-        qb = qb.transpose(2, 3).reshape(b, groups, n, per * block, d)
-        kp = F.pad(k, (0, 0, previous * block, pad_end))
-        vp = F.pad(v, (0, 0, previous * block, pad_end))
-        scores = qb @ _windows(kp, span, block).transpose(-1, -2)  # [b, groups, n, per*block, span]
-        work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        bias = _band_bias(window, block, previous, q.device, work.dtype)
-        masked = work.view(b, groups, n, per, block, span)
-        # from block `previous` on, only the first span - w columns (the window's far edge) and
-        # those after previous * block (the diagonal block's future) hold masked entries
-        low, high = max(0, span - window), previous * block + 1
-        masked[:, :, previous:, :, :, :low] += bias[previous, :, :low]
-        masked[:, :, previous:, :, :, high:] += bias[previous, :, high:]
-        masked[:, :, :previous] += bias[:previous].unsqueeze(1)
-        # softmax numerators in place (one score-sized buffer); the division by the row sums is
-        # applied to the [.., d] output, and in the backward to the [.., d] output gradient
-        exp = work.sub_(work.amax(-1, keepdim=True)).exp_()
-        sums = exp.sum(-1, keepdim=True)
-        exp = exp.to(q.dtype)
-        out = (exp @ _windows(vp, span, block)).div_(sums.to(q.dtype))  # [b, groups, n, per*block, d]
-        ctx.save_for_backward(qb, kp, vp, exp, sums, out)
-        ctx.shape = (b, heads, s, d, groups, per, n, block, span, previous)
-        return _unblock(out, ctx.shape)
+        chunks = _Chunks(q, k, window, block)
+        out = q.new_empty(q.shape)
+        lse = q.new_empty(*q.shape[:3], 1, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        for start, count in chunks:
+            args = (chunks.rows(q, start, count), chunks.kv(k, start, count), chunks.kv(v, start, count))
+            mask = chunks.mask(start, q)
+            if _fused(q):
+                o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    *args, attn_mask=mask, scale=chunks.scale)
+            else:
+                o, m = _eager_forward(*args, mask, chunks.scale)
+            chunks.put(out, start, count, o)
+            chunks.put(lse, start, count, m.unsqueeze(-1))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks = chunks
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        qb, kp, vp, exp, sums, out = ctx.saved_tensors
-        b, heads, s, d, groups, per, n, block, span, previous = ctx.shape
-        go = F.pad(grad_out, (0, 0, 0, n * block - s)).view(b, groups, per, n, block, d)
-        go = go.transpose(2, 3).reshape(b, groups, n, per * block, d).div(sums.to(grad_out.dtype))
-        # with P = exp / sums: dS = P * (dP - rowsum(dP * P)), rowsum(dP * P) = rowsum(dO * O);
-        # both terms divided by sums (in go) leave exp as the factor
-        grad_scores = go @ _windows(vp, span, block).transpose(-1, -2)
-        grad_scores = grad_scores.sub_((go * out).sum(-1, keepdim=True)).mul_(exp)
-        grad_q = (grad_scores @ _windows(kp, span, block)) * (1.0 / math.sqrt(d))
-        grad_kw = grad_scores.transpose(-1, -2) @ qb  # [b, groups, n, span, d]
-        grad_vw = exp.transpose(-1, -2) @ go
-        return (_unblock(grad_q, ctx.shape), _fold(grad_kw, ctx.shape), _fold(grad_vw, ctx.shape), None, None)
-
-
-def _unblock(x: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """`[b, groups, n, per*block, d]` -> `[b, heads, s, d]`."""
-    b, heads, s, d, groups, per, n, block, _, _ = shape
-    x = x.view(b, groups, n, per, block, d).transpose(2, 3).reshape(b, heads, n * block, d)
-    return x[:, :, :s]
-
-
-def _fold(windows: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """Gradients of every block's key window `[b, groups, n, span, d]` summed back into the
-    keys `[b, groups, s, d]`: window offset j of block i is padded position (i + j) * block."""
-    b, _, s, d, groups, _, n, block, _, previous = shape
-    out = windows.new_zeros(b, groups, (n + previous) * block, d)
-    for j in range(previous + 1):
-        out[:, :, j * block:(j + n) * block] += windows[:, :, :, j * block:(j + 1) * block].reshape(b, groups, -1, d)
-    return out[:, :, previous * block:previous * block + s]
+        q, k, v, out, lse = ctx.saved_tensors
+        chunks: _Chunks = ctx.chunks
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        for start, count in chunks:
+            args = (chunks.rows(grad_out, start, count), chunks.rows(q, start, count), chunks.kv(k, start, count),
+                    chunks.kv(v, start, count), chunks.rows(out, start, count),
+                    chunks.rows(lse, start, count).squeeze(-1))
+            mask = chunks.mask(start, q)
+            if _fused(q):
+                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    *args, 0.0, False, attn_mask=mask, scale=chunks.scale)
+            else:
+                dq, dk, dv = _eager_backward(*args, mask, chunks.scale)
+            chunks.put(grad_q, start, count, dq)
+            chunks.fold(grad_k, start, count, dk)
+            chunks.fold(grad_v, start, count, dv)
+        return grad_q, grad_k, grad_v, None, None
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                              block: int | None = None) -> torch.Tensor:
-    """Causal attention of q `[b, heads, s, d]` over k, v `[b, kv_heads, s, d]` within the last
-    `window` positions, in query blocks of `block` (default: `default_block(window)`)."""
+    """Causal attention of q `[b, heads, s, d]` over k, v `[b, kv_heads, prefix + s, d]` within the
+    last `window` positions, in query chunks of `block` (default: `default_block(window)`)."""
     if window < 1:
         raise ValueError(f"model.window must be >= 1, got {window}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
+    if k.shape[2] < q.shape[2] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"keys/values of {k.shape[2]}/{v.shape[2]} positions for {q.shape[2]} queries: "
+                         "they must be equal, and at least as many as the queries")
     return _SlidingWindowAttention.apply(q, k, v, window, block or default_block(window))

@@ -1,11 +1,11 @@
 """The one place that turns a model into what this rank runs.
 
 `build_runner` applies parallelism from outside the model, in a fixed order: tensor parallel
-(layers replaced by sharded ones), expert parallel (this rank's experts kept), pipeline split
-(keep this rank's chunks), materialization of what this rank kept, ZeRO-2 over dp (per chunk;
-at dp = 1 over a group of one: it holds the fp32 master weights in every layout), then the
-speed-only block transformations. The trainer only sees the `ModelRunner` it returns
-(`parallel/runner.py`).
+(layers replaced by sharded ones), context parallel (attention and positions told their part of
+the sequence), expert parallel (this rank's experts kept), pipeline split (keep this rank's
+chunks), materialization of what this rank kept, ZeRO-2 over dp (per chunk; at dp = 1 over a
+group of one: it holds the fp32 master weights in every layout), then the speed-only block
+transformations. The trainer only sees the `ModelRunner` it returns (`parallel/runner.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from megascale.model.efficiency import (
     set_loss_chunk,
 )
 from megascale.model.init import SeededValues, ValueSource
+from megascale.parallel.context import apply_context_parallel
 from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
@@ -57,6 +58,8 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     distributed = mesh is not None and mesh.world_size > 1
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg.parallel, mesh)
+    if distributed and mesh.cp_size > 1:
+        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size)
     if distributed and mesh.ep_size > 1:
         # before materialization: other ranks' experts never exist here
         apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)

@@ -32,7 +32,7 @@ ProcessGroup = dist.ProcessGroup
 
 
 class ParallelMesh:
-    """Coordinates and process groups of one rank in a (pp, dp, tp) job."""
+    """Coordinates and process groups of one rank in a (pp, dp, cp, tp) job."""
 
     def __init__(
         self,
@@ -73,6 +73,14 @@ class ParallelMesh:
     @property
     def tp_rank(self) -> int:
         return self.coords.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.grid.cp
 
     @property
     def pp_size(self) -> int:
@@ -134,6 +142,11 @@ class ParallelMesh:
         return self._groups.get("edp")
 
     @property
+    def cp_group(self) -> ProcessGroup | None:
+        """Context parallelism's ranks: one sequence, split along it (`parallel/context.py`)."""
+        return self._groups["cp"]
+
+    @property
     def checkpoint_groups(self) -> dict[Dim, ProcessGroup | None]:
         """Gloo twins of the tp, dp and pp groups for checkpoint traffic, kept off the training
         links (`checkpoint.comm` routes world-wide collectives over them). A rank pays store
@@ -185,7 +198,8 @@ class ParallelMesh:
         c = self.coords
         return (
             f"ParallelMesh(rank={self.rank}/{self.world_size}, pp={c.pp}/{self.pp_size}, "
-            f"dp={c.dp}/{self.dp_size}, tp={c.tp}/{self.tp_size}, {self.backend}, {self.device})"
+            f"dp={c.dp}/{self.dp_size}, cp={c.cp}/{self.cp_size}, tp={c.tp}/{self.tp_size}, "
+            f"{self.backend}, {self.device})"
         )
 
 
@@ -198,7 +212,7 @@ def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
     env_world, rank = launch.world_size, launch.rank
     if env_world != grid.world_size:
         raise ConfigError(
-            f"parallel.dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {grid.world_size} but "
+            f"parallel.dp*cp*tp*pp = {cfg.dp}*{cfg.cp}*{cfg.tp}*{cfg.pp} = {grid.world_size} but "
             f"WORLD_SIZE={env_world}; launch {grid.world_size} processes or change the layout"
         )
     dev = launch.device(device)
@@ -251,7 +265,7 @@ def create_groups(
 ) -> tuple[dict[str, ProcessGroup | None], int]:
     """This rank's group of every dimension; returns the groups and how many were created.
 
-    Size-1 groups are None and a group spanning the world is the default group. Only tp, dp
+    Size-1 groups are None and a group spanning the world is the default group. Only tp, cp, dp
     and pp groups exist: nothing reads any other, so none is created."""
     groups: dict[str, ProcessGroup | None] = {}
     created = 0

@@ -20,6 +20,7 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import shard_spec
 from megascale.model.moe import balance_step, moe_layers, set_aux_scale
+from megascale.parallel.context import sum_grads_over
 from megascale.parallel.expert import balance_reducer
 from megascale.parallel.tensor import sync_sequence_parallel_grads
 
@@ -94,10 +95,13 @@ class ModelRunner:
         return total
 
     def finish_grads(self) -> None:
-        """Gradients are complete when this returns: summed over dp (ZeRO) and, for parameters
-        used on a sequence slice, over tp."""
+        """Gradients are complete when this returns: summed over dp (ZeRO), over cp (each cp
+        rank saw a part of every sequence) and, for parameters used on a sequence slice, over tp."""
         if self.grad_sync is not None:
             self.grad_sync.finish()
+        cp_group = None if self.mesh is None else self.mesh.cp_group
+        if cp_group is not None:
+            sum_grads_over(self.optimizer_tensors(), cp_group)
         layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         if layers:  # the step's expert loads over dp: the routing bias moves, the metrics read them
             self.moe_stats = balance_step(layers, balance_reducer(self.mesh, self.cfg.parallel.sequence_parallel))

@@ -82,9 +82,10 @@ def read_hosts(path: str | Path) -> list[Host]:
 
 
 def mesh_groups(layout: Layout) -> dict[str, list[list[int]]]:
-    """Global ranks of every tp, dp and pp group, in the job's rank order."""
+    """Global ranks of every tp, dp and pp group (and cp's, where the layout has cp > 1: the
+    planner does not model cp yet), in the job's rank order."""
     grid = RankGrid.of(layout)
-    return {dim: grid.groups(dim) for dim in DIMS}
+    return {dim: grid.groups(dim) for dim in DIMS if dim != "cp" or grid.cp > 1}
 
 
 def place(layout: Layout, hosts: list[Host], gpus_per_node: int) -> Placement:

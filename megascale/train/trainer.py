@@ -34,6 +34,7 @@ from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_to_norm_, global_grad_norm, lr_at
+from megascale.parallel.context import split_batch
 from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh
 from megascale.plan.memory import job_memory_estimate
@@ -84,7 +85,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
         self.timers = Timers(
-            self.rank, self.mesh.coords._asdict(), socket.gethostname(), self.run_dir,
+            self.rank, self.mesh.grid.named_coords(self.rank), socket.gethostname(), self.run_dir,
             enabled=cfg.diagnostics.timers, device=self.device,
         )
         set_timers(self.timers)
@@ -148,13 +149,20 @@ class Trainer:
         local = torch.zeros((), dtype=torch.int64)
         if batch is not None:
             local += (batch.labels != IGNORE_INDEX).sum()
-            if self.mesh.dp_group is not None:
-                local = reduce_sum(local.to(self.mesh.device), self.mesh.dp_group)
+            if self.mesh.dp_group is not None or self.mesh.cp_group is not None:
+                local = reduce_sum(local.to(self.mesh.device), self.mesh.dp_group, self.mesh.cp_group)
         return max(int(local), 1)
+
+    def cp_part(self, batch: TokenBatch | None) -> TokenBatch | None:
+        """This cp rank's part of every sequence (the loader gives cp ranks the same batch)."""
+        if batch is None or self.mesh.cp_size == 1:
+            return batch
+        return split_batch(batch, self.mesh.cp_rank, self.mesh.cp_size)
 
     def train_step(self, batch: TokenBatch | None) -> dict[str, float]:
         """Forward, backward, then the optimizer step unless the gradient norm is not finite or
         the loss spiked (`skipped` in the record; `rollback_to` when the state was restored)."""
+        batch = self.cp_part(batch)
         tokens = self.global_token_count(batch)
         self.runner.train()
         loss_sum = self.runner.forward_backward(batch, tokens)
@@ -180,7 +188,8 @@ class Trainer:
         """{} for a good step; else why it is skipped (and, after a rollback, where to)."""
         step = self.step + 1
         if not np.isfinite(record["grad_norm"]):
-            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.coords._asdict(), self.mesh.rank,
+            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.grid.named_coords(self.mesh.rank),
+                                      self.mesh.rank,
                                       self.mesh.world_size)
             last_good = self.checkpoints.last_good() if getattr(self, "checkpoints", None) else "none (no checkpoints)"
             self.nonfinite.skipped(step, record["grad_norm"], origin, last_good)
@@ -222,17 +231,17 @@ class Trainer:
         return {"skipped": 1, "skip_reason": "spike", "rollback_to": restored, "skipped_batches": [first, spiked]}
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
-        """Sum of token losses over the global batch, known on every rank: summed over dp on the
-        last stage, then over pp (other stages add zero). tp ranks hold the same value."""
+        """Sum of token losses over the global batch, known on every rank: summed over dp and cp
+        on the last stage, then over pp (other stages add zero). tp ranks hold the same value."""
         value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros_like(loss_sum)
         if self.mesh.is_last_stage:
-            reduce_sum(value, self.mesh.dp_group)
+            reduce_sum(value, self.mesh.dp_group, self.mesh.cp_group)
         return float(reduce_sum(value, self.mesh.pp_group))
 
     def evaluate(self) -> float:
         self.runner.train(False)
         total, tokens = 0.0, 0
-        for batch in self.eval_loader.batches():
+        for batch in map(self.cp_part, self.eval_loader.batches()):
             tokens += self.global_token_count(batch)
             total += self.reduce_loss(self.runner.eval_loss_sum(batch))
         return total / max(tokens, 1)

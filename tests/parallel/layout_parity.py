@@ -17,7 +17,15 @@ import torch
 
 from megascale.checkpoint.state import shared_pieces
 from megascale.checkpoint.stateful import CheckpointState, TrainState
-from megascale.config.schema import JobConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
+from megascale.config.schema import (
+    CheckpointConfig,
+    JobConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers
 from megascale.layout.shard import shard_spec
@@ -49,6 +57,7 @@ class Case:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
+    cp: int = 1
     optim: str = "adamw"
     overlap: bool = True
     split: tuple[int, ...] | None = None  # layers per pipeline chunk; None: `auto`
@@ -60,11 +69,12 @@ class Case:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def __str__(self) -> str:
         return (
-            f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}-{self.optim}"
+            f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-v{self.vpp}{f'-cp{self.cp}' if self.cp > 1 else ''}"
+            f"-{self.optim}"
             f"{'' if self.overlap else '-sync'}{'' if self.split is None else f'-split{list(self.split)}'}"
             f"{'' if self.dtype == 'fp32' else f'-{self.dtype}'}{'' if self.lr == 1e-2 else f'-lr{self.lr:g}'}"
             f"{'' if self.schedule == '1f1b' else f'-{self.schedule}'}"
@@ -79,6 +89,10 @@ MODELS = {
     "gpt": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=12, heads=2, block="serial"),
     "llama": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=16, heads=4, kv_heads=2, ffn_hidden=20,
                          block="serial", norm="rmsnorm", mlp="swiglu", bias=False),
+    # sliding-window attention for context parallelism: cp=2 holds 8 positions a rank, window 5
+    # needs the previous rank's last 4
+    "swa": ModelConfig(vocab_size=64, seq_len=16, layers=2, hidden=16, heads=4, kv_heads=2, window=5,
+                       block="serial"),
     # Mixture of experts in blocks 1 and 3 (every=2): 4 SwiGLU experts, top-2, a shared expert,
     # the balancing loss and z-loss on. "moe-skew": top-1 with a routing bias (DeepSeek-V3
     # balancing, `SkewedValues`) that sends every token to expert 0: one ep rank gets all rows.
@@ -119,6 +133,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             pp=case.pp,
             ep=case.ep,
             vpp=case.vpp,
+            cp=case.cp,
             pp_split="auto" if case.split is None else list(case.split),
             dp_overlap=case.overlap,
             schedule=case.schedule,
@@ -134,6 +149,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             eval_every=0,
             tensorboard=False,
         ),
+        checkpoint=CheckpointConfig(every=0) if case.cp > 1 else CheckpointConfig(),  # not across cp yet
     )
     cfg.validate()
     return cfg

@@ -88,7 +88,7 @@ def test_world_size_mismatch_is_a_config_error_before_any_collective():
     # Two ranks launched for a 4-rank layout: both must fail fast, not hang in rendezvous.
     messages = run_local(_mismatch, 2, timeout_s=180)
     for msg in messages:
-        assert "parallel.dp*tp*pp = 2*2*1 = 4 but WORLD_SIZE=2" in msg
+        assert "parallel.dp*cp*tp*pp = 2*1*2*1 = 4 but WORLD_SIZE=2" in msg
 
 
 def test_single_process_needs_no_rendezvous(monkeypatch):
@@ -96,7 +96,7 @@ def test_single_process_needs_no_rendezvous(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     mesh = init_mesh(ParallelConfig(), device="cpu")
     assert not dist.is_initialized()
-    assert (mesh.rank, mesh.world_size, tuple(mesh.coords)) == (0, 1, (0, 0, 0))
+    assert (mesh.rank, mesh.world_size, tuple(mesh.coords)) == (0, 1, (0, 0, 0, 0))
     assert all(getattr(mesh, f"{d}_group") is None for d in DIMS)
     assert mesh.checkpoint_groups == {d: None for d in DIMS} and mesh.replica_groups == mesh.checkpoint_groups
     assert mesh.is_first_stage and mesh.is_last_stage

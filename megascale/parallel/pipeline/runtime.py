@@ -93,7 +93,7 @@ class PipelineRunner(ModelRunner):
         self.decoupled = decoupled
         self.group = mesh.pp_group
         c = mesh.coords
-        self._peers = [mesh.grid.rank_of(r, c.dp, c.tp) for r in range(self.p)]
+        self._peers = [mesh.grid.rank_of(r, c.dp, c.tp, c.cp) for r in range(self.p)]
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self._grads_final: dict[tuple[str, int], dict[int, int]] = {}
         self._in_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # by local chunk

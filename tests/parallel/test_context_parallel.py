@@ -1,0 +1,155 @@
+"""Context parallelism (SWA halo exchange) trains the same model as one process, and overlaps.
+
+One spawn of 4 gloo ranks on a mesh of cp=2 x dp=2 (the cp groups come from the rank grid),
+then cp=4 over the world. Each case trains a tiny windowed GPT 2 steps (SGD) on every rank both
+whole and split along the sequence: the token-weighted global loss (labels ignored unevenly, all
+on rank 0's part) and the gradients summed over cp equal the single process's, for rotary and
+learned positions and grouped-query attention. The order of the halo's post/wait against the
+local attention (forward and backward) is recorded: the transfer must be in flight while the
+local queries' attention runs. Last, the real trainer (`layout_parity`) at cp2 x dp2 and cp2 x
+tp2 against one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megascale.config import ModelConfig, ParallelConfig
+from megascale.model import GPT
+from megascale.model.gpt import IGNORE_INDEX
+from megascale.parallel import context
+from megascale.parallel.context import apply_context_parallel, split_sequence
+from megascale.parallel.mesh import init_mesh
+from megascale.parallel.store import free_port
+from megascale.testing.launch import run_local
+
+from layout_parity import Case, compare, run_cases, train  # isort: skip
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # one spawn: 105 s on the loaded 2-core machine
+
+SEQ, STEPS = 32, 2
+TRAINER_CASES = [Case(cp=2, dp=2, model="swa"), Case(cp=2, tp=2, model="swa")]
+TRAINER_STEPS = 3
+CASES = [("rotary", 2, 7), ("learned", 4, 9)]  # positions, kv_heads, window (halo 6 / 8 <= 8 local positions)
+
+
+def _train(cfg: ModelConfig, tokens: torch.Tensor, group=None, rank: int = 0, size: int = 1):
+    model = GPT(cfg, seed=0)
+    if size > 1:
+        apply_context_parallel(model, group, rank, size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    labels[:, :5] = IGNORE_INDEX
+    count = int((labels != IGNORE_INDEX).sum())
+    if size > 1:
+        inputs, labels = split_sequence(inputs, rank, size), split_sequence(labels, rank, size)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        loss = model(inputs, labels) / count
+        loss.backward()
+        total = loss.detach().clone()
+        if size > 1:
+            dist.all_reduce(total, group=group)
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+        losses.append(total.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _record_order(group, rank: int, size: int) -> list[str]:
+    """Events of one windowed attention's forward and backward on this rank."""
+    events: list[str] = []
+    kernel = context.sliding_window_attention
+    originals = {name: getattr(context._Halo, name) for name in ("post", "wait", "post_grad", "wait_grad")}
+
+    def recorded(q, k, v, window):
+        part = "local" if q.shape[2] > window - 1 else "head"
+        q = q.view_as(q)
+        q.register_hook(lambda g: events.append(f"{part} backward done"))
+        out = kernel(q, k, v, window)
+        events.append(f"{part} forward done")
+        return out
+
+    def wrap(name):
+        def call(self, *args):
+            events.append(name)
+            return originals[name](self, *args)
+        return call
+
+    context.sliding_window_attention = recorded
+    for name in originals:
+        setattr(context._Halo, name, wrap(name))
+    try:
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(1, 2, 16, 8, generator=g).requires_grad_() for _ in range(3))
+        context.ContextParallel(group, rank, size).attend(q, k, v, 5).sum().backward()
+    finally:
+        context.sliding_window_attention = kernel
+        for name, fn in originals.items():
+            setattr(context._Halo, name, fn)
+    return events
+
+
+def _job(ports: list[int]) -> dict:
+    mesh = init_mesh(ParallelConfig(cp=2, dp=2), device="cpu")
+    out: dict = {"cp_group": mesh.grid.group_of(mesh.rank, "cp"), "errors": {}}
+    try:
+        tokens = torch.randint(0, 64, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        layouts = {"cp2": (mesh.cp_group, mesh.cp_rank, 2), "cp4": (dist.group.WORLD, mesh.rank, 4)}
+        for positions, kv_heads, window in CASES:
+            cfg = ModelConfig(vocab_size=64, seq_len=SEQ, layers=2, hidden=32, heads=4, kv_heads=kv_heads,
+                              window=window, positions=positions)
+            want_losses, want_grads = _train(cfg, tokens)
+            for name, (group, rank, size) in layouts.items():
+                losses, grads = _train(cfg, tokens, group, rank, size)
+                case = f"{name}-{positions}"
+                out["errors"][case] = {
+                    "loss": max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)),
+                    "grad": max((g[n] - w[n]).abs().max().item()
+                                for g, w in zip(grads, want_grads, strict=True) for n in w),
+                    "loss_moved": want_losses[0] - want_losses[-1],
+                }
+        out["order"] = _record_order(dist.group.WORLD, mesh.rank, 4)
+    finally:
+        mesh.destroy()
+    out["trainer"] = run_cases(TRAINER_CASES, ports, TRAINER_STEPS)  # the real Trainer.train_step
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_local(_job, 4, args=([free_port() for _ in TRAINER_CASES],), timeout_s=280)
+
+
+def test_the_rank_grid_puts_cp_next_to_tp(results):
+    assert [r["cp_group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+@pytest.mark.parametrize("case", [f"{cp}-{p}" for cp in ("cp2", "cp4") for p, _, _ in CASES])
+def test_losses_and_gradients_equal_one_process(results, case):
+    for rank, r in enumerate(results):
+        err = r["errors"][case]
+        assert err["loss_moved"] > 0.01, err  # the steps trained: step 2 sees step 1's update
+        assert err["loss"] < 1e-6 and err["grad"] < 1e-6, f"rank {rank}: {err}"
+
+
+def test_the_halo_is_in_flight_while_the_local_attention_runs(results):
+    for rank, r in enumerate(results):
+        events = r["order"]
+        fwd = events.index("post"), events.index("local forward done"), events.index("wait")
+        assert fwd[0] < fwd[1] < fwd[2] < events.index("head forward done"), (rank, events)
+        bwd = events.index("post_grad"), events.index("local backward done"), events.index("wait_grad")
+        assert events.index("head backward done") < bwd[0] < bwd[1] < bwd[2], (rank, events)
+
+
+@pytest.mark.parametrize("index", range(len(TRAINER_CASES)), ids=[str(c) for c in TRAINER_CASES])
+def test_the_trainer_under_cp_trains_as_one_process(results, index):
+    """build_runner + Trainer.train_step: the loader's batch split by cp, the token count and the
+    loss over dp and cp, gradients summed over cp after ZeRO; cp2 x dp2 and cp2 x tp2."""
+    reference = train(Case(model="swa"), steps=TRAINER_STEPS)
+    compare(TRAINER_CASES[index], [r["trainer"][index] for r in results], reference)
