@@ -20,7 +20,7 @@ from megascale.diagnostics.store import Collector
 from megascale.layout.grid import RankGrid
 from megascale.testing.simtraces import TraceShape, write_hang_dumps, write_timer_files
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]  # CPU-cost ratios: run alone (scripts/test.sh)
 
 
 def cpu(fn):

@@ -12,7 +12,7 @@ import pytest
 from megascale.resilience.api_server import raise_fd_limit
 from megascale.testing.scale import run_size
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(400)]  # CPU-cost ratios: run alone
 
 
 def test_per_heartbeat_work_does_not_grow_with_the_node_count():

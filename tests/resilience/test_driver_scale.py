@@ -21,7 +21,7 @@ from megascale.resilience.driver import Driver
 from megascale.resilience.state import JobState, JobStore
 from tests.resilience.test_attribution import via_api
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]  # CPU-cost ratios: run alone (scripts/test.sh)
 
 
 def driver_for(tmp_path, nodes: int, ranks_per_node: int, *flags: str) -> Driver:
