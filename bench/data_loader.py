@@ -38,9 +38,15 @@ RESULTS = Path(__file__).parent / "results" / "data_loader.json"
 
 
 def job(args: argparse.Namespace, **extra: object) -> object:
-    values = {"data.cache_dir": args.cache_dir, "model.seq_len": args.seq_len,
-              "train.global_batch": args.global_batch, "train.micro_batch": args.micro_batch,
-              "train.eval_batches": 1, "model.heads": 8, **extra}
+    values = {
+        "data.cache_dir": args.cache_dir,
+        "model.seq_len": args.seq_len,
+        "train.global_batch": args.global_batch,
+        "train.micro_batch": args.micro_batch,
+        "train.eval_batches": 1,
+        "model.heads": 8,
+        **extra,
+    }
     return load_config(None, [f"--{k}={_toml(v)}" for k, v in values.items()])
 
 
@@ -68,8 +74,7 @@ def gemm_step(seconds: float, size: int = 256) -> None:
 
 # -- part 1: per-node reads and memory ------------------------------------------------------
 def _rank(args: argparse.Namespace, reader: str, tp: int, dp: int) -> dict:
-    cfg = job(args, **{"data.reader": reader, "parallel.tp": tp, "parallel.dp": dp,
-                       "data.prefetch": True})
+    cfg = job(args, **{"data.reader": reader, "parallel.tp": tp, "parallel.dp": dp, "data.prefetch": True})
     proc = psutil.Process()
     mesh = init_mesh(cfg.parallel, device="cpu")
     io0 = proc.io_counters()
@@ -87,17 +92,20 @@ def _rank(args: argparse.Namespace, reader: str, tp: int, dp: int) -> dict:
     io2, mem = proc.io_counters(), proc.memory_full_info()
     train.close()
     mesh.destroy()
-    return {"startup_read_chars": io1.read_chars - io0.read_chars,
-            "read_chars": io2.read_chars - io1.read_chars,
-            "read_bytes": io2.read_bytes - io0.read_bytes,
-            "rss": mem.rss, "pss": mem.pss, "uss": mem.uss,
-            "wait_fraction": sum(waits) / elapsed}
+    return {
+        "startup_read_chars": io1.read_chars - io0.read_chars,
+        "read_chars": io2.read_chars - io1.read_chars,
+        "read_bytes": io2.read_bytes - io0.read_bytes,
+        "rss": mem.rss,
+        "pss": mem.pss,
+        "uss": mem.uss,
+        "wait_fraction": sum(waits) / elapsed,
+    }
 
 
 def node_totals(args: argparse.Namespace, reader: str, tp: int, dp: int, root: Path) -> dict:
     evict(root)
-    ranks = run_local(_rank, 4, (args, reader, tp, dp), env={"LOCAL_WORLD_SIZE": "4"},
-                      timeout_s=600)
+    ranks = run_local(_rank, 4, (args, reader, tp, dp), env={"LOCAL_WORLD_SIZE": "4"}, timeout_s=600)
     total = {k: sum(r[k] for r in ranks) for k in ranks[0] if k != "wait_fraction"}
     total["max_wait_fraction"] = max(r["wait_fraction"] for r in ranks)
     total["per_rank_read_chars"] = [r["read_chars"] for r in ranks]
@@ -106,8 +114,7 @@ def node_totals(args: argparse.Namespace, reader: str, tp: int, dp: int, root: P
 
 # -- part 2: waiting for data with and without prefetch ---------------------------------------
 def wait_fraction(args: argparse.Namespace, prefetch: bool, step: str) -> dict:
-    train, _ = build_loaders(job(args, **{"data.prefetch": prefetch, "data.reader": "rank"}),
-                             None)
+    train, _ = build_loaders(job(args, **{"data.prefetch": prefetch, "data.reader": "rank"}), None)
     train.next_batch()  # warm-up (first read, thread start)
     waits, start = 0.0, time.perf_counter()
     for _ in range(args.steps):
@@ -141,19 +148,24 @@ def main() -> None:
         node = node_totals(args, "node", tp, dp, root)
         rank = node_totals(args, "rank", tp, dp, root)
         loaders[layout] = {
-            "one_reader_per_node": node, "one_reader_per_rank": rank,
+            "one_reader_per_node": node,
+            "one_reader_per_rank": rank,
             "read_chars_ratio": node["read_chars"] / rank["read_chars"],
             "startup_read_chars_ratio": node["startup_read_chars"] / rank["startup_read_chars"],
             "disk_read_bytes_ratio": node["read_bytes"] / max(rank["read_bytes"], 1),
-            "rss_ratio": node["rss"] / rank["rss"], "pss_ratio": node["pss"] / rank["pss"],
+            "rss_ratio": node["rss"] / rank["rss"],
+            "pss_ratio": node["pss"] / rank["pss"],
         }
-        print(f"{layout}: loader reads per node, node reader / per-rank readers = "
-              f"{loaders[layout]['read_chars_ratio']:.3f} during steps "
-              f"({node['read_chars'] / 2**20:.1f} vs {rank['read_chars'] / 2**20:.1f} MiB), "
-              f"{loaders[layout]['startup_read_chars_ratio']:.3f} at start-up (checksums); "
-              f"disk {node['read_bytes'] / 2**20:.1f} vs {rank['read_bytes'] / 2**20:.1f} MiB; "
-              f"RSS {node['rss'] / 2**20:.0f} vs {rank['rss'] / 2**20:.0f} MiB, "
-              f"PSS {node['pss'] / 2**20:.0f} vs {rank['pss'] / 2**20:.0f} MiB", flush=True)
+        print(
+            f"{layout}: loader reads per node, node reader / per-rank readers = "
+            f"{loaders[layout]['read_chars_ratio']:.3f} during steps "
+            f"({node['read_chars'] / 2**20:.1f} vs {rank['read_chars'] / 2**20:.1f} MiB), "
+            f"{loaders[layout]['startup_read_chars_ratio']:.3f} at start-up (checksums); "
+            f"disk {node['read_bytes'] / 2**20:.1f} vs {rank['read_bytes'] / 2**20:.1f} MiB; "
+            f"RSS {node['rss'] / 2**20:.0f} vs {rank['rss'] / 2**20:.0f} MiB, "
+            f"PSS {node['pss'] / 2**20:.0f} vs {rank['pss'] / 2**20:.0f} MiB",
+            flush=True,
+        )
 
     prefetch: dict[str, dict] = {}
     for step in ("sleep", "gemm"):
@@ -161,22 +173,39 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode in ("off", "on"):
                 runs[mode].append(wait_fraction(args, mode == "on", step))
-        prefetch[step] = {mode: {"wait_fraction": sum(r["wait_fraction"] for r in rs) / len(rs),
-                                 "step_s": sum(r["step_s"] for r in rs) / len(rs), "runs": rs}
-                          for mode, rs in runs.items()}
+        prefetch[step] = {
+            mode: {
+                "wait_fraction": sum(r["wait_fraction"] for r in rs) / len(rs),
+                "step_s": sum(r["step_s"] for r in rs) / len(rs),
+                "runs": rs,
+            }
+            for mode, rs in runs.items()
+        }
         on, off = prefetch[step]["on"], prefetch[step]["off"]
-        print(f"{step} step: waiting for data {on['wait_fraction']:.2%} of step time with "
-              f"prefetch, {off['wait_fraction']:.2%} without (step {on['step_s'] * 1e3:.0f} ms, "
-              f"{args.global_batch} x {args.seq_len} tokens)", flush=True)
+        print(
+            f"{step} step: waiting for data {on['wait_fraction']:.2%} of step time with "
+            f"prefetch, {off['wait_fraction']:.2%} without (step {on['step_s'] * 1e3:.0f} ms, "
+            f"{args.global_batch} x {args.seq_len} tokens)",
+            flush=True,
+        )
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-        "args": vars(args), "corpus_tokens": read_manifest(root)["tokens"],
-        "loaders_4_local_ranks": loaders, "prefetch": prefetch,
-    }, indent=2))
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "load_average": os.getloadavg(),
+                "args": vars(args),
+                "corpus_tokens": read_manifest(root)["tokens"],
+                "loaders_4_local_ranks": loaders,
+                "prefetch": prefetch,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {RESULTS}")
 
 

@@ -34,8 +34,9 @@ from megascale.resilience.slowdown import CpuQuota, cpu_quota_available, cpu_rat
 
 
 def _step(status: dict) -> int:
-    return max((r.get("step") or 0 for n in status["nodes"].values() if n["role"] == "active"
-                for r in n["ranks"]), default=0)
+    return max(
+        (r.get("step") or 0 for n in status["nodes"].values() if n["role"] == "active" for r in n["ranks"]), default=0
+    )
 
 
 def _wait(job: Soak, predicate, poll_s: float = 0.2) -> dict:
@@ -50,10 +51,18 @@ def _wait(job: Soak, predicate, poll_s: float = 0.2) -> dict:
 
 def run(name: str, work: Path, args: argparse.Namespace, action: str, slow: bool, fault: str = "") -> dict:
     steps = args.steps if slow else args.jitter_steps
-    extra = [*MODEL, f"--train.steps={steps}", "--checkpoint.every=100", "--checkpoint.peer_every=5",
-             "--resilience.hang_floor_s=10", "--resilience.heartbeat_timeout_s=5", "--resilience.restart_budget=5",
-             f"--resilience.straggler_action={action}", f"--resilience.straggler_window_steps={args.window_steps}",
-             f"--resilience.straggler_windows={args.windows}"]
+    extra = [
+        *MODEL,
+        f"--train.steps={steps}",
+        "--checkpoint.every=100",
+        "--checkpoint.peer_every=5",
+        "--resilience.hang_floor_s=10",
+        "--resilience.heartbeat_timeout_s=5",
+        "--resilience.restart_budget=5",
+        f"--resilience.straggler_action={action}",
+        f"--resilience.straggler_window_steps={args.window_steps}",
+        f"--resilience.straggler_windows={args.windows}",
+    ]
     if fault:
         os.environ["MEGASCALE_FAULT"] = fault
     try:
@@ -82,18 +91,31 @@ def run(name: str, work: Path, args: argparse.Namespace, action: str, slow: bool
     summary = json.loads((job.run_dir / "resilience" / "summary.json").read_text())
     tokens = (steps - start_step) * 8 * 64  # global_batch x seq_len of MODEL
     named = [d for d in summary["stragglers"] if d["kind"] == "straggler"]
-    out.update(phase=summary["phase"], from_step=start_step, wall_s=end - start, tokens_per_s=tokens / (end - start),
-               ettr=summary["ettr"]["ettr"], restarts=summary["restarts"], evicted=summary["evicted"],
-               detections=summary["stragglers"], last_step_seen=_step(end_status))
+    out.update(
+        phase=summary["phase"],
+        from_step=start_step,
+        wall_s=end - start,
+        tokens_per_s=tokens / (end - start),
+        ettr=summary["ettr"]["ettr"],
+        restarts=summary["restarts"],
+        evicted=summary["evicted"],
+        detections=summary["stragglers"],
+        last_step_seen=_step(end_status),
+    )
     if slow and named:
         first = named[0]
-        out.update(detection_s=first["time"] - start, detection_steps=first["step"] - start_step,
-                   named_by_window_end=first["steps"][1] - start_step, measured_ratio=first["ratio"])
+        out.update(
+            detection_s=first["time"] - start,
+            detection_steps=first["step"] - start_step,
+            named_by_window_end=first["steps"][1] - start_step,
+            measured_ratio=first["ratio"],
+        )
         recovery = next((f for f in summary["faults"] if f["kind"] == "straggler"), None)
         out["recovery_s"] = recovery.get("recovery_s") if recovery else None
     if slow:
-        out["measured_ratio_timers"] = _timer_ratio(job.run_dir, [2, 3], start_step, first_step_after=None
-                                                    if not named else named[0]["step"])
+        out["measured_ratio_timers"] = _timer_ratio(
+            job.run_dir, [2, 3], start_step, first_step_after=None if not named else named[0]["step"]
+        )
         out["false_positives"] = [d for d in named if d["node"] != out["victim"]]
     else:
         out["false_positives"] = summary["stragglers"]
@@ -111,8 +133,11 @@ def _timer_ratio(run_dir: Path, slowed: list[int], from_step: int, first_step_af
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("kind") in ("compute", "optimizer") and rec["step"] > from_step and (
-                    first_step_after is None or rec["step"] <= first_step_after):
+            if (
+                rec.get("kind") in ("compute", "optimizer")
+                and rec["step"] > from_step
+                and (first_step_after is None or rec["step"] <= first_step_after)
+            ):
                 per.setdefault(rec["step"], {}).setdefault(rec["rank"], 0.0)
                 per[rec["step"]][rec["rank"]] += rec["self"]
     ratios = []
@@ -141,13 +166,22 @@ def main() -> None:
     load.append(os.getloadavg()[0])
     off = run("off", work, args, "off", slow=True)
     load.append(os.getloadavg()[0])
-    jitter = run("jitter", work, args, "replace", slow=False,
-                 fault=";".join(f"jitter:rank={r}:step=1:frac=0.2" for r in range(4)))
+    jitter = run(
+        "jitter",
+        work,
+        args,
+        "replace",
+        slow=False,
+        fault=";".join(f"jitter:rank={r}:step=1:frac=0.2" for r in range(4)),
+    )
     load.append(os.getloadavg()[0])
     result = {
         "machine": f"{os.cpu_count()} cores, shared with other jobs (loaded); load average at each run's "
-                   f"start and the end: {[round(x, 1) for x in load]}",
-        "config": vars(args), "on": on, "off": off, "jitter": jitter,
+        f"start and the end: {[round(x, 1) for x in load]}",
+        "config": vars(args),
+        "on": on,
+        "off": off,
+        "jitter": jitter,
         "throughput_on_over_off": on["tokens_per_s"] / off["tokens_per_s"],
         "ettr": {"on": on["ettr"], "off": off["ettr"]},
         "false_positives": len(on["false_positives"]) + len(jitter["false_positives"]),

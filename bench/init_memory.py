@@ -76,24 +76,42 @@ def main() -> None:
     for tp, pp in LAYOUTS:
         row: dict = {"tp": tp, "pp": pp}
         for mode in ("eager", "meta"):
-            out = subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--hidden",
-                                  str(args.hidden), "--child", mode, str(tp), str(pp)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--layers",
+                    str(args.layers),
+                    "--hidden",
+                    str(args.hidden),
+                    "--child",
+                    mode,
+                    str(tp),
+                    str(pp),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             row[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         row["values_equal"] = row["eager"]["checksum"] == row["meta"]["checksum"]
         row["memory_ratio"] = row["eager"]["peak_rss_growth_gib"] / max(row["meta"]["peak_rss_growth_gib"], 1e-9)
         row["time_ratio"] = row["eager"]["seconds"] / row["meta"]["seconds"]
         rows.append(row)
         e, m = row["eager"], row["meta"]
-        print(f"tp={tp} pp={pp}: local {m['local_params_m']:.0f}M params | "
-              f"eager {e['seconds']:.1f} s, +{e['peak_rss_growth_gib']:.2f} GiB | "
-              f"meta {m['seconds']:.1f} s, +{m['peak_rss_growth_gib']:.2f} GiB | memory x{row['memory_ratio']:.1f}, "
-              f"time x{row['time_ratio']:.1f}, values equal: {row['values_equal']}", flush=True)
+        print(
+            f"tp={tp} pp={pp}: local {m['local_params_m']:.0f}M params | "
+            f"eager {e['seconds']:.1f} s, +{e['peak_rss_growth_gib']:.2f} GiB | "
+            f"meta {m['seconds']:.1f} s, +{m['peak_rss_growth_gib']:.2f} GiB | memory x{row['memory_ratio']:.1f}, "
+            f"time x{row['time_ratio']:.1f}, values equal: {row['values_equal']}",
+            flush=True,
+        )
     out_dir = Path(os.environ.get("OUT") or "bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "init_memory.json"
-    path.write_text(json.dumps({"layers": args.layers, "hidden": args.hidden, "threads": os.cpu_count(),
-                                "rows": rows}, indent=2))
+    path.write_text(
+        json.dumps({"layers": args.layers, "hidden": args.hidden, "threads": os.cpu_count(), "rows": rows}, indent=2)
+    )
     print(f"wrote {path}")
 
 

@@ -56,7 +56,7 @@ def measure(seq: int, args: argparse.Namespace) -> dict:
     row: dict = {"seq": seq, "full": {"seconds": []}, "swa": {"seconds": []}}
     step(args.window)  # warm-up (the mask cache)
     for r in range(args.repeats):  # untracked: the memory tracker costs µs per op, more for more ops
-        for name, window in (windows.items() if r % 2 == 0 else reversed(windows.items())):
+        for name, window in windows.items() if r % 2 == 0 else reversed(windows.items()):
             row[name]["seconds"].append(wall_seconds(lambda w=window: step(w)))
     for name, window in windows.items():
         row[name]["peak_bytes"] = peak_tensor_bytes(lambda w=window: step(w), external=(q, k, v, grad_out))
@@ -64,9 +64,12 @@ def measure(seq: int, args: argparse.Namespace) -> dict:
         row[name]["best_s"] = min(row[name]["seconds"])
     row["swa_vs_full_time"] = row["swa"]["best_s"] / row["full"]["best_s"]
     row["swa_vs_full_memory"] = row["swa"]["peak_bytes"] / row["full"]["peak_bytes"]
-    print(f"{seq:>6}  full {row['full']['best_s']:8.3f} s {row['full']['peak_bytes'] / 2**20:8.1f} MiB   "
-          f"swa {row['swa']['best_s']:8.3f} s {row['swa']['peak_bytes'] / 2**20:8.1f} MiB   "
-          f"swa/full time {row['swa_vs_full_time']:.2f}", flush=True)
+    print(
+        f"{seq:>6}  full {row['full']['best_s']:8.3f} s {row['full']['peak_bytes'] / 2**20:8.1f} MiB   "
+        f"swa {row['swa']['best_s']:8.3f} s {row['swa']['peak_bytes'] / 2**20:8.1f} MiB   "
+        f"swa/full time {row['swa_vs_full_time']:.2f}",
+        flush=True,
+    )
     return row
 
 
@@ -100,16 +103,26 @@ def _cp_rank(seq: int, window: int, heads: int, kv_heads: int, head_dim: int, re
 def measure_cp(seq: int, args: argparse.Namespace) -> dict:
     out: dict = {"seq": seq, "window": args.window}
     for size in (1, 2):
-        ranks = run_local(_cp_rank, size, args=(seq, args.window, args.heads, args.kv_heads, args.head_dim,
-                                                args.repeats), timeout_s=1800)
+        ranks = run_local(
+            _cp_rank,
+            size,
+            args=(seq, args.window, args.heads, args.kv_heads, args.head_dim, args.repeats),
+            timeout_s=1800,
+        )
         slowest = max(r["best_s"] for r in ranks)
-        out[f"cp{size}"] = {"ranks": ranks, "tokens_per_s": seq / slowest,
-                            "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks)}
+        out[f"cp{size}"] = {
+            "ranks": ranks,
+            "tokens_per_s": seq / slowest,
+            "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks),
+        }
     out["cp2_vs_cp1_tokens_per_s"] = out["cp2"]["tokens_per_s"] / out["cp1"]["tokens_per_s"]
     out["cp2_vs_cp1_memory_per_rank"] = out["cp2"]["peak_bytes_per_rank"] / out["cp1"]["peak_bytes_per_rank"]
-    print(f"cp at {seq}: cp1 {out['cp1']['tokens_per_s']:.0f} tok/s {out['cp1']['peak_bytes_per_rank'] / 2**20:.1f} "
-          f"MiB/rank; cp2 {out['cp2']['tokens_per_s']:.0f} tok/s {out['cp2']['peak_bytes_per_rank'] / 2**20:.1f} "
-          f"MiB/rank", flush=True)
+    print(
+        f"cp at {seq}: cp1 {out['cp1']['tokens_per_s']:.0f} tok/s {out['cp1']['peak_bytes_per_rank'] / 2**20:.1f} "
+        f"MiB/rank; cp2 {out['cp2']['tokens_per_s']:.0f} tok/s {out['cp2']['peak_bytes_per_rank'] / 2**20:.1f} "
+        f"MiB/rank",
+        flush=True,
+    )
     return out
 
 
@@ -134,18 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         "swa_time_ratio_longest_vs_4k": by_seq[longest]["swa"]["best_s"] / by_seq[4096]["swa"]["best_s"],
         "longest": longest,
         "linear_ratio_would_be": longest / 4096,
-        "swa_faster_than_full_from": next((r["seq"] for r in rows if all(
-            s["swa_vs_full_time"] < 1 for s in rows if s["seq"] >= r["seq"])), None),
+        "swa_faster_than_full_from": next(
+            (r["seq"] for r in rows if all(s["swa_vs_full_time"] < 1 for s in rows if s["seq"] >= r["seq"])), None
+        ),
         "goal": "swa time ratio 32k/4k <= 10; swa faster than full from 2048 on",
     }
     print(summary)
     result = {
         "benchmark": "long_context",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "note": "CPU, fp32, the machine shared with other jobs (see the load average): times are noisy; "
-                "full and SWA are timed side by side at each length; cp: one thread per rank, gloo on loopback",
+        "full and SWA are timed side by side at each length; cp: one thread per rank, gloo on loopback",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows,
         "context_parallel": context,

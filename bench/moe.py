@@ -43,16 +43,26 @@ from megascale.testing.launch import run_local
 RESULTS = Path(__file__).parent / "results" / "moe.json"
 
 
-def job(args: argparse.Namespace, dp: int, ep: int, chunks: int = 1, moe: MoEConfig | None = None,
-        hidden: int | None = None) -> JobConfig:
+def job(
+    args: argparse.Namespace, dp: int, ep: int, chunks: int = 1, moe: MoEConfig | None = None, hidden: int | None = None
+) -> JobConfig:
     moe = moe or MoEConfig(experts=args.experts, top_k=2, ffn_hidden=args.expert_ffn)
     cfg = JobConfig(
-        model=ModelConfig(vocab_size=256, seq_len=args.seq_len, layers=args.layers, hidden=hidden or args.hidden,
-                          heads=4, block="serial", norm="rmsnorm", mlp="swiglu", bias=False, moe=moe),
+        model=ModelConfig(
+            vocab_size=256,
+            seq_len=args.seq_len,
+            layers=args.layers,
+            hidden=hidden or args.hidden,
+            heads=4,
+            block="serial",
+            norm="rmsnorm",
+            mlp="swiglu",
+            bias=False,
+            moe=moe,
+        ),
         optim=OptimConfig(name="adamw", lr=3e-3, warmup_steps=0),
         parallel=ParallelConfig(dp=dp, ep=ep, ep_overlap_chunks=chunks, backend="gloo"),
-        train=TrainConfig(global_batch=args.micro_batch * dp, micro_batch=args.micro_batch, device="cpu",
-                          steps=10**6),
+        train=TrainConfig(global_batch=args.micro_batch * dp, micro_batch=args.micro_batch, device="cpu", steps=10**6),
     )
     cfg.validate()
     return cfg
@@ -84,8 +94,10 @@ def overlap_rank(args: argparse.Namespace, run_dir: str) -> dict:
     try:
         timers = Timers(mesh.rank, mesh.coords._asdict(), None, Path(run_dir) / f"r{mesh.rank}", enabled=True)
         set_timers(timers)
-        trainers = {mode: BenchTrainer(job(args, 2, 2, chunks), mesh, timers)
-                    for mode, chunks in (("on", args.chunks), ("off", 1))}
+        trainers = {
+            mode: BenchTrainer(job(args, 2, 2, chunks), mesh, timers)
+            for mode, chunks in (("on", args.chunks), ("off", 1))
+        }
         data = random_batches(trainers["on"].cfg, mesh.dp_rank, args.steps)
         steps: dict[str, list[tuple[int, float]]] = {m: [] for m in trainers}
         counter = 0
@@ -101,8 +113,14 @@ def overlap_rank(args: argparse.Namespace, run_dir: str) -> dict:
                         steps[mode].append((counter, totals["step"]))
         timers.close()
         exposed = _exposed(timers.path)
-        return {mode: {"step_s": [t for _, t in rows], "forward_s": [exposed[s]["forward"] for s, _ in rows],
-                       "backward_s": [exposed[s]["backward"] for s, _ in rows]} for mode, rows in steps.items()}
+        return {
+            mode: {
+                "step_s": [t for _, t in rows],
+                "forward_s": [exposed[s]["forward"] for s, _ in rows],
+                "backward_s": [exposed[s]["backward"] for s, _ in rows],
+            }
+            for mode, rows in steps.items()
+        }
     finally:
         mesh.destroy()
 
@@ -120,7 +138,7 @@ def structured_batches(cfg: JobConfig, count: int) -> list[TokenBatch]:
         for _ in range(cfg.train.micro_batch):
             row = torch.multinomial(weights, seq + 1, replacement=True, generator=g)
             for start in range(0, seq - 8, 16):
-                row[start: start + 8] = phrases[int(torch.randint(0, 6, (1,), generator=g))]
+                row[start : start + 8] = phrases[int(torch.randint(0, 6, (1,), generator=g))]
             rows.append(row)
         tokens = torch.stack(rows).unsqueeze(0)
         out.append(TokenBatch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()))
@@ -131,8 +149,14 @@ def balance(args: argparse.Namespace) -> dict:
     settings = {
         "none": MoEConfig(experts=args.experts, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0),
         "aux_loss_0.01": MoEConfig(experts=args.experts, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001),
-        "bias_balancing": MoEConfig(experts=args.experts, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.001,
-                                    bias_balancing=True, bias_update_rate=0.01),
+        "bias_balancing": MoEConfig(
+            experts=args.experts,
+            top_k=2,
+            aux_loss_coef=0.0,
+            z_loss_coef=0.001,
+            bias_balancing=True,
+            bias_update_rate=0.01,
+        ),
     }
     mesh = init_mesh(ParallelConfig(), device="cpu")
     set_timers(Timers(0, mesh.coords._asdict(), None, None, enabled=False))
@@ -146,14 +170,20 @@ def balance(args: argparse.Namespace) -> dict:
             trainer.step += 1
             imbalance.append(record["moe_imbalance"])
             losses.append(record["loss"])
-        tail = imbalance[len(imbalance) // 2:]
-        out[name] = {"imbalance_mean": statistics.fmean(imbalance),
-                     "imbalance_second_half_mean": statistics.fmean(tail),
-                     "imbalance_last": imbalance[-1], "loss_last": losses[-1], "steps": len(imbalance),
-                     "imbalance": [round(v, 3) for v in imbalance]}
-        print(f"  {name:15s}: imbalance (max/mean tokens per expert) mean {out[name]['imbalance_mean']:.2f}, "
-              f"second half {out[name]['imbalance_second_half_mean']:.2f}, last {imbalance[-1]:.2f}; "
-              f"loss {losses[-1]:.3f}")
+        tail = imbalance[len(imbalance) // 2 :]
+        out[name] = {
+            "imbalance_mean": statistics.fmean(imbalance),
+            "imbalance_second_half_mean": statistics.fmean(tail),
+            "imbalance_last": imbalance[-1],
+            "loss_last": losses[-1],
+            "steps": len(imbalance),
+            "imbalance": [round(v, 3) for v in imbalance],
+        }
+        print(
+            f"  {name:15s}: imbalance (max/mean tokens per expert) mean {out[name]['imbalance_mean']:.2f}, "
+            f"second half {out[name]['imbalance_second_half_mean']:.2f}, last {imbalance[-1]:.2f}; "
+            f"loss {losses[-1]:.3f}"
+        )
     return out
 
 
@@ -182,20 +212,29 @@ def main() -> None:
         fwd = statistics.median([t for r in ranks for t in r[mode]["forward_s"]])
         bwd = statistics.median([t for r in ranks for t in r[mode]["backward_s"]])
         tokens = args.micro_batch * 2 * args.seq_len / step
-        part1[mode] = {"step_s_median": step, "tokens_per_s": tokens, "exposed_forward_a2a_s_median": fwd,
-                       "exposed_backward_a2a_s_median": bwd, "samples": len(ranks[0][mode]["step_s"])}
-        print(f"  overlap {mode:3s}: step {step * 1e3:7.1f} ms ({tokens:7.0f} tokens/s), exposed all-to-all "
-              f"forward {fwd * 1e3:6.2f} ms, backward {bwd * 1e3:6.2f} ms (median per step)")
+        part1[mode] = {
+            "step_s_median": step,
+            "tokens_per_s": tokens,
+            "exposed_forward_a2a_s_median": fwd,
+            "exposed_backward_a2a_s_median": bwd,
+            "samples": len(ranks[0][mode]["step_s"]),
+        }
+        print(
+            f"  overlap {mode:3s}: step {step * 1e3:7.1f} ms ({tokens:7.0f} tokens/s), exposed all-to-all "
+            f"forward {fwd * 1e3:6.2f} ms, backward {bwd * 1e3:6.2f} ms (median per step)"
+        )
     on, off = part1["on"], part1["off"]
     ratios = {
-        "exposed_forward_a2a_on_over_off": on["exposed_forward_a2a_s_median"] / max(off["exposed_forward_a2a_s_median"],
-                                                                                    1e-9),
+        "exposed_forward_a2a_on_over_off": on["exposed_forward_a2a_s_median"]
+        / max(off["exposed_forward_a2a_s_median"], 1e-9),
         "exposed_total_a2a_on_over_off": (on["exposed_forward_a2a_s_median"] + on["exposed_backward_a2a_s_median"])
         / max(off["exposed_forward_a2a_s_median"] + off["exposed_backward_a2a_s_median"], 1e-9),
         "tokens_per_s_on_over_off": on["tokens_per_s"] / off["tokens_per_s"],
     }
-    print(f"  on/off: exposed forward all-to-all x{ratios['exposed_forward_a2a_on_over_off']:.2f}, total "
-          f"x{ratios['exposed_total_a2a_on_over_off']:.2f}, tokens/s x{ratios['tokens_per_s_on_over_off']:.2f}")
+    print(
+        f"  on/off: exposed forward all-to-all x{ratios['exposed_forward_a2a_on_over_off']:.2f}, total "
+        f"x{ratios['exposed_total_a2a_on_over_off']:.2f}, tokens/s x{ratios['tokens_per_s_on_over_off']:.2f}"
+    )
 
     print(f"2. load balance over {args.balance_steps} steps (one process, {args.experts} experts, top-2)")
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -203,13 +242,18 @@ def main() -> None:
 
     load = os.getloadavg()
     result = {
-        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "load_average_1m_at_end": load[0],
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average_1m_at_end": load[0],
         "machine_loaded": True,
         "note": "2-core CPU shared with other jobs while measured (load average above); gloo on loopback; "
-                "ratios are side by side in one run, absolute times are not comparable across runs",
+        "ratios are side by side in one run, absolute times are not comparable across runs",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "overlap": part1, "ratios": ratios, "balance": part2,
+        "overlap": part1,
+        "ratios": ratios,
+        "balance": part2,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

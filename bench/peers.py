@@ -74,22 +74,44 @@ def check_runnable(name: str, layout: dict[str, int], args: argparse.Namespace) 
     """Refuse, in one line, what is known not to run before starting any rank."""
     world = layout["dp"] * layout["tp"] * layout["pp"]
     if args.device == "cuda" and world > torch.cuda.device_count():
-        raise SystemExit(f"layout {name!r} needs {world} GPUs, one per rank (NCCL refuses two ranks on one "
-                         f"GPU); this machine has {torch.cuda.device_count()}")
+        raise SystemExit(
+            f"layout {name!r} needs {world} GPUs, one per rank (NCCL refuses two ranks on one "
+            f"GPU); this machine has {torch.cuda.device_count()}"
+        )
     if args.compile and layout["tp"] > 1 and args.device == "cpu":
-        raise SystemExit(f"layout {name!r}: --compile with tp > 1 fails on CPU (the peer's compiled DTensor "
-                         "blocks raise in backward, torch 2.13); drop --compile or tp")
+        raise SystemExit(
+            f"layout {name!r}: --compile with tp > 1 fails on CPU (the peer's compiled DTensor "
+            "blocks raise in backward, torch 2.13); drop --compile or tp"
+        )
 
 
 def job(args: argparse.Namespace, layout: dict[str, int]) -> JobConfig:
     cfg = JobConfig(
-        model=ModelConfig(vocab_size=args.vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
-                          heads=args.heads, block=args.block),
+        model=ModelConfig(
+            vocab_size=args.vocab,
+            seq_len=args.seq_len,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            block=args.block,
+        ),
         optim=OptimConfig(name="adamw", lr=args.lr, warmup_steps=2, weight_decay=0.1, grad_clip=1.0),
-        parallel=ParallelConfig(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], vpp=layout["v"],
-                                backend="nccl" if args.device == "cuda" else "gloo"),
-        train=TrainConfig(global_batch=args.global_batch, micro_batch=args.micro_batch, device=args.device,
-                          dtype=args.dtype, compile=args.compile, steps=args.warmup + args.steps, seed=args.seed),
+        parallel=ParallelConfig(
+            dp=layout["dp"],
+            tp=layout["tp"],
+            pp=layout["pp"],
+            vpp=layout["v"],
+            backend="nccl" if args.device == "cuda" else "gloo",
+        ),
+        train=TrainConfig(
+            global_batch=args.global_batch,
+            micro_batch=args.micro_batch,
+            device=args.device,
+            dtype=args.dtype,
+            compile=args.compile,
+            steps=args.warmup + args.steps,
+            seed=args.seed,
+        ),
     )
     cfg.validate()
     return cfg
@@ -116,7 +138,7 @@ def global_batches(cfg: JobConfig, count: int) -> list[tuple[torch.Tensor, torch
 
 def rank_slice(batch: tuple[torch.Tensor, torch.Tensor], cfg: JobConfig, dp_rank: int) -> tuple:
     per = cfg.train.global_batch // cfg.parallel.dp
-    return tuple(t[dp_rank * per:(dp_rank + 1) * per] for t in batch)
+    return tuple(t[dp_rank * per : (dp_rank + 1) * per] for t in batch)
 
 
 class MegascaleSide(Trainer):
@@ -180,7 +202,7 @@ def alternating_rank(args: argparse.Namespace, layout: dict[str, int]) -> dict:
             out = {s: {"step_s": [], "loss": [], "grad_norm": [], "comm": [], "optimizer_s": []} for s in SIDES}
             for i, batch in enumerate(global_batches(cfg, args.warmup + args.steps)):
                 inputs, labels = rank_slice(batch, cfg, mesh.dp_rank)
-                for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
+                for side in SIDES if i % 2 == 0 else SIDES[::-1]:
                     _sync(mesh.device)
                     start = time.perf_counter()
                     if side == "megascale":
@@ -240,16 +262,24 @@ def startup_rank(args: argparse.Namespace, layout: dict[str, int], side: str) ->
     for batch in batches[1:]:
         step(*batch)
     _sync(device)
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     if side == "megascale":
         mesh.destroy()
     else:
         dist.destroy_process_group()
     mesh_s = model.mesh_s if side == "peer" else 0.0  # the peer makes its sub-groups while building
-    return {"groups_s": t_groups - start + mesh_s, "build_s": t_build - t_groups - mesh_s,
-            "first_step_s": t_first - t_build, "total_s": t_first - start, "peak_mib": peak / 2**20,
-            "base_mib": base / 2**20}
+    return {
+        "groups_s": t_groups - start + mesh_s,
+        "build_s": t_build - t_groups - mesh_s,
+        "first_step_s": t_first - t_build,
+        "total_s": t_first - start,
+        "peak_mib": peak / 2**20,
+        "base_mib": base / 2**20,
+    }
 
 
 def _peer_device(choice: str) -> torch.device:
@@ -274,12 +304,18 @@ def summarize(args: argparse.Namespace, layout: dict[str, int], ranks: list[dict
                 for dim, s in per.items():
                     comm[dim] = comm.get(dim, 0.0) + s / len(ranks) / len(steps)
         optimizer = statistics.fmean(s for r in ranks for s in r[side]["optimizer_s"][keep])
-        row[side] = {"tokens_per_s": tokens / statistics.median(steps), "step_s": steps,
-                     "comm_s_per_step": comm, "optimizer_s_per_step": optimizer, "loss": ranks[0][side]["loss"],
-                     "grad_norm": ranks[0][side]["grad_norm"]}
+        row[side] = {
+            "tokens_per_s": tokens / statistics.median(steps),
+            "step_s": steps,
+            "comm_s_per_step": comm,
+            "optimizer_s_per_step": optimizer,
+            "loss": ranks[0][side]["loss"],
+            "grad_norm": ranks[0][side]["grad_norm"],
+        }
     for key in ("loss", "grad_norm"):
-        row[f"{key}_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["megascale"][key], row["peer"][key],
-                                                                             strict=True))
+        row[f"{key}_max_rel_diff"] = max(
+            abs(a - b) / abs(b) for a, b in zip(row["megascale"][key], row["peer"][key], strict=True)
+        )
     row["losses_agree"] = max(row["loss_max_rel_diff"], row["grad_norm_max_rel_diff"]) <= RTOL
     row["losses_agree_on_every_rank"] = all(r[s]["loss"] == ranks[0][s]["loss"] for r in ranks for s in SIDES)
     row["tokens_per_s_ratio"] = row["megascale"]["tokens_per_s"] / row["peer"]["tokens_per_s"]
@@ -304,29 +340,45 @@ def add_startup(row: dict, startup: dict[str, list[dict]]) -> None:
 
 def print_row(name: str, row: dict) -> None:
     ms, peer = row["megascale"], row["peer"]
-    print(f"\n{name}: tokens/s megascale {ms['tokens_per_s']:.0f}, peer {peer['tokens_per_s']:.0f}: "
-          f"x{row['tokens_per_s_ratio']:.2f} (adjacent steps x{row['paired_step_ratio']:.2f}, fastest steps "
-          f"x{row['fastest_step_ratio']:.2f}); max rel diff of losses {row['loss_max_rel_diff']:.1e}, of "
-          f"grad norms {row['grad_norm_max_rel_diff']:.1e} ({'agree' if row['losses_agree'] else 'DISAGREE'})")
+    print(
+        f"\n{name}: tokens/s megascale {ms['tokens_per_s']:.0f}, peer {peer['tokens_per_s']:.0f}: "
+        f"x{row['tokens_per_s_ratio']:.2f} (adjacent steps x{row['paired_step_ratio']:.2f}, fastest steps "
+        f"x{row['fastest_step_ratio']:.2f}); max rel diff of losses {row['loss_max_rel_diff']:.1e}, of "
+        f"grad norms {row['grad_norm_max_rel_diff']:.1e} ({'agree' if row['losses_agree'] else 'DISAGREE'})"
+    )
     for dim in sorted(set(ms["comm_s_per_step"]) | set(peer["comm_s_per_step"])):
         a, b = ms["comm_s_per_step"].get(dim, 0.0), peer["comm_s_per_step"].get(dim, 0.0)
         ratio = f"x{a / b:.2f}" if b > 0 else "-"
         print(f"  exposed {dim} comm per step: megascale {a * 1e3:7.1f} ms, peer {b * 1e3:7.1f} ms  {ratio}")
-    parts = [(statistics.fmean(row[s]["step_s"]), sum(row[s]["comm_s_per_step"].values()),
-              row[s]["optimizer_s_per_step"]) for s in SIDES]
-    print("  step (mean, ms) = exposed comm + optimizer + the rest (compute, framework): " + "; ".join(
-        f"{side} {step * 1e3:.0f} = {comm * 1e3:.0f} + {opt * 1e3:.0f} + {(step - comm - opt) * 1e3:.0f}"
-        for side, (step, comm, opt) in zip(SIDES, parts, strict=True)))
+    parts = [
+        (statistics.fmean(row[s]["step_s"]), sum(row[s]["comm_s_per_step"].values()), row[s]["optimizer_s_per_step"])
+        for s in SIDES
+    ]
+    print(
+        "  step (mean, ms) = exposed comm + optimizer + the rest (compute, framework): "
+        + "; ".join(
+            f"{side} {step * 1e3:.0f} = {comm * 1e3:.0f} + {opt * 1e3:.0f} + {(step - comm - opt) * 1e3:.0f}"
+            for side, (step, comm, opt) in zip(SIDES, parts, strict=True)
+        )
+    )
     if "startup" in ms:
         a, b = ms["startup"], peer["startup"]
-        print(f"  start-up: megascale {a['total_s']:.2f} s (groups {a['groups_s']:.2f}, build {a['build_s']:.2f}, "
-              f"first step {a['first_step_s']:.2f}), peer {b['total_s']:.2f} s (groups {b['groups_s']:.2f}, "
-              f"build {b['build_s']:.2f}, first step {b['first_step_s']:.2f}): x{row['startup_ratio']:.2f}")
-        growth = {side: max(p - b for p, b in zip(row[side]["peak_mib_per_rank"], row[side]["base_mib_per_rank"],
-                                                   strict=True)) for side in SIDES}
-        print(f"  peak memory per rank (max): megascale {max(ms['peak_mib_per_rank']):.0f} MiB, "
-              f"peer {max(peer['peak_mib_per_rank']):.0f} MiB: x{row['peak_memory_ratio']:.2f} (above the "
-              f"memory before start-up: {growth['megascale']:.0f} and {growth['peer']:.0f} MiB)")
+        print(
+            f"  start-up: megascale {a['total_s']:.2f} s (groups {a['groups_s']:.2f}, build {a['build_s']:.2f}, "
+            f"first step {a['first_step_s']:.2f}), peer {b['total_s']:.2f} s (groups {b['groups_s']:.2f}, "
+            f"build {b['build_s']:.2f}, first step {b['first_step_s']:.2f}): x{row['startup_ratio']:.2f}"
+        )
+        growth = {
+            side: max(
+                p - b for p, b in zip(row[side]["peak_mib_per_rank"], row[side]["base_mib_per_rank"], strict=True)
+            )
+            for side in SIDES
+        }
+        print(
+            f"  peak memory per rank (max): megascale {max(ms['peak_mib_per_rank']):.0f} MiB, "
+            f"peer {max(peer['peak_mib_per_rank']):.0f} MiB: x{row['peak_memory_ratio']:.2f} (above the "
+            f"memory before start-up: {growth['megascale']:.0f} and {growth['peer']:.0f} MiB)"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -346,8 +398,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile every block on both sides (the peer then uses async-TP on CUDA)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every block on both sides (the peer then uses async-TP on CUDA)",
+    )
     parser.add_argument("--memory-steps", type=int, default=3, help="steps after the first in part 2")
     parser.add_argument("--no-startup", action="store_true", help="skip part 2 (start-up and memory)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per multi-process run")
@@ -359,9 +414,13 @@ def main(argv: list[str] | None = None) -> dict:
         check_runnable(name, layout, args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report: dict = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-        "python": platform.python_version(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-        "note": args.note, "memory": "peak allocated (cuda)" if args.device == "cuda" else "peak RSS (ru_maxrss)",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "note": args.note,
+        "memory": "peak allocated (cuda)" if args.device == "cuda" else "peak RSS (ru_maxrss)",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "layouts": {},
     }
@@ -370,8 +429,13 @@ def main(argv: list[str] | None = None) -> dict:
         ranks = run_local(alternating_rank, world, args=(args, layout), timeout_s=args.timeout)
         row = summarize(args, layout, ranks)
         if not args.no_startup:
-            add_startup(row, {side: run_local(startup_rank, world, args=(args, layout, side), timeout_s=args.timeout)
-                              for side in SIDES})
+            add_startup(
+                row,
+                {
+                    side: run_local(startup_rank, world, args=(args, layout, side), timeout_s=args.timeout)
+                    for side in SIDES
+                },
+            )
         report["layouts"][name] = row
         print_row(name, row)
     out = args.out or (Path(os.environ["OUT"]) / "peers.json" if os.environ.get("OUT") else RESULTS)

@@ -81,20 +81,30 @@ def apply_tensor_parallel(part: StageModule, tp_mesh: DeviceMesh) -> None:
         edges["embed.tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if part.head is not None:
         edges["head.norm"] = SequenceParallel()
-        edges["head.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                            use_local_output=False)
+        edges["head.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(part, tp_mesh, edges)
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for block in part.blocks.values():
-        plan = {"ln1": SequenceParallel(),
-                "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
+        plan = {
+            "ln1": SequenceParallel(),
+            "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
         if block.ln2 is not None:  # serial block: torchtitan's plan
             plan.update({"ln2": SequenceParallel(), "attn": gather, "mlp": gather})
         parallelize_module(block, tp_mesh, plan)
         if block.ln2 is None:  # parallel block: one gather of LN(x) feeds both branches
-            parallelize_module(block, tp_mesh, {"ln1": PrepareModuleOutput(
-                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False)})
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "ln1": PrepareModuleOutput(
+                        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
+                    )
+                },
+            )
 
 
 @torch.no_grad()
@@ -120,8 +130,13 @@ class CommClock:
     receives, then waits for all of them; megascale's p2p spans also cover posting a send).
     Collectives issued with `async_op=True` are counted in `untimed` (their wait is not seen)."""
 
-    _SYNC = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-             "reduce_scatter_tensor", "all_reduce")
+    _SYNC = (
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",
+    )
 
     def __init__(self, dims: dict[dist.ProcessGroup, str]) -> None:
         self.dims = dims
@@ -142,6 +157,7 @@ class CommClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[dim(*args, **kwargs)] += time.perf_counter() - start
+
         return wrapper
 
     def _group_dim(self, *args, group: dist.ProcessGroup | None = None, **kwargs) -> str:
@@ -207,13 +223,20 @@ class NativePeer:
         self.has_last = chunks - 1 in stage_ids
         self.schedule = None
         if par.pp > 1:
-            stages = [PipelineStage(part, s, chunks, device, group=self.groups["pp"])
-                      for part, s in zip(self.parts, stage_ids, strict=True)]
+            stages = [
+                PipelineStage(part, s, chunks, device, group=self.groups["pp"])
+                for part, s in zip(self.parts, stage_ids, strict=True)
+            ]
             kind = ScheduleInterleaved1F1B if par.vpp > 1 else Schedule1F1B
-            self.schedule = kind(stages if par.vpp > 1 else stages[0], n_microbatches=cfg.micro_batches,
-                                 loss_fn=self._loss, scale_grads=False)
-        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.optim.lr,
-                                           betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+            self.schedule = kind(
+                stages if par.vpp > 1 else stages[0],
+                n_microbatches=cfg.micro_batches,
+                loss_fn=self._loss,
+                scale_grads=False,
+            )
+        self.optimizer = torch.optim.AdamW(
+            self._param_groups(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps
+        )
 
     def _param_groups(self) -> list[dict]:
         """Weight decay on matrices, not on biases and norms (megascale's rule)."""
@@ -221,13 +244,16 @@ class NativePeer:
         for part in self.parts:
             for name, p in part.named_parameters():
                 (decay if p.ndim >= 2 and not name.endswith("bias") else no_decay).append(p)
-        return [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        return [
+            {"params": decay, "weight_decay": self.cfg.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss over the global token count (`loss_parallel` when logits are split)."""
-        summed = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                 reduction="sum")
+        summed = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         return summed / self._tokens
 
     def _context(self) -> contextlib.ExitStack:
@@ -264,8 +290,7 @@ class NativePeer:
             args = (inputs,) if self.has_first else ()
             # the schedule's own list: its first step also runs the loss in shape inference
             losses = self._losses if self.has_last else None
-            self.schedule.step(*args, target=labels if self.has_last else None, losses=losses,
-                               return_outputs=False)
+            self.schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False)
             return
         model, m = self.parts[0], self.cfg.micro_batches
         for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
@@ -301,4 +326,3 @@ class NativePeer:
         if self.groups["pp"] is not None:  # stages without the last add zero
             dist.all_reduce(local, group=self.groups["pp"])
         return float(local)
-

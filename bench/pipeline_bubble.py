@@ -54,8 +54,13 @@ from megascale.parallel.pipeline.schedule import Op
 from megascale.testing.launch import run_local
 
 # name -> (parallel.schedule, v, decoupled)
-MODES = {"1f1b": ("1f1b", 1, True), "interleaved": ("1f1b", 2, True), "zb-h1": ("zb-h1", 1, True),
-         "1f1b coupled": ("1f1b", 1, False), "interleaved coupled": ("1f1b", 2, False)}
+MODES = {
+    "1f1b": ("1f1b", 1, True),
+    "interleaved": ("1f1b", 2, True),
+    "zb-h1": ("zb-h1", 1, True),
+    "1f1b coupled": ("1f1b", 1, False),
+    "interleaved coupled": ("1f1b", 2, False),
+}
 
 
 def theory(kind: str, p: int, v: int, m: int) -> float:
@@ -64,11 +69,11 @@ def theory(kind: str, p: int, v: int, m: int) -> float:
 
 def job(args, kind: str, v: int) -> JobConfig:
     cfg = JobConfig(
-        model=ModelConfig(vocab_size=64, seq_len=args.seq, layers=args.layers, hidden=args.hidden,
-                          heads=8, positions="learned"),
+        model=ModelConfig(
+            vocab_size=64, seq_len=args.seq, layers=args.layers, hidden=args.hidden, heads=8, positions="learned"
+        ),
         parallel=ParallelConfig(pp=args.p, vpp=v, schedule=kind),
-        train=TrainConfig(micro_batch=args.micro_batch, global_batch=args.micro_batch * args.m,
-                          device="cpu"),
+        train=TrainConfig(micro_batch=args.micro_batch, global_batch=args.micro_batch * args.m, device="cpu"),
     )
     cfg.validate()
     return cfg
@@ -136,8 +141,7 @@ def rank_main(args, out_dir: str) -> dict:
             runners[name] = PipelineRunner(chunks, cfg, mesh, decoupled=decoupled)
         g = torch.Generator().manual_seed(1)
         shape = (args.m, args.micro_batch, args.seq)
-        batch = TokenBatch(torch.randint(0, 64, shape, generator=g),
-                           torch.randint(0, 64, shape, generator=g))
+        batch = TokenBatch(torch.randint(0, 64, shape, generator=g), torch.randint(0, 64, shape, generator=g))
         tokens = batch.labels.numel()
         windows: dict[int, tuple[str, float, float]] = {}
         step = 0
@@ -159,8 +163,7 @@ def rank_main(args, out_dir: str) -> dict:
                 if rnd > 0:
                     windows[step] = (name, float(span[0] + span[1]), sync)
         timers.end_step(step)
-        memory = {name: peak_step_bytes(runner, batch, tokens) for name, runner in runners.items()
-                  if MODES[name][2]}
+        memory = {name: peak_step_bytes(runner, batch, tokens) for name, runner in runners.items() if MODES[name][2]}
         return {"rank": mesh.rank, "windows": windows, "contention": shared, "memory": memory}
     finally:
         timers.close()
@@ -170,12 +173,10 @@ def rank_main(args, out_dir: str) -> dict:
 def peak_step_bytes(runner: PipelineRunner, batch: TokenBatch, tokens: int) -> int:
     """Peak CPU bytes allocated during one step above its start (profiler memory events)."""
     dist.barrier()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         runner.forward_backward(batch, tokens)
     runner.zero_grad()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -190,8 +191,7 @@ def collect(out_dir: Path, results: list[dict], args) -> dict:
     """Per mode and rank (medians over the measured steps): compute, idle, measured bubble,
     the bubble the schedule predicts when replayed with this step's measured compute times
     and ideal links, and the time spent in receive waits and sends."""
-    table: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(
-        lambda: defaultdict(list)))
+    table: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     steps: dict[int, dict[int, dict]] = defaultdict(dict)  # step -> rank -> per-step figures
     modes: dict[int, str] = {}
     for res in results:
@@ -203,8 +203,7 @@ def collect(out_dir: Path, results: list[dict], args) -> dict:
             if name in COMPUTE_SPANS:
                 s["compute"] += rec["self"]
                 op = COMPUTE_SPANS[name]
-                s.setdefault("times", {})[(op, rec["attrs"]["mb"], rec["attrs"]["chunk"])] = \
-                    rec["dur"]
+                s.setdefault("times", {})[(op, rec["attrs"]["mb"], rec["attrs"]["chunk"])] = rec["dur"]
             elif name == "pp.recv":
                 s["recv"] += rec["self"]
             elif name in ("pp.send", "pp.send_wait"):  # not pp.send_drain: nothing left to do
@@ -215,9 +214,10 @@ def collect(out_dir: Path, results: list[dict], args) -> dict:
     for step, ranks in steps.items():
         mode = modes[step]
         kind, v, _ = MODES[mode]
-        replay = simulate(build_schedule(kind, args.p, v, args.m),
-                          duration=lambda r, a, ranks=ranks: ranks[r]["times"][(a.op, a.mb,
-                                                                                a.chunk)])
+        replay = simulate(
+            build_schedule(kind, args.p, v, args.m),
+            duration=lambda r, a, ranks=ranks: ranks[r]["times"][(a.op, a.mb, a.chunk)],
+        )
         for rank, s in ranks.items():
             for op, mean in op_means(s["times"]).items():
                 table[mode][rank][f"t_{op.value}"].append(mean)
@@ -253,8 +253,11 @@ def op_means(times: dict[tuple[Op, int, int], float]) -> dict[Op, float]:
 def deeper_replay(mode_ranks: dict[int, dict[str, float]], kind: str, v: int, p: int, m: int) -> float:
     """The bubble of the schedule at depth `p`, played with the mean F/B/W times measured
     (averaged over the ranks; the stage's layer count scales them all alike)."""
-    means = {op: statistics.mean(r[f"t_{op.value}"] for r in mode_ranks.values())
-             for op in COMPUTE_SPANS.values() if f"t_{op.value}" in next(iter(mode_ranks.values()))}
+    means = {
+        op: statistics.mean(r[f"t_{op.value}"] for r in mode_ranks.values())
+        for op in COMPUTE_SPANS.values()
+        if f"t_{op.value}" in next(iter(mode_ranks.values()))
+    }
     sim = simulate(build_schedule(kind, p, v, m), duration=lambda _r, a: means[a.op])
     return statistics.mean(i / b for i, b in zip(sim.idle, sim.busy, strict=True))
 
@@ -269,8 +272,12 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-pin", dest="pin", action="store_false",
-                    help="do not pin each rank to its own physical core (pinned when enough)")
+    ap.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="do not pin each rank to its own physical core (pinned when enough)",
+    )
     ap.add_argument("--out", default="bench/results/pipeline_bubble.json")
     args = ap.parse_args()
 
@@ -279,20 +286,35 @@ def main() -> int:
         results = run_local(rank_main, args.p, (args, tmp), timeout_s=1800)
         stats = collect(Path(tmp), results, args)
 
-    report = {"config": vars(args), "torch": torch.__version__, "host": platform.node(),
-              "cpus": os.cpu_count(), "load_average_at_start": load, "modes": {},
-              "contention": {r["rank"]: r["contention"] for r in results},
-              "note": ("figures taken on a shared, loaded machine (load average above): ratios of "
-                       "modes measured side by side in one run; absolute times are noisy")
-              if load[0] > (os.cpu_count() or 1) * 0.5 else "machine quiet at start"}
+    report = {
+        "config": vars(args),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": load,
+        "modes": {},
+        "contention": {r["rank"]: r["contention"] for r in results},
+        "note": (
+            "figures taken on a shared, loaded machine (load average above): ratios of "
+            "modes measured side by side in one run; absolute times are noisy"
+        )
+        if load[0] > (os.cpu_count() or 1) * 0.5
+        else "machine quiet at start",
+    }
     slow = statistics.mean(r["contention"]["slowdown"] for r in results)
-    print(f"load average at start {load}; compute contention: the same GEMM loop takes {slow:.2f}x "
-          "as long with every rank computing as with one rank alone (1.00: independent cores)")
-    print(f"p={args.p} m={args.m}: bubble = idle / compute per rank (median of {args.rounds}); "
-          "replay = the schedule played with the measured compute times and ideal links")
-    print(f"{'mode':<20} {'rank':>4} {'compute s':>9} {'idle s':>7} {'bubble':>7} {'replay':>7} "
-          f"{'fastest':>7} {'theory':>7} {'recv ms':>8} {'send ms':>8} {'sync ms':>8} {'step s':>7} "
-          f"{'peak MiB':>8}")
+    print(
+        f"load average at start {load}; compute contention: the same GEMM loop takes {slow:.2f}x "
+        "as long with every rank computing as with one rank alone (1.00: independent cores)"
+    )
+    print(
+        f"p={args.p} m={args.m}: bubble = idle / compute per rank (median of {args.rounds}); "
+        "replay = the schedule played with the measured compute times and ideal links"
+    )
+    print(
+        f"{'mode':<20} {'rank':>4} {'compute s':>9} {'idle s':>7} {'bubble':>7} {'replay':>7} "
+        f"{'fastest':>7} {'theory':>7} {'recv ms':>8} {'send ms':>8} {'sync ms':>8} {'step s':>7} "
+        f"{'peak MiB':>8}"
+    )
     for mode, ranks in stats.items():
         kind, v, decoupled = MODES[mode]
         theo = theory(kind, args.p, v, args.m)
@@ -300,16 +322,23 @@ def main() -> int:
         for rank, s in ranks.items():
             s["peak_bytes"] = peaks[rank]
             peak = "-" if peaks[rank] is None else f"{peaks[rank] / 2**20:8.1f}"
-            print(f"{mode:<20} {rank:>4} {s['compute']:9.3f} {s['idle']:7.3f} {s['bubble']:7.1%} "
-                  f"{s['replay_bubble']:7.1%} {s['fastest_bubble']:7.1%} {theo:7.1%} "
-                  f"{1e3 * s['recv']:8.1f} {1e3 * s['send']:8.1f} {1e3 * s['sync']:8.1f} "
-                  f"{s['window']:7.3f} {peak:>8}")
-        mean = {k: statistics.mean(s[k] for s in ranks.values())
-                for k in ("bubble", "replay_bubble", "fastest_bubble", "window", "sync")}
+            print(
+                f"{mode:<20} {rank:>4} {s['compute']:9.3f} {s['idle']:7.3f} {s['bubble']:7.1%} "
+                f"{s['replay_bubble']:7.1%} {s['fastest_bubble']:7.1%} {theo:7.1%} "
+                f"{1e3 * s['recv']:8.1f} {1e3 * s['send']:8.1f} {1e3 * s['sync']:8.1f} "
+                f"{s['window']:7.3f} {peak:>8}"
+            )
+        mean = {
+            k: statistics.mean(s[k] for s in ranks.values())
+            for k in ("bubble", "replay_bubble", "fastest_bubble", "window", "sync")
+        }
         sim = simulate(build_schedule(kind, args.p, v, args.m))
         report["modes"][mode] = {
-            "schedule": kind, "v": v, "decoupled": decoupled,
-            "theory": theo, "bubble_mean": mean["bubble"],
+            "schedule": kind,
+            "v": v,
+            "decoupled": decoupled,
+            "theory": theo,
+            "bubble_mean": mean["bubble"],
             "replay_bubble_mean": mean["replay_bubble"],
             "fastest_step_bubble_mean": mean["fastest_bubble"],
             "fastest_gap_to_theory_points": 100 * (mean["fastest_bubble"] - theo),
@@ -331,17 +360,21 @@ def main() -> int:
     for mode in ("1f1b", "interleaved", "zb-h1"):
         d = modes[mode]
         deep = f"replay_bubble_p{args.replay_p}"
-        print(f"{mode:<12} bubble {d['bubble_mean']:.1%} vs theory {d['theory']:.1%} "
-              f"({d['gap_to_theory_points']:+.1f} points), replay {d['replay_bubble_mean']:.1%}, "
-              f"fastest step {d['fastest_step_bubble_mean']:.1%}; p={args.replay_p} replay "
-              f"{d[deep]:.1%} vs theory {d[f'theory_p{args.replay_p}']:.1%}; step {d['step_s']:.3f} s; "
-              f"end-of-step sync {1e3 * d['end_of_step_sync_s_mean']:.1f} ms; peak "
-              f"{(d['peak_bytes_max'] or 0) / 2**20:.1f} MiB")
+        print(
+            f"{mode:<12} bubble {d['bubble_mean']:.1%} vs theory {d['theory']:.1%} "
+            f"({d['gap_to_theory_points']:+.1f} points), replay {d['replay_bubble_mean']:.1%}, "
+            f"fastest step {d['fastest_step_bubble_mean']:.1%}; p={args.replay_p} replay "
+            f"{d[deep]:.1%} vs theory {d[f'theory_p{args.replay_p}']:.1%}; step {d['step_s']:.3f} s; "
+            f"end-of-step sync {1e3 * d['end_of_step_sync_s_mean']:.1f} ms; peak "
+            f"{(d['peak_bytes_max'] or 0) / 2**20:.1f} MiB"
+        )
     for mode in ("1f1b", "interleaved"):
         d, c = modes[mode], modes[f"{mode} coupled"]
-        print(f"{mode}: send blocked {1e3 * d['send_blocked_s']:.1f} ms decoupled vs "
-              f"{1e3 * c['send_blocked_s']:.1f} ms coupled; step {d['step_s']:.3f} s vs "
-              f"{c['step_s']:.3f} s (coupled/decoupled {c['step_s'] / d['step_s']:.3f})")
+        print(
+            f"{mode}: send blocked {1e3 * d['send_blocked_s']:.1f} ms decoupled vs "
+            f"{1e3 * c['send_blocked_s']:.1f} ms coupled; step {d['step_s']:.3f} s vs "
+            f"{c['step_s']:.3f} s (coupled/decoupled {c['step_s'] / d['step_s']:.3f})"
+        )
     zb, inter = modes["zb-h1"], modes["interleaved"]
     report["zb_h1_vs_interleaved"] = {
         "bubble_points": 100 * (zb["bubble_mean"] - inter["bubble_mean"]),

@@ -96,8 +96,11 @@ def measure_attention_flops(cfg: JobConfig, seconds: float = 1.0) -> float:
     m, b = cfg.model, cfg.train.micro_batch
     q, k, v = (torch.randn(b, m.heads, m.seq_len, m.head_dim, requires_grad=True) for _ in range(3))
     fwd_flops = 2 * 2 * mean_attention_span(m.seq_len, m.window) * m.hidden * m.seq_len * b
-    return _median_rate((1 + eff.ATTN_BWD_FLOPS_RATIO) * fwd_flops,
-                        lambda: causal_attention(q, k, v, m.window).sum().backward(), seconds)
+    return _median_rate(
+        (1 + eff.ATTN_BWD_FLOPS_RATIO) * fwd_flops,
+        lambda: causal_attention(q, k, v, m.window).sum().backward(),
+        seconds,
+    )
 
 
 class GemmSampler:
@@ -126,8 +129,12 @@ class GemmSampler:
 
 
 def measure_machine(cfg: JobConfig) -> dict[str, float]:
-    return {"gemm": measure_gemm_flops(), "mem_bw": measure_memory_bandwidth(),
-            "attn": measure_attention_flops(cfg), "overhead": measure_kernel_overhead()}
+    return {
+        "gemm": measure_gemm_flops(),
+        "mem_bw": measure_memory_bandwidth(),
+        "attn": measure_attention_flops(cfg),
+        "overhead": measure_kernel_overhead(),
+    }
 
 
 def _gloo_worker(rank: int, port: int, queue) -> None:
@@ -174,25 +181,37 @@ def measure_gloo() -> tuple[float, float]:
     return bandwidth, latency
 
 
-def cpu_cluster(gemm: float, mem_bw: float, attn: float, overhead: float, gloo_bw: float,
-                gloo_lat: float, cfg: JobConfig) -> ClusterSpec:
+def cpu_cluster(
+    gemm: float, mem_bw: float, attn: float, overhead: float, gloo_bw: float, gloo_lat: float, cfg: JobConfig
+) -> ClusterSpec:
     """This machine as the planner sees it: one node whose 'GPUs' are cores."""
     size_factor = eff.gemm_efficiency(
-        GPUSpec("probe", {"fp32": 1.0}, 1, 1, 1.0, 1.0), PROBE_SIZE, PROBE_SIZE, PROBE_SIZE)
+        GPUSpec("probe", {"fp32": 1.0}, 1, 1, 1.0, 1.0), PROBE_SIZE, PROBE_SIZE, PROBE_SIZE
+    )
     peak = gemm / size_factor  # the curve then returns the probe's rate at the probe's size
     m = cfg.model
     span = mean_attention_span(m.seq_len, m.window)
     unit = GPUSpec("cpu", {"fp32": peak}, 1, mem_bw, 1.0, 1.0)
     attn_eff = attn / (peak * eff.attention_efficiency(unit, span, m.head_dim))
-    gpu = GPUSpec(name="this-cpu", peak_flops={"fp32": peak},
-                  memory_bytes=psutil.virtual_memory().total, hbm_bytes_per_s=mem_bw,
-                  gemm_efficiency=1.0, attention_efficiency=attn_eff, reserved_bytes=0.0,
-                  kernel_overhead_s=overhead)
+    gpu = GPUSpec(
+        name="this-cpu",
+        peak_flops={"fp32": peak},
+        memory_bytes=psutil.virtual_memory().total,
+        hbm_bytes_per_s=mem_bw,
+        gemm_efficiency=1.0,
+        attention_efficiency=attn_eff,
+        reserved_bytes=0.0,
+        kernel_overhead_s=overhead,
+    )
     cores = max(2, os.cpu_count() or 2)
-    node = NodeSpec(gpus=cores, nvlink_bytes_per_s=gloo_bw, nvlink_latency_s=gloo_lat, nics=1,
-                    nic_bytes_per_s=gloo_bw)
-    return ClusterSpec("this-cpu", gpu, node, NetworkSpec(nodes_per_tor=1, tors_per_pod=1),
-                       notes="measured by bench/plan_calibration.py")
+    node = NodeSpec(gpus=cores, nvlink_bytes_per_s=gloo_bw, nvlink_latency_s=gloo_lat, nics=1, nic_bytes_per_s=gloo_bw)
+    return ClusterSpec(
+        "this-cpu",
+        gpu,
+        node,
+        NetworkSpec(nodes_per_tor=1, tors_per_pod=1),
+        notes="measured by bench/plan_calibration.py",
+    )
 
 
 def measure_in_process(cfg: JobConfig, steps: int) -> list[tuple[float, float]]:
@@ -222,9 +241,20 @@ def measure_in_process(cfg: JobConfig, steps: int) -> list[tuple[float, float]]:
 def measure_train(config: str, layout: Layout, steps: int, run_dir: Path) -> tuple[float | None, str]:
     """Median step time of `megascale train` with this layout (run kept in `run_dir` for the
     calibration), or None and why."""
-    cmd = [sys.executable, "-m", "megascale.cli", "train", "--config", config,
-           f"--train.steps={steps + 1}", "--train.eval_every=0", "--checkpoint.every=0",
-           "--train.tensorboard=false", f"--train.run_dir={run_dir}", *layout.overrides()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megascale.cli",
+        "train",
+        "--config",
+        config,
+        f"--train.steps={steps + 1}",
+        "--train.eval_every=0",
+        "--checkpoint.every=0",
+        "--train.tensorboard=false",
+        f"--train.run_dir={run_dir}",
+        *layout.overrides(),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -257,8 +287,7 @@ def main() -> int:
     work = replace(Workload.from_job(cfg), dtype="fp32")
     mb = cfg.train.micro_batch
     gloo = measure_gloo()
-    print(f"gloo all-reduce (2 processes): {gloo[0] / 1e9:.2f} GB/s bus, "
-          f"{gloo[1] * 1e6:.0f} us per ring step")
+    print(f"gloo all-reduce (2 processes): {gloo[0] / 1e9:.2f} GB/s bus, {gloo[1] * 1e6:.0f} us per ring step")
 
     runs = [("GPT in-process", "1x1x1")] + [("megascale train", t) for t in args.layouts.split(",")]
     rows = []
@@ -290,18 +319,30 @@ def main() -> int:
         # a thread sampling alongside `megascale train`): contention varies within a run
         step_errors = [(pred.step_time * figures["gemm"] / g - t) / t for t, g in per_step]
         note = "" if measured is not None else f"SKIPPED: the trainer could not run it ({why})"
-        rows.append({"run": f"{kind} {text}", "layout": layout.label(),
-                     "predicted_s": pred.step_time, "measured_s": measured, "error": err,
-                     "note": note, "predicted_breakdown_s": pred.breakdown(),
-                     "error_with_in_run_probe": step_errors,
-                     "machine_before": before, "machine_after": after,
-                     "gloo_bytes_per_s": gloo[0], "gloo_latency_s": gloo[1]})
+        rows.append(
+            {
+                "run": f"{kind} {text}",
+                "layout": layout.label(),
+                "predicted_s": pred.step_time,
+                "measured_s": measured,
+                "error": err,
+                "note": note,
+                "predicted_breakdown_s": pred.breakdown(),
+                "error_with_in_run_probe": step_errors,
+                "machine_before": before,
+                "machine_after": after,
+                "gloo_bytes_per_s": gloo[0],
+                "gloo_latency_s": gloo[1],
+            }
+        )
         shown = "-" if measured is None else f"{measured:.3f} s"
         extra = "" if err is None else f"  error {err:+.1%}"
         if step_errors:
             extra += f" (with in-run probe: {statistics.median(step_errors):+.1%})"
-        print(f"{kind} {text:<8} predicted {pred.step_time:.3f} s  measured {shown}{extra}  "
-              f"(GEMM {before['gemm'] / 1e9:.1f}->{after['gemm'] / 1e9:.1f} GFLOP/s) {note}")
+        print(
+            f"{kind} {text:<8} predicted {pred.step_time:.3f} s  measured {shown}{extra}  "
+            f"(GEMM {before['gemm'] / 1e9:.1f}->{after['gemm'] / 1e9:.1f} GFLOP/s) {note}"
+        )
 
     fit = None
     if run_dirs and first_cluster is not None:  # one set of constants for all trainer runs
@@ -310,17 +351,27 @@ def main() -> int:
         fit = fitted.as_dict()
     shutil.rmtree(scratch, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "config": args.config, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "torch": torch.__version__, "load_average": os.getloadavg(), "rows": rows,
-        "calibration": fit}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "torch": torch.__version__,
+                "load_average": os.getloadavg(),
+                "rows": rows,
+                "calibration": fit,
+            },
+            indent=2,
+        )
+    )
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
-    probed = [abs(statistics.median(r["error_with_in_run_probe"])) for r in rows
-              if r["error_with_in_run_probe"]]
+    probed = [abs(statistics.median(r["error_with_in_run_probe"])) for r in rows if r["error_with_in_run_probe"]]
     if errors:
-        print(f"mean |error| {statistics.mean(errors):.1%} over {len(errors)} runs with machine "
-              f"figures measured before/after; {statistics.mean(probed):.1%} with the GEMM rate "
-              "probed during each run")
+        print(
+            f"mean |error| {statistics.mean(errors):.1%} over {len(errors)} runs with machine "
+            f"figures measured before/after; {statistics.mean(probed):.1%} with the GEMM rate "
+            "probed during each run"
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -62,16 +62,24 @@ def fit(rows: list[Row], passes: int = 2) -> tuple[dict[str, float], float]:
 
 def summary(rows: list[dict]) -> dict:
     errors = [abs(r["error_points"]) for r in rows]
-    return {"rows": len(rows), "mean_abs_points": round(statistics.mean(errors), 2),
-            "max_abs_points": round(max(errors), 2), "within_3": sum(e <= 3.0 for e in errors),
-            "errors": {r["id"]: r["error_points"] for r in rows}}
+    return {
+        "rows": len(rows),
+        "mean_abs_points": round(statistics.mean(errors), 2),
+        "max_abs_points": round(max(errors), 2),
+        "within_3": sum(e <= 3.0 for e in errors),
+        "errors": {r["id"]: r["error_points"] for r in rows},
+    }
 
 
 def leave_one_out(name: str, passes: int) -> dict:
     train = [r for other in SOURCES if other != name for r in source_rows(other)]
     constants, train_err = fit(train, passes)
-    return {"left_out": name, "constants": constants, "train_mean_abs_points": round(train_err, 2),
-            "left_out_result": summary(evaluate_rows(None, source_rows(name), constants))}
+    return {
+        "left_out": name,
+        "constants": constants,
+        "train_mean_abs_points": round(train_err, 2),
+        "left_out_result": summary(evaluate_rows(None, source_rows(name), constants)),
+    }
 
 
 def main() -> int:
@@ -84,19 +92,33 @@ def main() -> int:
     for name in SOURCES:
         fold = leave_one_out(name, args.passes)
         res = fold["left_out_result"]
-        print(f"left out {name:<6} fitted {fold['constants']}  train mean |err| "
-              f"{fold['train_mean_abs_points']:.2f}  left out: mean |err| {res['mean_abs_points']:.2f}, "
-              f"max {res['max_abs_points']:.2f}, {res['within_3']}/{res['rows']} within 3", flush=True)
+        print(
+            f"left out {name:<6} fitted {fold['constants']}  train mean |err| "
+            f"{fold['train_mean_abs_points']:.2f}  left out: mean |err| {res['mean_abs_points']:.2f}, "
+            f"max {res['max_abs_points']:.2f}, {res['within_3']}/{res['rows']} within 3",
+            flush=True,
+        )
         folds.append(fold)
     everything = [r for name in SOURCES for r in source_rows(name)]
     constants, err = fit(everything, args.passes)
     held = summary(evaluate_rows(None, HELD_OUT, constants))
-    print(f"all sources: fitted {constants}  mean |err| {err:.2f}; held out (Korthikanti 2022): "
-          f"{held['errors']} ({time.perf_counter() - start:.0f} s)")
-    Path(args.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d", time.gmtime()), "passes": args.passes, "grid": GRID,
-        "folds": folds, "all_sources": {"constants": constants, "mean_abs_points": round(err, 2),
-                                         "held_out": held}}, indent=2) + "\n")
+    print(
+        f"all sources: fitted {constants}  mean |err| {err:.2f}; held out (Korthikanti 2022): "
+        f"{held['errors']} ({time.perf_counter() - start:.0f} s)"
+    )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                "passes": args.passes,
+                "grid": GRID,
+                "folds": folds,
+                "all_sources": {"constants": constants, "mean_abs_points": round(err, 2), "held_out": held},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
     return 0
 

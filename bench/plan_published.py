@@ -32,33 +32,50 @@ from megascale.plan.system import SystemSpec, load_system
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_POINTS = 3.0
 
-SC21 = ("Narayanan et al., SC'21 (arXiv:2104.04473), Table 1; same figures in NVIDIA/Megatron-LM "
-        "README @61fcc028e3, images/cases_april2021.png")
+SC21 = (
+    "Narayanan et al., SC'21 (arXiv:2104.04473), Table 1; same figures in NVIDIA/Megatron-LM "
+    "README @61fcc028e3, images/cases_april2021.png"
+)
 SC21_T2 = "Narayanan et al., SC'21 (arXiv:2104.04473), Table 2 (PTD parallelism rows)"
-SC21_README = ("NVIDIA/Megatron-LM README @61fcc028e3, 'GPT-3 Example' "
-               "(examples/pretrain_gpt3_175B.sh: tp 8, pp 16, micro-batch 1, batch 1536)")
+SC21_README = (
+    "NVIDIA/Megatron-LM README @61fcc028e3, 'GPT-3 Example' "
+    "(examples/pretrain_gpt3_175B.sh: tp 8, pp 16, micro-batch 1, batch 1536)"
+)
 MS_T2 = "Jiang et al., MegaScale, NSDI'24 (arXiv:2402.15627v1), Table 2"
 MS_F9 = "Jiang et al., MegaScale, NSDI'24 (arXiv:2402.15627v1), Figure 9 (bar labels)"
 MS_T3 = "Jiang et al., MegaScale, NSDI'24 (arXiv:2402.15627v1), Table 3"
-KORTHIKANTI = ("Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models', "
-               "MLSys'23 (arXiv:2205.05198), abstract: 530B GPT on 2240 A100s, MFU 54.2% with sequence "
-               "parallelism + selective recomputation, 42.1% with full recomputation")
-TITAN = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024), Tables 1 "
-         "and 3, TPS/GPU without Float8")
+KORTHIKANTI = (
+    "Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models', "
+    "MLSys'23 (arXiv:2205.05198), abstract: 530B GPT on 2240 A100s, MFU 54.2% with sequence "
+    "parallelism + selective recomputation, 42.1% with full recomputation"
+)
+TITAN = (
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024), Tables 1 and 3, TPS/GPU without Float8"
+)
 
 
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelConfig:
     """A GPT-3-style model as Megatron-LM and MegaScale train it (learned positions, biases).
     Megatron ties the head to the embedding; our trainer cannot under pp > 1, so the head is
     untied here: the same FLOPs, one vocabulary matrix more in memory on the last stage."""
-    return ModelConfig(vocab_size=vocab, seq_len=2048, layers=layers, hidden=hidden, heads=heads,
-                       block="serial", positions="learned")
+    return ModelConfig(
+        vocab_size=vocab, seq_len=2048, layers=layers, hidden=hidden, heads=heads, block="serial", positions="learned"
+    )
 
 
 # Llama 3.1 8B as a FLOP-equivalent GPT: SwiGLU (3 x 4096 x 14336) and grouped-query attention
 # (8 KV heads) have the dense FLOPs and parameters of a 2-matrix MLP of width 18432 with full QKV.
-LLAMA3_8B = ModelConfig(vocab_size=128256, seq_len=8192, layers=32, hidden=4096, heads=32,
-                        ffn_hidden=18432, block="serial", positions="rotary", bias=False)
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    seq_len=8192,
+    layers=32,
+    hidden=4096,
+    heads=32,
+    ffn_hidden=18432,
+    block="serial",
+    positions="rotary",
+    bias=False,
+)
 MS_175B, MS_530B = gpt(96, 12288, 128, 64000), gpt(105, 20480, 160, 64000)
 
 
@@ -84,29 +101,80 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def sc21(layers: int, hidden: int, heads: int, tp: int, pp: int, gpus: int, batch: int,
-         tflops: int) -> Row:
-    return Row(f"sc21-{gpus}", SC21, "megatron-2021", "a100-8x200g", gpt(layers, hidden, heads),
-               gpus, batch, 100 * tflops / 312, "megatron", f"{tflops} TFLOP/s per GPU",
-               tp, pp, recompute=("full",))
+def sc21(layers: int, hidden: int, heads: int, tp: int, pp: int, gpus: int, batch: int, tflops: int) -> Row:
+    return Row(
+        f"sc21-{gpus}",
+        SC21,
+        "megatron-2021",
+        "a100-8x200g",
+        gpt(layers, hidden, heads),
+        gpus,
+        batch,
+        100 * tflops / 312,
+        "megatron",
+        f"{tflops} TFLOP/s per GPU",
+        tp,
+        pp,
+        recompute=("full",),
+    )
 
 
 def megascale_t2(system: str, gpus: int, batch: int, mfu: float) -> Row:
-    return Row(f"ms-t2-{system}-{gpus}", MS_T2, system, "a100-8x200g", MS_175B, gpus, batch, mfu,
-               "full", f"MFU {mfu}%", 8, 8, v=(6,))
+    return Row(
+        f"ms-t2-{system}-{gpus}",
+        MS_T2,
+        system,
+        "a100-8x200g",
+        MS_175B,
+        gpus,
+        batch,
+        mfu,
+        "full",
+        f"MFU {mfu}%",
+        8,
+        8,
+        v=(6,),
+    )
 
 
 def megascale_f9(system: str, gpus: int, mfu: float) -> Row:
-    return Row(f"ms-f9-{system}-{gpus}", MS_F9, system, "a100-8x200g", MS_530B, gpus, gpus, mfu,
-               "full", f"MFU {mfu}%", 8, 35, v=(3,))
+    return Row(
+        f"ms-f9-{system}-{gpus}",
+        MS_F9,
+        system,
+        "a100-8x200g",
+        MS_530B,
+        gpus,
+        gpus,
+        mfu,
+        "full",
+        f"MFU {mfu}%",
+        8,
+        35,
+        v=(3,),
+    )
 
 
 def titan(gpus: int, tps: int) -> Row:
-    return Row(f"titan-8b-{gpus}", TITAN, "torchtitan", "h100-8x400g", LLAMA3_8B, gpus, 2 * gpus,
-               100 * tps * 0, "full", f"{tps} TPS/GPU", 1, 1, micro_batch=(2,),
-               recompute=("selective",), zero=3,
-               note="H100 SXM at a 500 W cap with HBM2e (torchtitan's note 2): peak below the "
-                    "989 TFLOP/s the preset assumes", extra={"tps": tps})
+    return Row(
+        f"titan-8b-{gpus}",
+        TITAN,
+        "torchtitan",
+        "h100-8x400g",
+        LLAMA3_8B,
+        gpus,
+        2 * gpus,
+        100 * tps * 0,
+        "full",
+        f"{tps} TPS/GPU",
+        1,
+        1,
+        micro_batch=(2,),
+        recompute=("selective",),
+        zero=3,
+        note="H100 SXM at a 500 W cap with HBM2e (torchtitan's note 2): peak below the 989 TFLOP/s the preset assumes",
+        extra={"tps": tps},
+    )
 
 
 ROWS: list[Row] = [
@@ -120,18 +188,47 @@ ROWS: list[Row] = [
     sc21(96, 16384, 128, 8, 16, 1920, 2160, 155),
     sc21(105, 20480, 128, 8, 35, 2520, 2520, 163),
     sc21(128, 25600, 160, 8, 64, 3072, 3072, 163),
-    *(replace(sc21(96, 12288, 96, 8, 12, n, 1536, t), id=f"sc21-t2-175b-{n}", source=SC21_T2,
-              micro_batch=(1,)) for n, t in ((384, 153), (768, 149), (1536, 141))),
-    *(replace(sc21(105, 20480, 128, 8, 35, n, 2240, t), id=f"sc21-t2-530b-{n}", source=SC21_T2,
-              micro_batch=(1,)) for n, t in ((560, 171), (1120, 167), (2240, 159))),
-    replace(sc21(96, 12288, 96, 8, 16, 1024, 1536, 138), id="sc21-readme-175b-1024",
-            source=SC21_README, v=(1,), micro_batch=(1,)),
-    *(megascale_t2("megatron", n, b, mfu) for n, b, mfu in (
-        (256, 768, 53.0), (512, 768, 49.9), (768, 768, 46.7), (1024, 768, 44.7),
-        (3072, 6144, 48.7), (6144, 6144, 47.8), (8192, 6144, 43.3), (12288, 6144, 41.2))),
-    *(megascale_t2("megascale", n, b, mfu) for n, b, mfu in (
-        (256, 768, 65.3), (512, 768, 63.5), (768, 768, 61.3), (1024, 768, 59.0),
-        (3072, 6144, 59.1), (6144, 6144, 57.3), (8192, 6144, 54.9), (12288, 6144, 55.2))),
+    *(
+        replace(sc21(96, 12288, 96, 8, 12, n, 1536, t), id=f"sc21-t2-175b-{n}", source=SC21_T2, micro_batch=(1,))
+        for n, t in ((384, 153), (768, 149), (1536, 141))
+    ),
+    *(
+        replace(sc21(105, 20480, 128, 8, 35, n, 2240, t), id=f"sc21-t2-530b-{n}", source=SC21_T2, micro_batch=(1,))
+        for n, t in ((560, 171), (1120, 167), (2240, 159))
+    ),
+    replace(
+        sc21(96, 12288, 96, 8, 16, 1024, 1536, 138),
+        id="sc21-readme-175b-1024",
+        source=SC21_README,
+        v=(1,),
+        micro_batch=(1,),
+    ),
+    *(
+        megascale_t2("megatron", n, b, mfu)
+        for n, b, mfu in (
+            (256, 768, 53.0),
+            (512, 768, 49.9),
+            (768, 768, 46.7),
+            (1024, 768, 44.7),
+            (3072, 6144, 48.7),
+            (6144, 6144, 47.8),
+            (8192, 6144, 43.3),
+            (12288, 6144, 41.2),
+        )
+    ),
+    *(
+        megascale_t2("megascale", n, b, mfu)
+        for n, b, mfu in (
+            (256, 768, 65.3),
+            (512, 768, 63.5),
+            (768, 768, 61.3),
+            (1024, 768, 59.0),
+            (3072, 6144, 59.1),
+            (6144, 6144, 57.3),
+            (8192, 6144, 54.9),
+            (12288, 6144, 55.2),
+        )
+    ),
     *(megascale_f9("megatron", n, mfu) for n, mfu in ((2240, 49.2), (4480, 48.8), (11200, 48.2))),
     *(megascale_f9("megascale", n, mfu) for n, mfu in ((2240, 54.3), (4480, 54.1), (11200, 54.3))),
     titan(8, 5762),
@@ -143,39 +240,62 @@ ROWS: list[Row] = [
 # SC'21 code (megatron-2021) with the recomputation the source states.
 HELD_OUT_POINTS = 6.0  # the bound tests/plan/test_published.py holds these rows to
 HELD_OUT: list[Row] = [
-    replace(sc21(105, 20480, 128, 8, 35, 2240, 2240, 0), id=f"korthikanti-530b-2240-{rc}",
-            source=KORTHIKANTI, published=mfu, convention="full", reported=f"MFU {mfu}%",
-            micro_batch=(1,), recompute=(rc,))
-    for rc, mfu in (("selective", 54.2), ("full", 42.1))]
+    replace(
+        sc21(105, 20480, 128, 8, 35, 2240, 2240, 0),
+        id=f"korthikanti-530b-2240-{rc}",
+        source=KORTHIKANTI,
+        published=mfu,
+        convention="full",
+        reported=f"MFU {mfu}%",
+        micro_batch=(1,),
+        recompute=(rc,),
+    )
+    for rc, mfu in (("selective", 54.2), ("full", 42.1))
+]
 # Table 3: 175B, 256 GPUs, batch 256 (x3 with LAMB), optimisations switched on in turn
-MS_T3_ROWS = (("baseline", 47.7), ("parallel block", 52.3), ("sliding window", 53.3),
-              ("TP overlap", 55.5), ("PP overlap", 58.0), ("DP overlap", 59.5),
-              ("efficient operators", 61.2), ("data pipeline, GC, stragglers", 62.3),
-              ("LAMB, batch x3", 65.3))
+MS_T3_ROWS = (
+    ("baseline", 47.7),
+    ("parallel block", 52.3),
+    ("sliding window", 53.3),
+    ("TP overlap", 55.5),
+    ("PP overlap", 58.0),
+    ("DP overlap", 59.5),
+    ("efficient operators", 61.2),
+    ("data pipeline, GC, stragglers", 62.3),
+    ("LAMB, batch x3", 65.3),
+)
 
 
 # The constants fitted to published rows (docs/planning.md, "Validation"): one per cluster or per
 # family of systems (megatron-2021 inherits megatron's constants, torchtitan reuses megascale's).
-FITTED = ("slow_host_fraction", "megatron.chunk_overhead_us", "megatron.host_overhead_s",
-          "megatron.jitter_cv", "megascale.chunk_overhead_us")
+FITTED = (
+    "slow_host_fraction",
+    "megatron.chunk_overhead_us",
+    "megatron.host_overhead_s",
+    "megatron.jitter_cv",
+    "megascale.chunk_overhead_us",
+)
 
 
 def family(system: str) -> str:
     return "megatron" if system.startswith("megatron") else "megascale"
 
 
-def with_constants(system: SystemSpec, cluster: ClusterSpec, constants: dict[str, float]
-                   ) -> tuple[SystemSpec, ClusterSpec]:
+def with_constants(
+    system: SystemSpec, cluster: ClusterSpec, constants: dict[str, float]
+) -> tuple[SystemSpec, ClusterSpec]:
     """`system` and `cluster` with the `FITTED` constants in `constants` replaced."""
     if "slow_host_fraction" in constants:
-        cluster = replace(cluster, slow_hosts=replace(cluster.slow_hosts,
-                                                      fraction=constants["slow_host_fraction"]))
+        cluster = replace(cluster, slow_hosts=replace(cluster.slow_hosts, fraction=constants["slow_host_fraction"]))
     impl, fam = system.features.impl, family(system.name)
     for key, value in constants.items():
         if key.startswith(f"{fam}."):
             name = key.split(".", 1)[1]
-            impl = (replace(impl, jitter=replace(impl.jitter, cv=value)) if name == "jitter_cv"
-                    else replace(impl, **{name: value}))
+            impl = (
+                replace(impl, jitter=replace(impl.jitter, cv=value))
+                if name == "jitter_cv"
+                else replace(impl, **{name: value})
+            )
     return replace(system, features=replace(system.features, impl=impl)), cluster
 
 
@@ -184,9 +304,14 @@ def predict(row: Row, constants: dict[str, float] | None = None) -> StepEstimate
     if constants:
         system, cluster = with_constants(system, cluster, constants)
     work = system.apply(Workload(row.model, row.batch, dtype="bf16"))
-    space = SearchSpace(zero_stages=(system.zero if row.zero is None else row.zero,),
-                        micro_batches=row.micro_batch, tps=(row.tp,), pps=(row.pp,),
-                        virtuals=row.v, recompute=row.recompute)
+    space = SearchSpace(
+        zero_stages=(system.zero if row.zero is None else row.zero,),
+        micro_batches=row.micro_batch,
+        tps=(row.tp,),
+        pps=(row.pp,),
+        virtuals=row.v,
+        recompute=row.recompute,
+    )
     found = search(work, row.gpus, cluster, system.features, space)
     if not found:
         raise SystemExit(f"{row.id}: no layout fits under the stated constraints")
@@ -200,8 +325,7 @@ def published_percent(row: Row, est: StepEstimate) -> float:
     return row.published
 
 
-def evaluate_rows(only: str | None, rows: list[Row] = ROWS,
-                  constants: dict[str, float] | None = None) -> list[dict]:
+def evaluate_rows(only: str | None, rows: list[Row] = ROWS, constants: dict[str, float] | None = None) -> list[dict]:
     out = []
     for row in rows:
         if only and not row.id.startswith(only):
@@ -209,13 +333,25 @@ def evaluate_rows(only: str | None, rows: list[Row] = ROWS,
         est = predict(row, constants)
         published = published_percent(row, est)
         predicted = 100 * est.mfu_in(row.convention)
-        out.append({"id": row.id, "source": row.source, "system": row.system,
-                    "cluster": row.cluster, "gpus": row.gpus, "batch": row.batch,
-                    "reported": row.reported, "convention": row.convention,
-                    "published_pct": round(float(published), 2), "predicted_pct": round(float(predicted), 2),
-                    "error_points": round(float(predicted - published), 2),
-                    "layout": est.layout.label(), "step_time_s": float(est.step_time),
-                    "terms_s": est.breakdown(), "note": row.note})
+        out.append(
+            {
+                "id": row.id,
+                "source": row.source,
+                "system": row.system,
+                "cluster": row.cluster,
+                "gpus": row.gpus,
+                "batch": row.batch,
+                "reported": row.reported,
+                "convention": row.convention,
+                "published_pct": round(float(published), 2),
+                "predicted_pct": round(float(predicted), 2),
+                "error_points": round(float(predicted - published), 2),
+                "layout": est.layout.label(),
+                "step_time_s": float(est.step_time),
+                "terms_s": est.breakdown(),
+                "note": row.note,
+            }
+        )
     return out
 
 
@@ -230,24 +366,40 @@ def evaluate_ablation() -> list[dict]:
     out = []
     for (name, published), row in zip(MS_T3_ROWS, rows, strict=True):
         predicted = 100 * row.cumulative.mfu_in("full")
-        out.append({"id": f"ms-t3-{name}", "source": MS_T3, "system": f"megatron -> {name}",
-                    "cluster": cluster.name, "gpus": 256, "batch": row.cumulative.micro_batches * 4,
-                    "reported": f"MFU {published}%", "convention": "full",
-                    "published_pct": published, "predicted_pct": round(predicted, 2),
-                    "error_points": round(float(predicted - published), 2),
-                    "layout": layout.label(), "step_time_s": row.cumulative.step_time,
-                    "terms_s": row.cumulative.breakdown(), "note": ""})
+        out.append(
+            {
+                "id": f"ms-t3-{name}",
+                "source": MS_T3,
+                "system": f"megatron -> {name}",
+                "cluster": cluster.name,
+                "gpus": 256,
+                "batch": row.cumulative.micro_batches * 4,
+                "reported": f"MFU {published}%",
+                "convention": "full",
+                "published_pct": published,
+                "predicted_pct": round(predicted, 2),
+                "error_points": round(float(predicted - published), 2),
+                "layout": layout.label(),
+                "step_time_s": row.cumulative.step_time,
+                "terms_s": row.cumulative.breakdown(),
+                "note": "",
+            }
+        )
     return out
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| row | system | GPUs | batch | layout (searched: v, mb, rc) | published | "
-             "predicted | error (points) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| row | system | GPUs | batch | layout (searched: v, mb, rc) | published | predicted | error (points) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         short = r["layout"].replace(" zero=", " z").replace(" rc=", " ")
-        lines.append(f"| {r['id']} | {r['system']} | {r['gpus']} | {r['batch']} | {short} | "
-                     f"{r['published_pct']:.1f}% ({r['reported']}) | {r['predicted_pct']:.1f}% | "
-                     f"{r['error_points']:+.1f} |")
+        lines.append(
+            f"| {r['id']} | {r['system']} | {r['gpus']} | {r['batch']} | {short} | "
+            f"{r['published_pct']:.1f}% ({r['reported']}) | {r['predicted_pct']:.1f}% | "
+            f"{r['error_points']:+.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -263,24 +415,39 @@ def main() -> int:
         rows += evaluate_ablation()
     held_out = evaluate_rows(args.only, HELD_OUT)
     for r in held_out:
-        print(f"held out: {r['id']:<30} {r['layout']:<44} published {r['published_pct']:5.1f}%  "
-              f"predicted {r['predicted_pct']:5.1f}%  error {r['error_points']:+5.1f} "
-              f"(bound +-{HELD_OUT_POINTS:g})")
+        print(
+            f"held out: {r['id']:<30} {r['layout']:<44} published {r['published_pct']:5.1f}%  "
+            f"predicted {r['predicted_pct']:5.1f}%  error {r['error_points']:+5.1f} "
+            f"(bound +-{HELD_OUT_POINTS:g})"
+        )
     for r in rows:
         flag = "" if abs(r["error_points"]) <= GOAL_POINTS else "  MISS"
-        print(f"{r['id']:<28} {r['layout']:<44} published {r['published_pct']:5.1f}%  predicted "
-              f"{r['predicted_pct']:5.1f}%  error {r['error_points']:+5.1f}{flag}")
+        print(
+            f"{r['id']:<28} {r['layout']:<44} published {r['published_pct']:5.1f}%  predicted "
+            f"{r['predicted_pct']:5.1f}%  error {r['error_points']:+5.1f}{flag}"
+        )
     errors = [abs(r["error_points"]) for r in rows]
     within = sum(e <= GOAL_POINTS for e in errors)
-    print(f"{within}/{len(rows)} rows within +-{GOAL_POINTS:g} points; mean |error| "
-          f"{statistics.mean(errors):.2f}, max {max(errors):.2f} ({time.perf_counter() - start:.1f} s)")
+    print(
+        f"{within}/{len(rows)} rows within +-{GOAL_POINTS:g} points; mean |error| "
+        f"{statistics.mean(errors):.2f}, max {max(errors):.2f} ({time.perf_counter() - start:.1f} s)"
+    )
     if args.markdown:
         print(markdown(rows))
     if not args.only:
-        Path(args.out).write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d", time.gmtime()), "goal_points": GOAL_POINTS,
-            "within_goal": within, "rows": rows, "held_out_bound_points": HELD_OUT_POINTS,
-            "held_out": held_out}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                    "goal_points": GOAL_POINTS,
+                    "within_goal": within,
+                    "rows": rows,
+                    "held_out_bound_points": HELD_OUT_POINTS,
+                    "held_out": held_out,
+                },
+                indent=2,
+            )
+        )
         print(f"wrote {args.out}")
     return 0
 

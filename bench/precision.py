@@ -42,6 +42,7 @@ from megascale.train.trainer import Trainer
 
 RESULTS = Path(__file__).parent / "results" / "precision.json"
 
+
 def _whole(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     return F.cross_entropy(F.linear(x, w).float(), labels, reduction="sum")
 
@@ -54,7 +55,7 @@ def loss_part(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     tokens = args.batch * args.seq
     x = torch.randn(tokens, args.hidden, generator=g).requires_grad_()
-    w = (torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5).requires_grad_()
+    w = (torch.randn(args.vocab, args.hidden, generator=g) * args.hidden**-0.5).requires_grad_()
     labels = torch.randint(0, args.vocab, (tokens,), generator=g)
     variants = {"whole": _whole, "chunked": _chunked}
 
@@ -71,13 +72,15 @@ def loss_part(args: argparse.Namespace) -> dict:
         outputs[name] = (step(fn), x.grad.clone(), w.grad.clone())
         print(f"{name:>8}: peak {results[name]['peak_bytes'] / 2**30:.2f} GiB", flush=True)
     for r in range(args.repeats):
-        for name, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
+        for name, fn in variants.items() if r % 2 == 0 else reversed(variants.items()):
             seconds = wall_seconds(lambda fn=fn: step(fn))
             results[name]["seconds"].append(seconds)
             print(f"{name:>8}: {seconds:.2f} s", flush=True)
     x.grad = w.grad = None
-    diffs = {label: float((a - b).abs().max() / b.abs().max())
-             for label, a, b in zip(("loss", "grad_x", "grad_w"), outputs["chunked"], outputs["whole"], strict=True)}
+    diffs = {
+        label: float((a - b).abs().max() / b.abs().max())
+        for label, a, b in zip(("loss", "grad_x", "grad_w"), outputs["chunked"], outputs["whole"], strict=True)
+    }
     whole, chunked = results["whole"], results["chunked"]
     for r in results.values():
         r["median_s"] = statistics.median(r["seconds"])
@@ -88,8 +91,10 @@ def loss_part(args: argparse.Namespace) -> dict:
         "max_relative_difference": diffs,
         "whole_logits_bytes": tokens * args.vocab * 4,
     }
-    print(f"chunked/whole: memory {summary['memory_ratio']:.3f}x, time {summary['time_ratio']:.3f}x; "
-          f"relative differences {diffs}")
+    print(
+        f"chunked/whole: memory {summary['memory_ratio']:.3f}x, time {summary['time_ratio']:.3f}x; "
+        f"relative differences {diffs}"
+    )
     return {"variants": results, "summary": summary}
 
 
@@ -98,11 +103,24 @@ BF16 = ["--train.dtype=bf16", "--train.param_dtype=bf16"]
 
 
 def _train(root: Path, name: str, steps: int, extra: list[str]) -> tuple[list[float], float]:
-    cfg = load_config(default_config_path(), [
-        *MODEL, f"--train.steps={steps}", "--train.global_batch=8", "--train.micro_batch=4", "--train.device=cpu",
-        "--train.eval_every=0", "--train.log_every=100", "--train.tensorboard=false", "--checkpoint.every=0",
-        "--checkpoint.resume=none", f"--train.run_dir={root / name}", f"--data.cache_dir={root / 'corpus'}",
-        *extra])
+    cfg = load_config(
+        default_config_path(),
+        [
+            *MODEL,
+            f"--train.steps={steps}",
+            "--train.global_batch=8",
+            "--train.micro_batch=4",
+            "--train.device=cpu",
+            "--train.eval_every=0",
+            "--train.log_every=100",
+            "--train.tensorboard=false",
+            "--checkpoint.every=0",
+            "--checkpoint.resume=none",
+            f"--train.run_dir={root / name}",
+            f"--data.cache_dir={root / 'corpus'}",
+            *extra,
+        ],
+    )
     trainer = Trainer(cfg)
     start = time.perf_counter()
     try:
@@ -120,17 +138,27 @@ def loss_gap(steps: int) -> dict:
     window = 50
     windows = []
     for start in range(0, steps - window + 1, window):
-        a, b = statistics.mean(fp32[start:start + window]), statistics.mean(bf16[start:start + window])
-        windows.append({"steps": [start + 1, start + window], "fp32": round(a, 5), "bf16": round(b, 5),
-                        "gap_rel": round((b - a) / a, 6)})
+        a, b = statistics.mean(fp32[start : start + window]), statistics.mean(bf16[start : start + window])
+        windows.append(
+            {
+                "steps": [start + 1, start + window],
+                "fp32": round(a, 5),
+                "bf16": round(b, 5),
+                "gap_rel": round((b - a) / a, 6),
+            }
+        )
     return {
         "what": "mean loss of bf16 training (autocast + bf16 parameters, fp32 masters and optimizer state) "
-                "against fp32, same data and seed, one process, LAMB lr 2e-3 (the built-in defaults)",
-        "model": " ".join(MODEL), "steps": steps, "first_loss": round(fp32[0], 5),
-        "last_window": windows[-1], "max_abs_gap_rel": max(abs(w["gap_rel"]) for w in windows),
-        "windows": windows, "seconds": {"fp32": round(fp32_s, 1), "bf16": round(bf16_s, 1)},
+        "against fp32, same data and seed, one process, LAMB lr 2e-3 (the built-in defaults)",
+        "model": " ".join(MODEL),
+        "steps": steps,
+        "first_loss": round(fp32[0], 5),
+        "last_window": windows[-1],
+        "max_abs_gap_rel": max(abs(w["gap_rel"]) for w in windows),
+        "windows": windows,
+        "seconds": {"fp32": round(fp32_s, 1), "bf16": round(bf16_s, 1)},
         "note": "2-core CPU shared with other jobs (loaded): the seconds are noisy and CPU bf16 is emulated; "
-                "the loss figures do not depend on load",
+        "the loss figures do not depend on load",
     }
 
 
@@ -154,14 +182,21 @@ def main(argv: list[str] | None = None) -> int:
     key, run = PARTS[args.part]
     load_before = os.getloadavg()[0]
     result = run(args)
-    result.setdefault("note", "CPU, fp32; the machine was shared with other jobs (see the load average): times are "
-                              "noisy, the ratio is of runs taken side by side")
-    result.update({
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-    })
+    result.setdefault(
+        "note",
+        "CPU, fp32; the machine was shared with other jobs (see the load average): times are "
+        "noisy, the ratio is of runs taken side by side",
+    )
+    result.update(
+        {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        }
+    )
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
     existing[key] = result
     args.out.parent.mkdir(parents=True, exist_ok=True)

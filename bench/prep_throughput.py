@@ -59,8 +59,7 @@ def make_corpus(path: Path, size_mb: float, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
     p = 1 / np.arange(1, 27)
-    words = np.array(["".join(rng.choice(letters, size=rng.integers(1, 10), p=p / p.sum()))
-                      for _ in range(20_000)])
+    words = np.array(["".join(rng.choice(letters, size=rng.integers(1, 10), p=p / p.sum())) for _ in range(20_000)])
     zipf = 1 / np.arange(1, len(words) + 1) ** 1.1
     tmp = path.with_suffix(".tmp")
     written = 0
@@ -109,9 +108,15 @@ def train_bpe(corpus: Path, out: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=8192, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=8192,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(out))
     return out
 
@@ -127,8 +132,9 @@ def mistral_style(corpus: Path, out: Path) -> Path:
     texts = sample_texts(corpus)
     sp = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     sp.pre_tokenizer = pre_tokenizers.Metaspace()
-    sp.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<unk>", "<s>", "</s>"],
-                                                      show_progress=False))
+    sp.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    )
     model = json.loads(sp.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     transformers.LlamaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=True).save_pretrained(out)
@@ -175,8 +181,9 @@ print(json.dumps({"seconds": time.perf_counter() - start, "cpu_s": time.process_
 
 
 def library_rate(tokenizer: Path, corpus: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", LIBRARY, str(tokenizer), str(corpus)], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", LIBRARY, str(tokenizer), str(corpus)], check=True, capture_output=True, text=True
+    ).stdout
     result = json.loads(out)
     result["mb_per_s"] = corpus.stat().st_size / MB / result["seconds"]
     return result
@@ -188,8 +195,12 @@ def run_prep(args: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = psutil.Popen([sys.executable, "-m", "megascale.cli", "prep", *args, "--quiet", "--overwrite"],
-                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = psutil.Popen(
+        [sys.executable, "-m", "megascale.cli", "prep", *args, "--quiet", "--overwrite"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     peak_tree = peak_parent = 0
     while proc.poll() is None:
         try:
@@ -205,8 +216,12 @@ def run_prep(args: list[str]) -> dict:
         raise SystemExit(f"prep failed ({proc.returncode}): {err.decode()[-2000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the prep process and the workers it reaped
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return {"seconds": seconds, "cpu_s": cpu, "peak_rss_tree_mib": peak_tree / 2**20,
-            "peak_rss_parent_mib": peak_parent / 2**20}
+    return {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "peak_rss_tree_mib": peak_tree / 2**20,
+        "peak_rss_parent_mib": peak_parent / 2**20,
+    }
 
 
 def startup(work: Path) -> dict:
@@ -242,10 +257,13 @@ def real_styles(args: argparse.Namespace, work: Path, big: Path, text_mb: float)
             # loading the tokenizer in the parent and each worker), which the library's figure excludes
             run["cpu_x_library_less_fixed"] = (run["cpu_s"] - workers * fixed["cpu_s"]) / lib["cpu_s"]
             real[name][f"workers={workers}"] = run
-            print(f"{name} jsonl workers={workers}: {run['mb_per_s']:.2f} MB/s = {run['x_library_one_thread']:.2f}x "
-                  f"the library's {lib['mb_per_s']:.2f} MB/s on one thread; CPU {run['cpu_x_library']:.2f}x the "
-                  f"library's ({run['cpu_x_library_less_fixed']:.2f}x less the {fixed['cpu_s']:.1f} s of a one-line "
-                  f"run); peak RSS {run['peak_rss_tree_mib']:.0f} MiB", flush=True)
+            print(
+                f"{name} jsonl workers={workers}: {run['mb_per_s']:.2f} MB/s = {run['x_library_one_thread']:.2f}x "
+                f"the library's {lib['mb_per_s']:.2f} MB/s on one thread; CPU {run['cpu_x_library']:.2f}x the "
+                f"library's ({run['cpu_x_library_less_fixed']:.2f}x less the {fixed['cpu_s']:.1f} s of a one-line "
+                f"run); peak RSS {run['peak_rss_tree_mib']:.0f} MiB",
+                flush=True,
+            )
     document = {}
     for name, spec in styles.items():
         for size in (args.doc_mb / 4, args.doc_mb):
@@ -253,8 +271,11 @@ def real_styles(args: argparse.Namespace, work: Path, big: Path, text_mb: float)
             run = run_prep([str(doc), "--out", str(work / "out"), "--tokenizer", str(spec), "--workers", "2"])
             run["mb_per_s"] = doc.stat().st_size / MB / run["seconds"]
             document[f"{name} {size:g}MB workers=2"] = run
-            print(f"one {size:g} MB document, {name}, 2 workers: {run['mb_per_s']:.2f} MB/s, peak RSS "
-                  f"{run['peak_rss_tree_mib']:.0f} MiB (parent {run['peak_rss_parent_mib']:.0f})", flush=True)
+            print(
+                f"one {size:g} MB document, {name}, 2 workers: {run['mb_per_s']:.2f} MB/s, peak RSS "
+                f"{run['peak_rss_tree_mib']:.0f} MiB (parent {run['peak_rss_parent_mib']:.0f})",
+                flush=True,
+            )
     return real, document
 
 
@@ -278,8 +299,11 @@ def main() -> None:
     print(f"corpus {text_mb:.0f} MB ({big_gz.stat().st_size / MB:.0f} MB gzipped); BPE 8192 trained", flush=True)
 
     library = library_rate(bpe, big)
-    print(f"tokenizers library, one thread: {library['mb_per_s']:.2f} MB/s, {library['cpu_s']:.1f} CPU s "
-          f"({library['tokens']:,} tokens)", flush=True)
+    print(
+        f"tokenizers library, one thread: {library['mb_per_s']:.2f} MB/s, {library['cpu_s']:.1f} CPU s "
+        f"({library['tokens']:,} tokens)",
+        flush=True,
+    )
     runs: dict[str, dict] = {}
     for tok_name, spec in (("bytes", "bytes"), ("bpe", str(bpe))) if args.only == "all" else ():
         for input_name, path in (("jsonl", big), ("jsonl.gz", big_gz)):
@@ -291,11 +315,16 @@ def main() -> None:
                 if tok_name == "bpe":
                     run["x_library_one_thread"] = run["mb_per_s"] / library["mb_per_s"]
                     run["cpu_x_library"] = run["cpu_s"] / library["cpu_s"]
-                    ratio = (f", {run['x_library_one_thread']:.2f}x the library; CPU {run['cpu_x_library']:.2f}x "
-                             f"the library's")
+                    ratio = (
+                        f", {run['x_library_one_thread']:.2f}x the library; CPU {run['cpu_x_library']:.2f}x "
+                        f"the library's"
+                    )
                 runs[key] = run
-                print(f"{key}: {run['mb_per_s']:.2f} MB/s{ratio}, peak RSS {run['peak_rss_tree_mib']:.0f} MiB "
-                      f"(parent {run['peak_rss_parent_mib']:.0f})", flush=True)
+                print(
+                    f"{key}: {run['mb_per_s']:.2f} MB/s{ratio}, peak RSS {run['peak_rss_tree_mib']:.0f} MiB "
+                    f"(parent {run['peak_rss_parent_mib']:.0f})",
+                    flush=True,
+                )
     memory: dict[str, dict] = {}
     growth = 0.0
     if args.only == "all":
@@ -304,40 +333,73 @@ def main() -> None:
         sizes = list(memory)
         growth = memory[sizes[1]]["peak_rss_tree_mib"] / memory[sizes[0]]["peak_rss_tree_mib"]
         peaks = ", ".join(f"{k} {v['peak_rss_tree_mib']:.0f} MiB" for k, v in memory.items())
-        print(f"peak RSS (bpe, 2 workers): {peaks}; {args.mb / args.small_mb:.0f}x the input -> {growth:.2f}x the "
-              f"memory", flush=True)
+        print(
+            f"peak RSS (bpe, 2 workers): {peaks}; {args.mb / args.small_mb:.0f}x the input -> {growth:.2f}x the memory",
+            flush=True,
+        )
     real, document = real_styles(args, work, big, text_mb)
     if args.only == "real":
-        write(args, {"load_average_before": load_before, "load_average_after": os.getloadavg(),
-                     "corpus_mb": text_mb, "library_one_thread_bpe": library,
-                     "real_tokenizer_styles": real, "single_document": document})
+        write(
+            args,
+            {
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg(),
+                "corpus_mb": text_mb,
+                "library_one_thread_bpe": library,
+                "real_tokenizer_styles": real,
+                "single_document": document,
+            },
+        )
         return
     start = startup(work)
-    print(f"start-up: prep of a one-line file {start['prep_one_line_s']:.2f} s "
-          f"(python -c pass {start['python_c_pass_s']:.2f} s)", flush=True)
+    print(
+        f"start-up: prep of a one-line file {start['prep_one_line_s']:.2f} s "
+        f"(python -c pass {start['python_c_pass_s']:.2f} s)",
+        flush=True,
+    )
 
     two = runs["bpe jsonl workers=2"]["x_library_one_thread"]
-    write(args, {
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "corpus_mb": text_mb, "corpus_gz_mb": big_gz.stat().st_size / MB,
-        "library_one_thread": library, "prep": runs, "peak_rss_bpe_2_workers": memory,
-        "rss_growth_for_input_growth": [growth, args.mb / args.small_mb], "startup": start,
-        "real_tokenizer_styles": real, "single_document": document,
-        "targets": {"bpe_2_workers_x_library >= 1.7": two,
-                    "startup_s < 0.5": start["prep_one_line_s"],
-                    "peak_rss_mib < 1024": max(r["peak_rss_tree_mib"] for r in runs.values())},
-    })
+    write(
+        args,
+        {
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "corpus_mb": text_mb,
+            "corpus_gz_mb": big_gz.stat().st_size / MB,
+            "library_one_thread": library,
+            "prep": runs,
+            "peak_rss_bpe_2_workers": memory,
+            "rss_growth_for_input_growth": [growth, args.mb / args.small_mb],
+            "startup": start,
+            "real_tokenizer_styles": real,
+            "single_document": document,
+            "targets": {
+                "bpe_2_workers_x_library >= 1.7": two,
+                "startup_s < 0.5": start["prep_one_line_s"],
+                "peak_rss_mib < 1024": max(r["peak_rss_tree_mib"] for r in runs.values()),
+            },
+        },
+    )
     print(f"bpe, 2 workers: {two:.2f}x the single-thread library rate (target >= 1.7)")
 
 
 def write(args: argparse.Namespace, results: dict) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                               "python": platform.python_version(), "cpus": os.cpu_count(), "args": vars(args),
-                               "note": "the machine may have been shared (see load_average_*): ratios are measured "
-                                       "side by side in this run, CPU seconds hold best under load",
-                               **results}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "args": vars(args),
+                "note": "the machine may have been shared (see load_average_*): ratios are measured "
+                "side by side in this run, CPU seconds hold best under load",
+                **results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -32,11 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="8,128,512", help="node counts (the issue's curve: 8,128,512,1536)")
     parser.add_argument("--window-s", type=float, default=10.0, help="steady heartbeat window per size")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
-                        help="the driver's heartbeat timeout (the default 5 s); raise it only where the simulated "
-                             "nodes cannot beat in time on a loaded machine (it is recorded)")
-    parser.add_argument("--driver-repo", default=str(REPO),
-                        help="run the driver from this source tree (an older commit's, to compare)")
+    parser.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=5.0,
+        help="the driver's heartbeat timeout (the default 5 s); raise it only where the simulated "
+        "nodes cannot beat in time on a loaded machine (it is recorded)",
+    )
+    parser.add_argument(
+        "--driver-repo", default=str(REPO), help="run the driver from this source tree (an older commit's, to compare)"
+    )
     args = parser.parse_args(argv)
     raise_fd_limit()
     rows = []
@@ -49,17 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["cpu_per_heartbeat_vs_smallest"] = row["driver_cpu_per_heartbeat_ms"] / base
     big = rows[-1]
-    goals = {"nodes": big["nodes"], "registered_within_60_s": big["register_s"] < 60,
-             "driver_below_half_a_core_at_1_hz": big["driver_cores_at_1_hz"] < 0.5,
-             "rtt_p99_below_quarter_of_timeout": big["rtt_p99_ms"] < 1e3 * args.heartbeat_timeout_s / 4,
-             "cpu_per_heartbeat_within_2x_of_smallest": big["cpu_per_heartbeat_vs_smallest"] <= 2.0,
-             "no_false_faults": all(r["false_faults"] == 0 for r in rows)}
-    result = {"bench": "scale", "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-                                            "note": "shared machine, other work running; the simulated nodes "
-                                                    "run on the same cores as the driver"},
-              "heartbeat_s": 1.0, "heartbeat_timeout_s": args.heartbeat_timeout_s, "ranks_per_node": RANKS_PER_NODE,
-              "window_s": args.window_s, "sizes": rows, "goals": goals,
-              "median_cpu_per_heartbeat_ms": statistics.median(r["driver_cpu_per_heartbeat_ms"] for r in rows)}
+    goals = {
+        "nodes": big["nodes"],
+        "registered_within_60_s": big["register_s"] < 60,
+        "driver_below_half_a_core_at_1_hz": big["driver_cores_at_1_hz"] < 0.5,
+        "rtt_p99_below_quarter_of_timeout": big["rtt_p99_ms"] < 1e3 * args.heartbeat_timeout_s / 4,
+        "cpu_per_heartbeat_within_2x_of_smallest": big["cpu_per_heartbeat_vs_smallest"] <= 2.0,
+        "no_false_faults": all(r["false_faults"] == 0 for r in rows),
+    }
+    result = {
+        "bench": "scale",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+            "note": "shared machine, other work running; the simulated nodes run on the same cores as the driver",
+        },
+        "heartbeat_s": 1.0,
+        "heartbeat_timeout_s": args.heartbeat_timeout_s,
+        "ranks_per_node": RANKS_PER_NODE,
+        "window_s": args.window_s,
+        "sizes": rows,
+        "goals": goals,
+        "median_cpu_per_heartbeat_ms": statistics.median(r["driver_cpu_per_heartbeat_ms"] for r in rows),
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(goals))
     return 0

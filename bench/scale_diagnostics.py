@@ -50,16 +50,22 @@ def one_size(world: int, steps: int, work: Path) -> dict:
     grid = RankGrid(*GRIDS[world])
     slow, stuck = grid.rank_of(3, grid.dp - 1, 5), grid.rank_of(5, grid.dp // 2, 2)
     shape = TraceShape(grid, steps=steps, slow_rank=slow)
-    out: dict = {"world": world, "grid": dict(zip(("pp", "dp", "tp"), GRIDS[world], strict=True)),
-                 "steps": steps, "phases": {}}
+    out: dict = {
+        "world": world,
+        "grid": dict(zip(("pp", "dp", "tp"), GRIDS[world], strict=True)),
+        "steps": steps,
+        "phases": {},
+    }
 
     def phase(name: str, fn):
         _reset_peak()
         cpu, wall = time.process_time(), time.perf_counter()
         result = fn()
-        out["phases"][name] = {"cpu_s": round(time.process_time() - cpu, 3),
-                               "wall_s": round(time.perf_counter() - wall, 3),
-                               "peak_rss_mb": round(_peak_mb(), 1)}
+        out["phases"][name] = {
+            "cpu_s": round(time.process_time() - cpu, 3),
+            "wall_s": round(time.perf_counter() - wall, 3),
+            "peak_rss_mb": round(_peak_mb(), 1),
+        }
         return result
 
     out["spans"] = phase("write_timer_files", lambda: write_timer_files(work, shape))
@@ -75,9 +81,15 @@ def one_size(world: int, steps: int, work: Path) -> dict:
     for order in ("host", "grid"):
         phase(f"heatmap_{order}", lambda o=order: straggler.plot_heatmap(conn, figs / f"heat_{o}.png", o))
         if world > straggler.MAX_ROWS:  # the drill-down, as `megascale report` draws it
-            phase(f"heatmap_{order}_detail", lambda o=order: straggler.plot_heatmap(
-                conn, figs / f"heat_{o}_detail.png", o,
-                ranks=straggler.drilldown_ranks(straggler.compute_ratios(conn), o)))
+            phase(
+                f"heatmap_{order}_detail",
+                lambda o=order: straggler.plot_heatmap(
+                    conn,
+                    figs / f"heat_{o}_detail.png",
+                    o,
+                    ranks=straggler.drilldown_ranks(straggler.compute_ratios(conn), o),
+                ),
+            )
     phase("breakdown", lambda: report.plot_breakdown(conn, figs / "breakdown.png"))
     for group in ("pp", "host"):
         path = phase(f"trace_by_{group}", lambda g=group: timeline.write_trace(conn, figs / f"trace_{g}.json", g))
@@ -107,13 +119,21 @@ def main() -> None:
     sizes = []
     for world in worlds:
         load = os.getloadavg()[0]
-        child = subprocess.run([sys.executable, __file__, "--one", str(world), "--steps", str(args.steps)],
-                               capture_output=True, text=True, check=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--one", str(world), "--steps", str(args.steps)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         sizes.append(dict(json.loads(child.stdout.strip().splitlines()[-1]), load_average=round(load, 1)))
         print(json.dumps(sizes[-1]["phases"]), flush=True)
-    result = {"bench": "scale_diagnostics", "machine": platform.node(), "cpus": os.cpu_count(),
-              "loaded": "shared 2-core machine, other work running: CPU seconds are the figure",
-              "sizes": sizes}
+    result = {
+        "bench": "scale_diagnostics",
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "loaded": "shared 2-core machine, other work running: CPU seconds are the figure",
+        "sizes": sizes,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

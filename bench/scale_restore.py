@@ -49,12 +49,20 @@ def gpt_params(stage: int, pp: int = PP, layers: int = LAYERS, hidden: int = HID
         out += [("embed.weight", (VOCAB, h), 0), ("pos.weight", (SEQ, h), None)]
     for i in range(stage * per, (stage + 1) * per):
         b = f"blocks.{i}."
-        out += [(b + "ln1.weight", (h,), None), (b + "ln1.bias", (h,), None),
-                (b + "qkv.weight", (3 * h, h), 0), (b + "qkv.bias", (3 * h,), 0),
-                (b + "proj.weight", (h, h), 1), (b + "proj.bias", (h,), None),
-                (b + "ln2.weight", (h,), None), (b + "ln2.bias", (h,), None),
-                (b + "fc1.weight", (4 * h, h), 0), (b + "fc1.bias", (4 * h,), 0),
-                (b + "fc2.weight", (h, 4 * h), 1), (b + "fc2.bias", (h,), None)]
+        out += [
+            (b + "ln1.weight", (h,), None),
+            (b + "ln1.bias", (h,), None),
+            (b + "qkv.weight", (3 * h, h), 0),
+            (b + "qkv.bias", (3 * h,), 0),
+            (b + "proj.weight", (h, h), 1),
+            (b + "proj.bias", (h,), None),
+            (b + "ln2.weight", (h,), None),
+            (b + "ln2.bias", (h,), None),
+            (b + "fc1.weight", (4 * h, h), 0),
+            (b + "fc1.bias", (4 * h,), 0),
+            (b + "fc2.weight", (h, 4 * h), 1),
+            (b + "fc2.bias", (h,), None),
+        ]
     if stage == pp - 1:
         out += [("ln_f.weight", (h,), None), ("ln_f.bias", (h,), None), ("head.weight", (VOCAB, h), 0)]
     return out
@@ -84,24 +92,63 @@ def synthetic_manifest(pp: int, dp: int, tp: int, layers: int = LAYERS) -> dict:
             plain[name] = {"step": {"kind": "tensor", "dtype": "float32", "value": 7.0}}
             for fld in FIELDS:
                 nbytes = spec.numel * 4
-                tensors.append({"param": name, "field": fld, "spec": spec.to_json(), "dtype": "float32",
-                                "shape": [spec.numel], "file": file, "offset": offset, "nbytes": nbytes})
+                tensors.append(
+                    {
+                        "param": name,
+                        "field": fld,
+                        "spec": spec.to_json(),
+                        "dtype": "float32",
+                        "shape": [spec.numel],
+                        "file": file,
+                        "offset": offset,
+                        "nbytes": nbytes,
+                    }
+                )
                 offset += nbytes
-        tensors.append({"param": f"__rng__/{rank}", "field": "torch", "spec": None, "dtype": "uint8",
-                        "shape": [RNG_BYTES], "file": file, "offset": offset, "nbytes": RNG_BYTES})
+        tensors.append(
+            {
+                "param": f"__rng__/{rank}",
+                "field": "torch",
+                "spec": None,
+                "dtype": "uint8",
+                "shape": [RNG_BYTES],
+                "file": file,
+                "offset": offset,
+                "nbytes": RNG_BYTES,
+            }
+        )
         files[file] = {"size": offset + RNG_BYTES, "sha256": "0" * 64}
         ranks[str(rank)] = {"rng": {"torch": {}}, "loader": {"step": 7, "consumed": "0"}}
-    return seal({"format": FORMAT, "version": VERSION, "step": 7, "seq": 1, "world_size": world,
-                 "layout": {"pp": pp, "dp": dp, "tp": tp, "vpp": 1}, "config": {"model": {"name": "gpt-175b"}},
-                 "created": 0.0, "run_id": "scale", "torch": "synthetic", "files": files, "tensors": tensors,
-                 "ranks": ranks, "plain": plain})
+    return seal(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": 7,
+            "seq": 1,
+            "world_size": world,
+            "layout": {"pp": pp, "dp": dp, "tp": tp, "vpp": 1},
+            "config": {"model": {"name": "gpt-175b"}},
+            "created": 0.0,
+            "run_id": "scale",
+            "torch": "synthetic",
+            "files": files,
+            "tensors": tensors,
+            "ranks": ranks,
+            "plain": plain,
+        }
+    )
 
 
 def wanted(pp: int, dp: int, tp: int, layers: int = LAYERS) -> list[list[dict]]:
     """Every rank's targets (value and both moments of each piece), as sent to rank 0."""
-    return [[{"param": name, "field": fld, "spec": spec.to_json(), "dtype": "float32"}
-             for name, spec in rank_specs(rank, pp, dp, tp, layers) for fld in FIELDS]
-            for rank in range(pp * dp * tp)]
+    return [
+        [
+            {"param": name, "field": fld, "spec": spec.to_json(), "dtype": "float32"}
+            for name, spec in rank_specs(rank, pp, dp, tp, layers)
+            for fld in FIELDS
+        ]
+        for rank in range(pp * dp * tp)
+    ]
 
 
 def peak_mb() -> float:
@@ -131,13 +178,20 @@ def one(saved_dp: int, load_dp: int) -> dict:
     sizes = [part_size(p) for p in parts.values()]
     world = PP * load_dp * TP
     return {
-        "saved_world": PP * saved_dp * TP, "world": world, "records": len(parsed["tensors"]),
-        "targets": sum(len(t) for t in targets), "build_s": round(t1 - t0, 2),
-        "validate_s": round(t2 - t1, 2), "plan_s": round(t4 - t3, 2),
-        "peak_rss_mb_after_validate": round(validate_mb), "peak_rss_mb_after_build": round(built_mb),
-        "peak_rss_mb": round(peak_mb()), "owners": len(plan.owner),
+        "saved_world": PP * saved_dp * TP,
+        "world": world,
+        "records": len(parsed["tensors"]),
+        "targets": sum(len(t) for t in targets),
+        "build_s": round(t1 - t0, 2),
+        "validate_s": round(t2 - t1, 2),
+        "plan_s": round(t4 - t3, 2),
+        "peak_rss_mb_after_validate": round(validate_mb),
+        "peak_rss_mb_after_build": round(built_mb),
+        "peak_rss_mb": round(peak_mb()),
+        "owners": len(plan.owner),
         "rank0_visits_per_record": round(plan.visits / (len(parsed["tensors"]) + sum(map(len, targets))), 3),
-        "part_entries_max": max(sizes), "part_entries_mean": round(sum(sizes) / world, 1),
+        "part_entries_max": max(sizes),
+        "part_entries_mean": round(sum(sizes) / world, 1),
     }
 
 
@@ -155,18 +209,21 @@ def main() -> None:
         return
     rows = []
     for saved_dp, load_dp in CASES["full" if args.full else "short"]:
-        done = subprocess.run([sys.executable, __file__, "--one", str(saved_dp), str(load_dp)],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", str(saved_dp), str(load_dp)], capture_output=True, text=True, check=True
+        )
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"scale_restore": {
-        "model": f"GPT 175B ({LAYERS} layers, hidden {HIDDEN}) tp{TP} pp{PP}, ZeRO, AdamW (3 fields)",
-        "machine": f"{platform.node()}: 2 cores shared with other jobs (loaded); times are CPU seconds of "
-                   "the one process (process_time), visits and part sizes are exact counts",
-        "rows": rows,
-        "before": "issue 37 item 7 (same manifest shape, the old planner): per-rank plan loops 2.5 s at "
-                  "world 64, 380 s at 1,024, 3,609 s at 3,072, ~54,000 s at 12,288; validation 77 s at 3,072",
-    }}
+    result = {
+        "scale_restore": {
+            "model": f"GPT 175B ({LAYERS} layers, hidden {HIDDEN}) tp{TP} pp{PP}, ZeRO, AdamW (3 fields)",
+            "machine": f"{platform.node()}: 2 cores shared with other jobs (loaded); times are CPU seconds of "
+            "the one process (process_time), visits and part sizes are exact counts",
+            "rows": rows,
+            "before": "issue 37 item 7 (same manifest shape, the old planner): per-rank plan loops 2.5 s at "
+            "world 64, 380 s at 1,024, 3,609 s at 3,072, ~54,000 s at 12,288; validation 77 s at 3,072",
+        }
+    }
     if args.full:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

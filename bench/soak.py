@@ -35,16 +35,30 @@ from megascale.resilience.api import ApiClient
 from megascale.resilience.ettr import final_records
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ["--parallel.dp=4", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
-         "--model.seq_len=64", "--train.global_batch=8", "--train.micro_batch=2",
-         "--train.tensorboard=false", "--train.eval_every=0", "--train.log_every=50",
-         "--diagnostics.flight_recorder=false"]
-TRAIN = [*MODEL, "--train.steps=1000000", "--checkpoint.every=10",
-         "--resilience.hang_floor_s=5", "--resilience.heartbeat_timeout_s=4",
-         "--resilience.restart_budget=50",
-         # 5 x the longest step seen is ~15 s here (loaded cores, checkpoint steps); 3x keeps
-         # detection under 10 s without false alarms in this run's step-time spread.
-         "--resilience.hang_factor=3"]
+MODEL = [
+    "--parallel.dp=4",
+    "--model.layers=2",
+    "--model.hidden=64",
+    "--model.heads=4",
+    "--model.seq_len=64",
+    "--train.global_batch=8",
+    "--train.micro_batch=2",
+    "--train.tensorboard=false",
+    "--train.eval_every=0",
+    "--train.log_every=50",
+    "--diagnostics.flight_recorder=false",
+]
+TRAIN = [
+    *MODEL,
+    "--train.steps=1000000",
+    "--checkpoint.every=10",
+    "--resilience.hang_floor_s=5",
+    "--resilience.heartbeat_timeout_s=4",
+    "--resilience.restart_budget=50",
+    # 5 x the longest step seen is ~15 s here (loaded cores, checkpoint steps); 3x keeps
+    # detection under 10 s without false alarms in this run's step-time spread.
+    "--resilience.hang_factor=3",
+]
 PATHS = {"restart": ["--resilience.in_place=false"], "in_place": ["--resilience.in_place=true"]}
 
 
@@ -54,9 +68,25 @@ class Soak:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         log = open(run_dir.parent / f"{run_dir.name}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megascale.cli", "launch", "--nodes", str(nodes), "--ranks-per-node", str(ranks),
-             "--spares", str(spares), *extra, f"--train.run_dir={run_dir}"],
-            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "megascale.cli",
+                "launch",
+                "--nodes",
+                str(nodes),
+                "--ranks-per-node",
+                str(ranks),
+                "--spares",
+                str(spares),
+                *extra,
+                f"--train.run_dir={run_dir}",
+            ],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         self.client: ApiClient | None = None
 
     def status(self) -> dict:
@@ -131,8 +161,10 @@ def soak(path: str, minutes: float, seed: int, faults: int, work: Path) -> dict:
             executor_killed |= kind == "executor"
             step = max(r.get("step") or 0 for n in status["nodes"].values() for r in n["ranks"])
             injected.append({"kind": kind, "target": inject(kind, status, rng), "time": time.time(), "step": step})
-            print(f"[{path}] {injected[-1]['time'] - start:6.1f} s  injected {kind} -> {injected[-1]['target']}",
-                  flush=True)
+            print(
+                f"[{path}] {injected[-1]['time'] - start:6.1f} s  injected {kind} -> {injected[-1]['target']}",
+                flush=True,
+            )
             while len(job.status()["faults"]) < len(injected):
                 time.sleep(0.2)
             job.training(past_step=0)
@@ -142,18 +174,37 @@ def soak(path: str, minutes: float, seed: int, faults: int, work: Path) -> dict:
         summary = job.stop("soak finished")
     rows = []
     for inj, fault in zip(injected, summary["faults"], strict=False):
-        rows.append({**inj, "detected_as": fault["kind"], "detail": fault["detail"], "path": fault.get("path"),
-                     "restore_source": fault.get("restore_source"), "detection_s": fault["detected"] - inj["time"],
-                     "recovery_s": (fault["resumed"] - inj["time"]) if fault["resumed"] else None,
-                     "phases_s": {k[:-2]: fault.get(k) for k in ("stop_s", "decide_s", "selfcheck_s", "replace_s",
-                                                                  "restore_s", "first_step_s")}})
+        rows.append(
+            {
+                **inj,
+                "detected_as": fault["kind"],
+                "detail": fault["detail"],
+                "path": fault.get("path"),
+                "restore_source": fault.get("restore_source"),
+                "detection_s": fault["detected"] - inj["time"],
+                "recovery_s": (fault["resumed"] - inj["time"]) if fault["resumed"] else None,
+                "phases_s": {
+                    k[:-2]: fault.get(k)
+                    for k in ("stop_s", "decide_s", "selfcheck_s", "replace_s", "restore_s", "first_step_s")
+                },
+            }
+        )
     recovered = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
     e = summary["ettr"]
-    return {"path": path, "faults": rows, "injected": len(injected), "recovered": len(recovered),
-            "recovery_s": {"median": statistics.median(recovered) if recovered else None,
-                           "max": max(recovered, default=None)},
-            "detection_s": {"max": max((r["detection_s"] for r in rows), default=None)},
-            "ettr": e, "restarts": summary["restarts"], "evicted": summary["evicted"]}
+    return {
+        "path": path,
+        "faults": rows,
+        "injected": len(injected),
+        "recovered": len(recovered),
+        "recovery_s": {
+            "median": statistics.median(recovered) if recovered else None,
+            "max": max(recovered, default=None),
+        },
+        "detection_s": {"max": max((r["detection_s"] for r in rows), default=None)},
+        "ettr": e,
+        "restarts": summary["restarts"],
+        "evicted": summary["evicted"],
+    }
 
 
 def step_times(run_dir: Path, skip: int = 20) -> dict[int, float]:
@@ -168,9 +219,13 @@ def overhead(steps: int, every: int, work: Path) -> dict:
     times: dict[str, dict[int, float]] = {}
     for round_ in range(2):
         for name, k in (("copies", every), ("none", 0)):
-            job = Soak(work / f"overhead-{name}-{round_}",
-                       [*MODEL, f"--train.steps={steps}", "--checkpoint.every=0", f"--checkpoint.peer_every={k}"],
-                       nodes=2, ranks=2, spares=0)
+            job = Soak(
+                work / f"overhead-{name}-{round_}",
+                [*MODEL, f"--train.steps={steps}", "--checkpoint.every=0", f"--checkpoint.peer_every={k}"],
+                nodes=2,
+                ranks=2,
+                spares=0,
+            )
             if job.proc.wait(900):
                 raise RuntimeError(f"overhead run {name} failed; see {job.run_dir.parent}")
             times[f"{name}-{round_}"] = step_times(job.run_dir)
@@ -180,9 +235,14 @@ def overhead(steps: int, every: int, work: Path) -> dict:
     other_steps = [t for r in range(2) for s, t in times[f"copies-{r}"].items() if s % every]
     with_copies, without = statistics.median(copies), statistics.median(none)
     per_copy = statistics.median(copy_steps) - statistics.median(other_steps)
-    return {"peer_every": every, "steps_per_run": steps, "median_step_s": {"copies": with_copies, "none": without},
-            "overhead": with_copies / without - 1, "per_copy_s": per_copy,
-            "overhead_in_run": per_copy / every / statistics.median(other_steps)}
+    return {
+        "peer_every": every,
+        "steps_per_run": steps,
+        "median_step_s": {"copies": with_copies, "none": without},
+        "overhead": with_copies / without - 1,
+        "per_copy_s": per_copy,
+        "overhead_in_run": per_copy / every / statistics.median(other_steps),
+    }
 
 
 def main() -> None:
@@ -212,29 +272,38 @@ def main() -> None:
             "median_recovery_le_5s": fast["recovery_s"]["median"] is not None and fast["recovery_s"]["median"] <= 5,
             "worst_recovery_le_15s": fast["recovery_s"]["max"] is not None and fast["recovery_s"]["max"] <= 15,
             "ettr_ge_0.85": fast["ettr"]["ettr"] >= 0.85,
-            "copies_lt_2pct": o is not None and max(o, result["overhead"]["overhead_in_run"]) < 0.02}
+            "copies_lt_2pct": o is not None and max(o, result["overhead"]["overhead_in_run"]) < 0.02,
+        }
     for path, r in result["paths"].items():
         for f in r["faults"]:
             rec = f"{f['recovery_s']:.1f} s" if f["recovery_s"] is not None else "NOT RECOVERED"
             phases = " ".join(f"{k} {v:.1f}" for k, v in f["phases_s"].items() if v is not None)
-            print(f"[{path}] {f['kind']:8s} {f['target']:18s} -> {f['detected_as']:14s} {f['path']:8s} "
-                  f"detected {f['detection_s']:4.1f} s, training after {rec} ({phases}; from {f['restore_source']})")
+            print(
+                f"[{path}] {f['kind']:8s} {f['target']:18s} -> {f['detected_as']:14s} {f['path']:8s} "
+                f"detected {f['detection_s']:4.1f} s, training after {rec} ({phases}; from {f['restore_source']})"
+            )
         e = r["ettr"]
-        print(f"[{path}] {r['recovered']}/{r['injected']} recovered; recovery median {r['recovery_s']['median']}, "
-              f"max {r['recovery_s']['max']}; ETTR {e['ettr']:.3f} ({e['train_s']:.0f} s of kept steps in "
-              f"{e['wall_s']:.0f} s; {e['steps_executed'] - e['steps']} steps redone)")
+        print(
+            f"[{path}] {r['recovered']}/{r['injected']} recovered; recovery median {r['recovery_s']['median']}, "
+            f"max {r['recovery_s']['max']}; ETTR {e['ettr']:.3f} ({e['train_s']:.0f} s of kept steps in "
+            f"{e['wall_s']:.0f} s; {e['steps_executed'] - e['steps']} steps redone)"
+        )
     if {"restart", "in_place"} <= result["paths"].keys():
         slow, fast = result["paths"]["restart"], result["paths"]["in_place"]
         if slow["recovery_s"]["median"] and fast["recovery_s"]["median"]:
             ratio = slow["recovery_s"]["median"] / fast["recovery_s"]["median"]
-            print(f"in_place vs restart: median recovery {ratio:.1f}x faster, ETTR {fast['ettr']['ettr']:.3f} "
-                  f"vs {slow['ettr']['ettr']:.3f}")
+            print(
+                f"in_place vs restart: median recovery {ratio:.1f}x faster, ETTR {fast['ettr']['ettr']:.3f} "
+                f"vs {slow['ettr']['ettr']:.3f}"
+            )
     if "overhead" in result:
         o = result["overhead"]
-        print(f"peer copies every {o['peer_every']} steps: median step {o['median_step_s']['copies'] * 1e3:.1f} ms vs "
-              f"{o['median_step_s']['none'] * 1e3:.1f} ms without ({o['overhead'] * 100:+.1f}%); a step that copies "
-              f"takes {o['per_copy_s'] * 1e3:+.1f} ms more than one that does not ({o['overhead_in_run'] * 100:+.2f}% "
-              "of step time)")
+        print(
+            f"peer copies every {o['peer_every']} steps: median step {o['median_step_s']['copies'] * 1e3:.1f} ms vs "
+            f"{o['median_step_s']['none'] * 1e3:.1f} ms without ({o['overhead'] * 100:+.1f}%); a step that copies "
+            f"takes {o['per_copy_s'] * 1e3:+.1f} ms more than one that does not ({o['overhead_in_run'] * 100:+.2f}% "
+            "of step time)"
+        )
     print(f"load average during the run: {', '.join(f'{x:.1f}' for x in load)}; targets: {result.get('targets')}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -31,6 +31,7 @@ from megascale.model import GPT
 def instrument(model: GPT, holder: dict) -> None:
     """Per-block spans in forward (hooks) and a comm span per block in backward."""
     for i, block in enumerate(model.blocks):
+
         def pre(_m, _a, i=i):
             holder["span"] = holder["timers"].span(f"block{i}.fwd", "compute", layer=i)
             holder["span"].__enter__()
@@ -39,8 +40,7 @@ def instrument(model: GPT, holder: dict) -> None:
             holder["span"].__exit__(None, None, None)
 
         def grad_ready(_m, _gi, _go, i=i):
-            with holder["timers"].span(f"dp.reduce_scatter{i}", "comm", op="reduce_scatter",
-                                       group="dp"):
+            with holder["timers"].span(f"dp.reduce_scatter{i}", "comm", op="reduce_scatter", group="dp"):
                 pass
 
         block.register_forward_pre_hook(pre)
@@ -56,7 +56,7 @@ def run_steps(model, opt, batch, timers: Timers, holder: dict, steps: int, sync)
         with timers.span("data", "data"):
             x, y = batch
         for mb in range(x.shape[0] // 2):
-            xs, ys = x[2 * mb:2 * mb + 2], y[2 * mb:2 * mb + 2]
+            xs, ys = x[2 * mb : 2 * mb + 2], y[2 * mb : 2 * mb + 2]
             with timers.span("forward", "compute", mb=mb):
                 loss = model(xs, ys) / ys.numel()
             with timers.span("backward", "compute", mb=mb):
@@ -130,32 +130,38 @@ def main() -> None:
     span_us = span_cost_us(on, sync) - span_cost_us(off, sync)
     ratio = statistics.median(paired)
     result = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
-        or platform.machine(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "model": {"layers": args.layers, "hidden": args.hidden, "seq_len": cfg.seq_len,
-                  "batch": args.batch, "micro_batch": 2},
-        "rounds": args.rounds, "steps_per_round": args.steps,
+        "model": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "seq_len": cfg.seq_len,
+            "batch": args.batch,
+            "micro_batch": 2,
+        },
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
         "spans_per_step": round(spans_per_step, 1),
         "step_s_on_median": statistics.median(t_on),
         "step_s_off_median": statistics.median(t_off),
         "end_step_ms_on": end_step_ms,
         "span_us": span_us,  # enter+exit of one empty span, on minus off
         # the timers' own time per step over the step time: robust to a noisy machine
-        "direct_overhead_pct": (spans_per_step * span_us / 1e3 + end_step_ms)
-        / (statistics.median(t_off) * 1e3) * 100,
+        "direct_overhead_pct": (spans_per_step * span_us / 1e3 + end_step_ms) / (statistics.median(t_off) * 1e3) * 100,
         "paired_ratios": [round(p, 4) for p in paired],
         "overhead_ratio": ratio,  # median over rounds of the paired on/off ratios
         "ratio_of_medians": statistics.median(t_on) / statistics.median(t_off),
         "overhead_pct": (ratio - 1) * 100,
         "target_pct": 2.0,
     }
-    print(f"step time timers on {result['step_s_on_median'] * 1e3:.2f} ms | off "
-          f"{result['step_s_off_median'] * 1e3:.2f} ms | on/off {ratio:.4f} "
-          f"({result['overhead_pct']:+.2f} %, {spans_per_step:.0f} spans/step, end_step "
-          f"{end_step_ms:.2f} ms; direct cost {result['direct_overhead_pct']:.2f} %, "
-          "target < 2 %)")
+    print(
+        f"step time timers on {result['step_s_on_median'] * 1e3:.2f} ms | off "
+        f"{result['step_s_off_median'] * 1e3:.2f} ms | on/off {ratio:.4f} "
+        f"({result['overhead_pct']:+.2f} %, {spans_per_step:.0f} spans/step, end_step "
+        f"{end_step_ms:.2f} ms; direct cost {result['direct_overhead_pct']:.2f} %, "
+        "target < 2 %)"
+    )
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(path.read_text()) if path.is_file() else {}

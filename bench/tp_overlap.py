@@ -53,14 +53,22 @@ def _rank(args: dict, out_dir: str) -> dict:
     torch.set_num_threads(args["threads"])
     mesh = init_mesh(ParallelConfig(tp=2), device="cpu")
     try:
-        mcfg = ModelConfig(vocab_size=args["vocab"], seq_len=args["seq"], layers=args["layers"],
-                           hidden=args["hidden"], heads=args["heads"], block=args["block"])
+        mcfg = ModelConfig(
+            vocab_size=args["vocab"],
+            seq_len=args["seq"],
+            layers=args["layers"],
+            hidden=args["hidden"],
+            heads=args["heads"],
+            block=args["block"],
+        )
         torch.manual_seed(0)
         base = GPT(mcfg)
         models = {}
         for name, (overlap, chunks) in variants(args["chunks"]).items():
-            cfg = JobConfig(model=mcfg, parallel=ParallelConfig(
-                tp=2, sequence_parallel=True, tp_overlap=overlap, tp_overlap_chunks=chunks))
+            cfg = JobConfig(
+                model=mcfg,
+                parallel=ParallelConfig(tp=2, sequence_parallel=True, tp_overlap=overlap, tp_overlap_chunks=chunks),
+            )
             models[name] = copy.deepcopy(base)
             apply_tensor_parallel(models[name], cfg.parallel, mesh)
         del base
@@ -95,8 +103,7 @@ def _rank(args: dict, out_dir: str) -> dict:
         rows = []
         for sid, (name, it, wall) in steps.items():
             if it >= args["warmup"]:
-                rows.append({"variant": name, "iter": it, "wall_s": wall,
-                             "exposed_s": dict(exposed[sid])})
+                rows.append({"variant": name, "iter": it, "wall_s": wall, "exposed_s": dict(exposed[sid])})
         return {"rank": mesh.rank, "rows": rows}
     finally:
         mesh.destroy()
@@ -115,10 +122,8 @@ def summarise(per_rank: list[dict], names: list[str]) -> dict:
             if variant != name:
                 continue
             walls.append(max(row["wall_s"] for row in rows))
-            fused.append(max(sum(v for k, v in row["exposed_s"].items() if k in FUSED)
-                             for row in rows))
-            other.append(max(sum(v for k, v in row["exposed_s"].items() if k not in FUSED)
-                             for row in rows))
+            fused.append(max(sum(v for k, v in row["exposed_s"].items() if k in FUSED) for row in rows))
+            other.append(max(sum(v for k, v in row["exposed_s"].items() if k not in FUSED) for row in rows))
         out[name] = {
             "step_s": statistics.median(walls),
             "step_min_s": min(walls),
@@ -130,8 +135,9 @@ def summarise(per_rank: list[dict], names: list[str]) -> dict:
     base = out["off"]
     for rec in out.values():
         rec["step_ratio_vs_off"] = rec["step_s"] / base["step_s"]
-        rec["fused_comm_ratio_vs_off"] = (rec["exposed_fused_comm_s"] / base["exposed_fused_comm_s"]
-                                          if base["exposed_fused_comm_s"] else None)
+        rec["fused_comm_ratio_vs_off"] = (
+            rec["exposed_fused_comm_s"] / base["exposed_fused_comm_s"] if base["exposed_fused_comm_s"] else None
+        )
     return out
 
 
@@ -153,22 +159,24 @@ def main() -> int:
     names = list(variants(args["chunks"]))
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = run_local(_rank, 2, (args, tmp), timeout_s=3600,
-                             env={"OMP_NUM_THREADS": str(args["threads"])})
+        per_rank = run_local(_rank, 2, (args, tmp), timeout_s=3600, env={"OMP_NUM_THREADS": str(args["threads"])})
     summary = summarise(per_rank, names)
-    print(f"tp=2 gloo, {args['block']} block, hidden {args['hidden']}, seq {args['seq']}, "
-          f"batch {args['batch']}, layers {args['layers']}, {args['threads']} thread(s)/rank, "
-          f"{os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(
+        f"tp=2 gloo, {args['block']} block, hidden {args['hidden']}, seq {args['seq']}, "
+        f"batch {args['batch']}, layers {args['layers']}, {args['threads']} thread(s)/rank, "
+        f"{os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
     print("medians over steps (min in brackets) of the slower rank")
-    print(f"{'variant':>8} {'step s':>16} {'vs off':>7} {'exposed AG/RS ms':>20} {'vs off':>7} "
-          f"{'other comm ms':>14}")
+    print(f"{'variant':>8} {'step s':>16} {'vs off':>7} {'exposed AG/RS ms':>20} {'vs off':>7} {'other comm ms':>14}")
     for name in names:
         s = summary[name]
         ratio = s["fused_comm_ratio_vs_off"]
         step = f"{s['step_s']:.3f} ({s['step_min_s']:.3f})"
         comm = f"{1e3 * s['exposed_fused_comm_s']:.1f} ({1e3 * s['exposed_fused_comm_min_s']:.1f})"
-        print(f"{name:>8} {step:>16} {s['step_ratio_vs_off']:7.3f} {comm:>20} "
-              f"{'n/a' if ratio is None else f'{ratio:.3f}':>7} {1e3 * s['exposed_other_comm_s']:14.2f}")
+        print(
+            f"{name:>8} {step:>16} {s['step_ratio_vs_off']:7.3f} {comm:>20} "
+            f"{'n/a' if ratio is None else f'{ratio:.3f}':>7} {1e3 * s['exposed_other_comm_s']:14.2f}"
+        )
     result = {
         "benchmark": "tp_overlap",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

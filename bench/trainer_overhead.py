@@ -27,8 +27,14 @@ from megascale.model import GPT
 from megascale.model.flops import flops_per_token
 from megascale.train.trainer import Trainer
 
-MODEL = ["--model.layers=4", "--model.hidden=256", "--model.heads=8", "--model.seq_len=256",
-         "--model.window=128", "--model.block=parallel"]
+MODEL = [
+    "--model.layers=4",
+    "--model.hidden=256",
+    "--model.heads=8",
+    "--model.seq_len=256",
+    "--model.window=128",
+    "--model.block=parallel",
+]
 
 
 def plain_loop(cfg, batch: TokenBatch, steps: int) -> float:
@@ -62,10 +68,18 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/trainer_overhead.json")
     args = parser.parse_args()
     run_dir = tempfile.mkdtemp(prefix="megascale-bench-")
-    cfg = load_config(default_config_path(), MODEL + [
-        "--optim.name=adamw", "--checkpoint.every=0", "--checkpoint.resume=none",
-        "--train.tensorboard=false", f"--train.run_dir={run_dir}", "--train.eval_every=0",
-    ])
+    cfg = load_config(
+        default_config_path(),
+        MODEL
+        + [
+            "--optim.name=adamw",
+            "--checkpoint.every=0",
+            "--checkpoint.resume=none",
+            "--train.tensorboard=false",
+            f"--train.run_dir={run_dir}",
+            "--train.eval_every=0",
+        ],
+    )
     trainer = Trainer(cfg)
     batch = trainer.train_loader.next_batch()
     tokens_per_step = batch.inputs.numel()
@@ -84,8 +98,13 @@ def main() -> None:
     result = {
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "model": {"layers": cfg.model.layers, "hidden": cfg.model.hidden, "seq_len": cfg.model.seq_len,
-                  "window": cfg.model.window, "block": cfg.model.block},
+        "model": {
+            "layers": cfg.model.layers,
+            "hidden": cfg.model.hidden,
+            "seq_len": cfg.model.seq_len,
+            "window": cfg.model.window,
+            "block": cfg.model.block,
+        },
         "batch_tokens": tokens_per_step,
         "megascale_tokens_per_s": statistics.median(ours),
         "plain_tokens_per_s": statistics.median(plain),
@@ -97,10 +116,14 @@ def main() -> None:
     trainer.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"tokens/s megascale {result['megascale_tokens_per_s']:.0f}  plain {result['plain_tokens_per_s']:.0f}"
-          f"  ratio {ratio:.3f} (target >= 0.97)")
-    print(f"CPU GEMM peak {peak / 1e9:.1f} GFLOP/s  MFU megascale {100 * result['mfu_megascale']:.1f}%"
-          f"  plain {100 * result['mfu_plain']:.1f}%")
+    print(
+        f"tokens/s megascale {result['megascale_tokens_per_s']:.0f}  plain {result['plain_tokens_per_s']:.0f}"
+        f"  ratio {ratio:.3f} (target >= 0.97)"
+    )
+    print(
+        f"CPU GEMM peak {peak / 1e9:.1f} GFLOP/s  MFU megascale {100 * result['mfu_megascale']:.1f}%"
+        f"  plain {100 * result['mfu_plain']:.1f}%"
+    )
     print(f"wrote {args.out}")
 
 

@@ -43,15 +43,23 @@ from megascale.train.trainer import Trainer
 RESULTS = Path(__file__).parent / "results" / "zero_overlap.json"
 
 
-def job(args: argparse.Namespace, dp: int = 1, tp: int = 1, pp: int = 1, overlap: bool = True,
-        hidden: int | None = None, seq_len: int | None = None, bucket_mb: float = 16.0) -> JobConfig:
+def job(
+    args: argparse.Namespace,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    overlap: bool = True,
+    hidden: int | None = None,
+    seq_len: int | None = None,
+    bucket_mb: float = 16.0,
+) -> JobConfig:
     cfg = JobConfig(
-        model=ModelConfig(vocab_size=256, seq_len=seq_len or args.seq_len, layers=args.layers,
-                          hidden=hidden or args.hidden, heads=4),
+        model=ModelConfig(
+            vocab_size=256, seq_len=seq_len or args.seq_len, layers=args.layers, hidden=hidden or args.hidden, heads=4
+        ),
         optim=OptimConfig(name="lamb", warmup_steps=0),
         parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, dp_overlap=overlap, dp_bucket_mb=bucket_mb, backend="gloo"),
-        train=TrainConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
-                          device="cpu", steps=10**6),
+        train=TrainConfig(global_batch=args.global_batch, micro_batch=args.micro_batch, device="cpu", steps=10**6),
     )
     cfg.validate()
     return cfg
@@ -91,8 +99,10 @@ def overlap_rank(args: argparse.Namespace) -> dict:
     mesh = init_mesh(ParallelConfig(dp=2, backend="gloo"), device="cpu")
     try:
         timers = _timers(mesh)
-        trainers = {mode: BenchTrainer(job(args, dp=2, overlap=mode == "on", bucket_mb=args.bucket_mb), mesh,
-                                       timers) for mode in ("on", "off")}
+        trainers = {
+            mode: BenchTrainer(job(args, dp=2, overlap=mode == "on", bucket_mb=args.bucket_mb), mesh, timers)
+            for mode in ("on", "off")
+        }
         data = batches(trainers["on"].cfg, mesh.dp_rank, args.steps)
         stats: dict[str, dict[str, list[float]]] = {m: {"step": [], "comm": []} for m in trainers}
         for _ in range(args.rounds):
@@ -106,8 +116,11 @@ def overlap_rank(args: argparse.Namespace) -> dict:
                         stats[mode]["step"].append(totals["step"])
                         stats[mode]["comm"].append(totals["comm"])
         buckets = len(trainers["on"].runner.grad_sync._chunks[0].buckets)
-        return {"stats": stats, "buckets": buckets,
-                "params": sum(p.numel() for p in trainers["on"].runner.module.parameters())}
+        return {
+            "stats": stats,
+            "buckets": buckets,
+            "params": sum(p.numel() for p in trainers["on"].runner.module.parameters()),
+        }
     finally:
         mesh.destroy()
 
@@ -141,8 +154,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--bucket-mb", type=float, default=2.0,
-                        help="parallel.dp_bucket_mb in part 1 (2 MiB = 512Ki fp32 elements per rank)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=2.0,
+        help="parallel.dp_bucket_mb in part 1 (2 MiB = 512Ki fp32 elements per rank)",
+    )
     parser.add_argument("--small-hidden", type=int, default=128, help="part 2 model width")
     parser.add_argument("--small-seq-len", type=int, default=64, help="part 2 sequence length")
     parser.add_argument("--warmup", type=int, default=2)
@@ -155,16 +172,23 @@ def main() -> None:
     for mode in ("on", "off"):
         steps = [s for r in ranks for s in r["stats"][mode]["step"]]
         comm = [c for r in ranks for c in r["stats"][mode]["comm"]]
-        part1[mode] = {"step_s_median": statistics.median(steps),
-                       "exposed_dp_comm_s_median": statistics.median(comm),
-                       "exposed_dp_comm_s_mean": statistics.fmean(comm), "samples": len(steps)}
+        part1[mode] = {
+            "step_s_median": statistics.median(steps),
+            "exposed_dp_comm_s_median": statistics.median(comm),
+            "exposed_dp_comm_s_mean": statistics.fmean(comm),
+            "samples": len(steps),
+        }
     on, off = part1["on"], part1["off"]
-    print(f"part 1: dp=2 gloo, {ranks[0]['params'] / 1e6:.2f}M parameters, "
-          f"{ranks[0]['buckets']} buckets, {on['samples']} steps per mode (both ranks)")
+    print(
+        f"part 1: dp=2 gloo, {ranks[0]['params'] / 1e6:.2f}M parameters, "
+        f"{ranks[0]['buckets']} buckets, {on['samples']} steps per mode (both ranks)"
+    )
     for mode in ("on", "off"):
         r = part1[mode]
-        print(f"  dp_overlap={mode:3s}: step {r['step_s_median'] * 1e3:7.1f} ms, exposed DP comm "
-              f"{r['exposed_dp_comm_s_median'] * 1e3:6.1f} ms (median per step)")
+        print(
+            f"  dp_overlap={mode:3s}: step {r['step_s_median'] * 1e3:7.1f} ms, exposed DP comm "
+            f"{r['exposed_dp_comm_s_median'] * 1e3:6.1f} ms (median per step)"
+        )
     exposed_ratio = on["exposed_dp_comm_s_median"] / max(off["exposed_dp_comm_s_median"], 1e-9)
     step_ratio = on["step_s_median"] / off["step_s_median"]
     print(f"  overlap/sync: exposed comm x{exposed_ratio:.2f}, step time x{step_ratio:.2f}")
@@ -173,20 +197,37 @@ def main() -> None:
     single = throughput_rank(args, (1, 1, 1))
     layered = run_local(throughput_rank, 8, args=(args, (2, 2, 2)), timeout_s=1800)
     layered_tps = statistics.median(layered)
-    print(f"part 2: tokens/s one process {single:.0f}, (dp,tp,pp)=(2,2,2) on 8 ranks "
-          f"{layered_tps:.0f}: x{layered_tps / single:.2f} ({os.cpu_count()} cores)")
+    print(
+        f"part 2: tokens/s one process {single:.0f}, (dp,tp,pp)=(2,2,2) on 8 ranks "
+        f"{layered_tps:.0f}: x{layered_tps / single:.2f} ({os.cpu_count()} cores)"
+    )
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "args": vars(args),
-        "overlap": {"params": ranks[0]["params"], "buckets": ranks[0]["buckets"], **part1,
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "args": vars(args),
+                "overlap": {
+                    "params": ranks[0]["params"],
+                    "buckets": ranks[0]["buckets"],
+                    **part1,
                     "exposed_comm_ratio_on_over_off": exposed_ratio,
-                    "step_time_ratio_on_over_off": step_ratio},
-        "layout_2x2x2": {"tokens_per_s_single": single, "tokens_per_s_2x2x2": layered_tps,
-                         "ratio": layered_tps / single},
-    }, indent=2) + "\n")
+                    "step_time_ratio_on_over_off": step_ratio,
+                },
+                "layout_2x2x2": {
+                    "tokens_per_s_single": single,
+                    "tokens_per_s_2x2x2": layered_tps,
+                    "ratio": layered_tps / single,
+                },
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {RESULTS}")
 
 

@@ -41,12 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
     config = name in CONFIG_COMMANDS
-    cmd_parser = argparse.ArgumentParser(prog=f"megascale {name}", description=SUBCOMMANDS[name][1],
-                                         add_help=not config)
+    cmd_parser = argparse.ArgumentParser(
+        prog=f"megascale {name}", description=SUBCOMMANDS[name][1], add_help=not config
+    )
     module.add_arguments(cmd_parser)
     if config:
-        cmd_parser.add_argument("-h", "--help", nargs="?", const="", metavar="SECTION",
-                                help="show this help and every config key (of one SECTION: e.g. model)")
+        cmd_parser.add_argument(
+            "-h",
+            "--help",
+            nargs="?",
+            const="",
+            metavar="SECTION",
+            help="show this help and every config key (of one SECTION: e.g. model)",
+        )
     args, extra = cmd_parser.parse_known_args(argv[1:])
     if config and args.help is not None:
         from megascale.config.help import config_help

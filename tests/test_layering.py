@@ -39,9 +39,11 @@ TOP_LEVEL = "megascale.cli"  # dispatches to every command
 
 # (loading module, loaded module) -> why this load against the layer order is sanctioned
 ALLOWED: dict[tuple[str, str], str] = {
-    ("megascale.resilience.ranks", "megascale.train.cli"):
-        "an executor's warm standby ranks are `megascale train --standby` processes: the rank is "
-        "the top of the stack, started across a process boundary; resilience imports nothing of train",
+    (
+        "megascale.resilience.ranks",
+        "megascale.train.cli",
+    ): "an executor's warm standby ranks are `megascale train --standby` processes: the rank is "
+    "the top of the stack, started across a process boundary; resilience imports nothing of train",
 }
 # module -> why it may load a module whose name is computed at run time
 DYNAMIC: dict[str, str] = {
@@ -80,11 +82,17 @@ def subcommands(root: Path) -> dict[str, str]:
     """`megascale NAME` -> the module it runs, read from cli.py's SUBCOMMANDS table."""
     for node in ast.walk(ast.parse((root / "cli.py").read_text())):
         if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Dict):
-            names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                     if isinstance(t, ast.Name)]
+            names = [
+                t.id
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(t, ast.Name)
+            ]
             if names == ["SUBCOMMANDS"]:
-                return {k.value: v.elts[0].value for k, v in zip(node.value.keys, node.value.values, strict=True)
-                        if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple)}
+                return {
+                    k.value: v.elts[0].value
+                    for k, v in zip(node.value.keys, node.value.values, strict=True)
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple)
+                }
     return {}
 
 
@@ -226,7 +234,7 @@ def cycles(loads: list[Load]) -> list[str]:
             if nxt not in graph:
                 continue
             if state.get(nxt) == 1:
-                found.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                found.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -239,9 +247,11 @@ def cycles(loads: list[Load]) -> list[str]:
 
 def problems(root: Path = PACKAGE) -> list[str]:
     loads = all_loads(root)
-    return ([f"against the layer order: {x}" for x in against_the_order(loads)]
-            + [f"computed module name outside DYNAMIC: {x}" for x in unsanctioned_dynamic(loads)]
-            + [f"loop: {c}" for c in cycles(loads)])
+    return (
+        [f"against the layer order: {x}" for x in against_the_order(loads)]
+        + [f"computed module name outside DYNAMIC: {x}" for x in unsanctioned_dynamic(loads)]
+        + [f"loop: {c}" for c in cycles(loads)]
+    )
 
 
 def test_every_package_has_a_layer():
@@ -290,8 +300,10 @@ BYPASSES = {
     "computed name": ("layout/grid.py", IMPORTLIB + '_T = importlib.import_module(f"megascale.{DIMS[0]}")\n'),
     "computed name, concatenated": ("layout/grid.py", IMPORTLIB + '_T = importlib.import_module("megascale." + "x")\n'),
     "lazy export table": ("data/__init__.py", ("_EXPORTS = {", '_EXPORTS = {"Trainer": "megascale.train.trainer", ')),
-    "-m megascale.cli train, elsewhere": ("resilience/faults.py",
-                                          '\nARGV = ("python", "-m", "megascale.cli", "train", "--standby")\n'),
+    "-m megascale.cli train, elsewhere": (
+        "resilience/faults.py",
+        '\nARGV = ("python", "-m", "megascale.cli", "train", "--standby")\n',
+    ),
     "-m in a shell line": ("checkpoint/writer.py", '\nCMD = "python -m megascale.cli launch --nodes 2"\n'),
     "module:attr string": ("model/flops.py", '\nENTRY = "megascale.parallel.engine:build_runner"\n'),
     "string import loop": ("config/fields.py", IMPORTLIB + '_L = importlib.import_module("megascale.config.loader")\n'),

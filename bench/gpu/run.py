@@ -56,10 +56,18 @@ SWA_WINDOW = 512
 # SWA, block, compile) appears within the first five, so a budget cut loses repeats, not a
 # dimension. 2.7B runs compiled only (its eager figures would not change the ceiling).
 ORDER = [
-    ("1.3B", "parallel", False, True), ("2.7B", "parallel", False, True), ("1.3B", "parallel", True, True),
-    ("1.3B", "serial", False, True), ("1.3B", "parallel", False, False), ("2.7B", "parallel", True, True),
-    ("2.7B", "serial", False, True), ("1.3B", "serial", True, True), ("1.3B", "parallel", True, False),
-    ("1.3B", "serial", False, False), ("1.3B", "serial", True, False), ("2.7B", "serial", True, True),
+    ("1.3B", "parallel", False, True),
+    ("2.7B", "parallel", False, True),
+    ("1.3B", "parallel", True, True),
+    ("1.3B", "serial", False, True),
+    ("1.3B", "parallel", False, False),
+    ("2.7B", "parallel", True, True),
+    ("2.7B", "serial", False, True),
+    ("1.3B", "serial", True, True),
+    ("1.3B", "parallel", True, False),
+    ("1.3B", "serial", False, False),
+    ("1.3B", "serial", True, False),
+    ("2.7B", "serial", True, True),
 ]
 
 
@@ -147,22 +155,42 @@ def synthetic_dataset(root: Path, vocab_size: int, tokens: int) -> Path:
     writer = ShardWriter(root, dtype_for_vocab(vocab_size), eod=vocab_size - 1)
     for _ in range(8):  # a few documents, so the loader sees end-of-document tokens
         writer.add(rng.integers(0, vocab_size - 1, tokens // 8))
-    writer.finish({"kind": "synthetic", "name": "uniform-random", "vocab_size": vocab_size,
-                   "eod": vocab_size - 1}, {"kind": "bench/gpu/run.py", "seed": 0})
+    writer.finish(
+        {"kind": "synthetic", "name": "uniform-random", "vocab_size": vocab_size, "eod": vocab_size - 1},
+        {"kind": "bench/gpu/run.py", "seed": 0},
+    )
     return root
 
 
-def job_config(model: ModelConfig, compiled: bool, fused: bool, device: torch.device, micro_batch: int,
-               accum: int, steps: int, data: Path, run_dir: Path) -> JobConfig:
+def job_config(
+    model: ModelConfig,
+    compiled: bool,
+    fused: bool,
+    device: torch.device,
+    micro_batch: int,
+    accum: int,
+    steps: int,
+    data: Path,
+    run_dir: Path,
+) -> JobConfig:
     """One GPU, `accum` micro-batches per step (as in real training, the optimizer step is shared
     by several of them), no checkpoints or evaluation: only training steps are timed."""
     cfg = JobConfig(
         model=model,
         data=replace(JobConfig().data, path=str(data), verify_checksums=False),
         train=replace(
-            JobConfig().train, steps=steps, global_batch=micro_batch * accum, micro_batch=micro_batch,
-            device=device.type, dtype="bf16" if device.type == "cuda" else "fp32", compile=compiled,
-            fuse_input_gemm=fused, eval_every=0, log_every=steps, gc_every=0, run_dir=str(run_dir),
+            JobConfig().train,
+            steps=steps,
+            global_batch=micro_batch * accum,
+            micro_batch=micro_batch,
+            device=device.type,
+            dtype="bf16" if device.type == "cuda" else "fp32",
+            compile=compiled,
+            fuse_input_gemm=fused,
+            eval_every=0,
+            log_every=steps,
+            gc_every=0,
+            run_dir=str(run_dir),
             tensorboard=False,
         ),
         checkpoint=replace(JobConfig().checkpoint, every=0, resume="none"),
@@ -181,8 +209,7 @@ def train_mfu(cfg: JobConfig, warmup: int) -> dict:
         if trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.device)
         records = [trainer.run_step() for _ in range(cfg.train.steps - warmup)]
-        peak_mem = (torch.cuda.max_memory_allocated(trainer.device) / 2**30
-                    if trainer.device.type == "cuda" else None)
+        peak_mem = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if trainer.device.type == "cuda" else None
         peak = trainer.peak
     finally:
         trainer.close()
@@ -201,8 +228,9 @@ def train_mfu(cfg: JobConfig, warmup: int) -> dict:
         "mfu": mfu(tokens_per_s, flops, peak.value),
         "peak_source": peak.source,
         "step_s": step_s,
-        "time_by_kind_s": {k[5:]: sum(r[k] for r in records) / len(records)
-                           for k in records[-1] if k.startswith("time_")},
+        "time_by_kind_s": {
+            k[5:]: sum(r[k] for r in records) / len(records) for k in records[-1] if k.startswith("time_")
+        },
         "final_loss": records[-1]["loss"],
         "peak_mem_gib": peak_mem,
     }
@@ -229,19 +257,28 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"
     report: dict = {
-        "date": date.today().isoformat(), "device": name, "torch": torch.__version__,
-        "dtype": str(dtype), "peak_flops": device_peak_flops(name, "bf16") if cuda else None,
-        "dry_run": args.dry_run, "micro_batch": args.micro_batch if cuda else 2,
-        "accum": args.accum if cuda else 2, "timed_steps": args.steps if cuda else 2, "variants": {},
+        "date": date.today().isoformat(),
+        "device": name,
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "peak_flops": device_peak_flops(name, "bf16") if cuda else None,
+        "dry_run": args.dry_run,
+        "micro_batch": args.micro_batch if cuda else 2,
+        "accum": args.accum if cuda else 2,
+        "timed_steps": args.steps if cuda else 2,
+        "variants": {},
     }
     print(f"parity checks on {name} ...", flush=True)
     report["parity"] = check_parity(device, dtype)
     report["gemm_ceiling_tflops"] = gemm_ceiling(device, dtype, 8192 if cuda else 512) / 1e12
     with tempfile.TemporaryDirectory(prefix="megascale-gpu-bench-") as work:
         steps = args.warmup + report["timed_steps"]
-        data = synthetic_dataset(Path(work) / "data", (TINY if args.dry_run else MODELS["1.3B"]).vocab_size,
-                                 tokens=(steps * report["micro_batch"] * report["accum"] + 16) * (max(
-                                     m.seq_len for m in MODELS.values()) + 1))
+        data = synthetic_dataset(
+            Path(work) / "data",
+            (TINY if args.dry_run else MODELS["1.3B"]).vocab_size,
+            tokens=(steps * report["micro_batch"] * report["accum"] + 16)
+            * (max(m.seq_len for m in MODELS.values()) + 1),
+        )
         for label, model, compiled, fused in variants(args.dry_run):
             if args.only not in label:
                 report["variants"][label] = {"skipped": f"not selected by --only {args.only!r}"}
@@ -250,8 +287,17 @@ def main() -> None:
                 report["variants"][label] = {"skipped": "time budget"}
                 continue
             print(f"variant {label} ...", flush=True)
-            cfg = job_config(model, compiled, fused, device, report["micro_batch"], report["accum"], steps,
-                             data, Path(work) / "runs" / label.replace(" ", "_"))
+            cfg = job_config(
+                model,
+                compiled,
+                fused,
+                device,
+                report["micro_batch"],
+                report["accum"],
+                steps,
+                data,
+                Path(work) / "runs" / label.replace(" ", "_"),
+            )
             try:
                 report["variants"][label] = train_mfu(cfg, args.warmup)
             except Exception as exc:  # out of memory, a kernel this GPU lacks: the next variant still runs
@@ -268,8 +314,10 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     print(f"\n{report['device']}  torch {report['torch']}  {report['dtype']}")
-    print("parity (flex: max abs diff; transformations: rel diff of loss and gradients): "
-          + ", ".join(f"{k}={v:.2e}" for k, v in report["parity"].items()))
+    print(
+        "parity (flex: max abs diff; transformations: rel diff of loss and gradients): "
+        + ", ".join(f"{k}={v:.2e}" for k, v in report["parity"].items())
+    )
     print(f"GEMM ceiling: {report['gemm_ceiling_tflops']:.1f} TFLOP/s")
     print(f"{'variant':38} {'params':>7} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}")
     for label, row in report["variants"].items():

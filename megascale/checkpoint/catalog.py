@@ -31,6 +31,7 @@ from megascale.checkpoint.storage import (
 
 log = logging.getLogger("megascale.checkpoint")
 
+
 @dataclass(frozen=True)
 class Valid:
     entry: Entry
@@ -80,8 +81,11 @@ def candidates(fs: fsspec.AbstractFileSystem, path: str) -> list[tuple[str, dict
     for entry, why in found.invalid + found.unreadable:
         log.warning("skipping checkpoint %s: %s", entry.path, why)
     for entry in found.temporaries:
-        log.warning("%s is a save of step %d that never committed (killed or failed): ignored, "
-                    "removed by the next commit", entry.path, entry.step)
+        log.warning(
+            "%s is a save of step %d that never committed (killed or failed): ignored, removed by the next commit",
+            entry.path,
+            entry.step,
+        )
     return [(valid.entry.path, valid.manifest) for valid in found.valid]
 
 
@@ -111,8 +115,9 @@ class Pruned:
     unchecked: list[str] = field(default_factory=list)  # "name: storage error", left in place
 
 
-def prune(fs: fsspec.AbstractFileSystem, root: str, keep: int, just_committed: str, tag: str,
-          durable: bool = True) -> Pruned:
+def prune(
+    fs: fsspec.AbstractFileSystem, root: str, keep: int, just_committed: str, tag: str, durable: bool = True
+) -> Pruned:
     """Keep the newest `keep` valid checkpoints (by commit order; an older commit of a step that
     was committed again later does not count and goes), move invalid ones aside, delete the
     temporaries of dead saves: other runs' (`tag` is this run's id), and this run's up to the
@@ -132,8 +137,12 @@ def prune(fs: fsspec.AbstractFileSystem, root: str, keep: int, just_committed: s
             _tidy(out, out.removed, valid.entry.name, lambda e=valid.entry: remove(fs, e.path))
     for entry, why in current.invalid:
         aside = entry.name + QUARANTINE + tag
-        _tidy(out, out.quarantined, f"{entry.name} -> {aside}: {why}",
-              lambda e=entry, a=aside: rename(fs, e.path, join(root, a)))
+        _tidy(
+            out,
+            out.quarantined,
+            f"{entry.name} -> {aside}: {why}",
+            lambda e=entry, a=aside: rename(fs, e.path, join(root, a)),
+        )
     for entry in current.temporaries:  # other ranks may already be writing this run's next save
         if entry.name.rsplit("-", 1)[1] != tag or entry.step <= step:
             _tidy(out, out.removed, entry.name, lambda e=entry: remove(fs, e.path))

@@ -55,8 +55,9 @@ class Comm:
         count, first = self.all_reduce([len(problems), -self.rank if problems else -self.world])
         if count == 0:
             return
-        shown = json_of(list[str], self.broadcast_bytes(json.dumps(problems[:3]).encode(), root=-first),
-                        "problem report")
+        shown = json_of(
+            list[str], self.broadcast_bytes(json.dumps(problems[:3]).encode(), root=-first), "problem report"
+        )
         more = count - len(shown)
         raise CheckpointError("; ".join(shown) + (f" (and {more} more problem(s))" if more > 0 else ""))
 
@@ -133,15 +134,17 @@ class Comm:
         asked: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             asked.setdefault(_home(key, self.world), []).append(i)
-        got = self.exchange({dst: _as_tensor(json.dumps([keys[i] for i in idx]).encode())
-                             for dst, idx in asked.items()})
+        got = self.exchange(
+            {dst: _as_tensor(json.dumps([keys[i] for i in idx]).encode()) for dst, idx in asked.items()}
+        )
         lists = {src: json_of(list[str], raw.numpy().tobytes(), f"keys from rank {src}") for src, raw in got.items()}
         lowest: dict[str, int] = {}
         for src in sorted(lists):
             for key in lists[src]:
                 lowest.setdefault(key, src)
-        replies = self.exchange({src: _as_tensor(json.dumps([lowest[k] for k in ks]).encode())
-                                 for src, ks in lists.items()})
+        replies = self.exchange(
+            {src: _as_tensor(json.dumps([lowest[k] for k in ks]).encode()) for src, ks in lists.items()}
+        )
         out = [self.rank] * len(keys)
         for home, idx in asked.items():
             answer = json_of(list[int], replies[home].numpy().tobytes(), f"holders from rank {home}")
@@ -159,8 +162,9 @@ def json_of(kind: Any, raw: bytes | str, what: str) -> Any:
         return TypeAdapter(kind).validate_json(raw, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise CheckpointError(f"{what} does not fit its schema ({'.'.join(map(str, first['loc']))}: "
-                              f"{first['msg']})") from None
+        raise CheckpointError(
+            f"{what} does not fit its schema ({'.'.join(map(str, first['loc']))}: {first['msg']})"
+        ) from None
 
 
 def _home(key: str, world: int) -> int:
@@ -174,17 +178,18 @@ def _as_tensor(data: bytes | bytearray) -> torch.Tensor:
 def _pack(batch: list) -> torch.Tensor:
     if not batch:
         return torch.empty(0, dtype=torch.uint8)
-    header = torch.tensor([len(batch)] + [v for src, dst, data in batch for v in (src, dst, data.numel())],
-                          dtype=torch.int64)
+    header = torch.tensor(
+        [len(batch)] + [v for src, dst, data in batch for v in (src, dst, data.numel())], dtype=torch.int64
+    )
     return torch.cat([header.view(torch.uint8)] + [data for _, _, data in batch])
 
 
 def _unpack(part: torch.Tensor) -> list:
     count = int(part[:8].clone().view(torch.int64))
-    header = part[8: 8 + 8 * _HEADER * count].clone().view(torch.int64).view(count, _HEADER).tolist()
+    header = part[8 : 8 + 8 * _HEADER * count].clone().view(torch.int64).view(count, _HEADER).tolist()
     offset, out = 8 + 8 * _HEADER * count, []
     for src, dst, length in header:
-        out.append((src, dst, part[offset: offset + length]))
+        out.append((src, dst, part[offset : offset + length]))
         offset += length
     if offset != part.numel():
         raise CheckpointError(f"a routed checkpoint message is {part.numel()} bytes, its header says {offset}")

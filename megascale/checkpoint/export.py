@@ -28,9 +28,10 @@ def whole_tensors(url: str, fields: tuple[str, ...] = (VALUE,)):
             for rec in manifest["tensors"]:
                 if not rec["param"].startswith(RNG) and rec["field"] in fields:
                     shapes[(rec["param"], rec["field"])] = (rec["spec"]["global_shape"], rec["dtype"])
-            targets = [Target(param, fld, ShardSpec(tuple(shape)),
-                              torch.empty(shape, dtype=torch_dtype(dtype)))
-                       for (param, fld), (shape, dtype) in sorted(shapes.items())]
+            targets = [
+                Target(param, fld, ShardSpec(tuple(shape)), torch.empty(shape, dtype=torch_dtype(dtype)))
+                for (param, fld), (shape, dtype) in sorted(shapes.items())
+            ]
             load(fs, candidate, manifest, Comm.local(), lambda _fields, targets=targets: targets)
             return {(t.param, t.field): t.tensor for t in targets}, manifest
         except CheckpointError as exc:

@@ -55,8 +55,9 @@ Committed = tuple[int, str] | None  # (step, path) of a confirmed commit
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig, mesh, run_dir: Path, state: CheckpointState,
-                 replicas: ReplicaStore | None = None):
+    def __init__(
+        self, cfg: JobConfig, mesh, run_dir: Path, state: CheckpointState, replicas: ReplicaStore | None = None
+    ):
         """`replicas`: where this rank process keeps peer copies across recoveries (given under an
         executor, which can recover from them); copies are made every `checkpoint.peer_every` steps
         when the job spans more than one node."""
@@ -126,8 +127,11 @@ class CheckpointManager:
             if self._buffer is not None:
                 self._buffer.close()
             self._buffers_made += 1
-            self._buffer = HostBuffer(nbytes, pin=any(p.tensor.is_cuda for p in written),
-                                      name=segment_name(self.run_id, self.rank, self._buffers_made))
+            self._buffer = HostBuffer(
+                nbytes,
+                pin=any(p.tensor.is_cuda for p in written),
+                name=segment_name(self.run_id, self.rank, self._buffers_made),
+            )
         params = {p.param for p in mine}
         index = {
             "records": [record_of(p, off) for p, off in zip(written, offsets, strict=True)],
@@ -135,19 +139,30 @@ class CheckpointManager:
             "meta": {"rng": rng_meta, "loader": self.state.loader.state_dict()},
         }
         job = WriteJob(
-            step=step, root=self.root, tmp_name=f"{step_name(step)}.tmp-{self.run_id}",
-            rank=self.rank, world=self.world, shm_name=self._buffer.name, nbytes=nbytes,
-            index=index, commit=self._header(step) if self.rank == 0 else None,
-            keep=self.cfg.keep, bytes_per_s=self.cfg.write_mb_per_s * 1e6,
-            commit_timeout_s=self.cfg.commit_timeout_s, durable=self.cfg.fsync,
+            step=step,
+            root=self.root,
+            tmp_name=f"{step_name(step)}.tmp-{self.run_id}",
+            rank=self.rank,
+            world=self.world,
+            shm_name=self._buffer.name,
+            nbytes=nbytes,
+            index=index,
+            commit=self._header(step) if self.rank == 0 else None,
+            keep=self.cfg.keep,
+            bytes_per_s=self.cfg.write_mb_per_s * 1e6,
+            commit_timeout_s=self.cfg.commit_timeout_s,
+            durable=self.cfg.fsync,
         )
         self._inflight = step
         tensors = [p.tensor for p in written]
         if self.cfg.async_save:
             self._hook(self.state.optimizer)
-            self._capture = threading.Thread(target=self._capture_and_send,
-                                             args=(tensors, offsets, job), daemon=True,
-                                             name=f"megascale-checkpoint-stage1-{self.rank}")
+            self._capture = threading.Thread(
+                target=self._capture_and_send,
+                args=(tensors, offsets, job),
+                daemon=True,
+                name=f"megascale-checkpoint-stage1-{self.rank}",
+            )
             self._capture.start()
         else:
             self._buffer.capture(tensors, offsets)
@@ -167,13 +182,13 @@ class CheckpointManager:
         if self.committed is None or self.committed[0] != step:
             self.save(blocking=True)
             error = self.last_result[2] if self.last_result and self.last_result[0] == "error" else None
-            self.committed, error = self.comm.broadcast_json((self.committed, error), tuple[Committed, str | None],
-                                                             "final save")
+            self.committed, error = self.comm.broadcast_json(
+                (self.committed, error), tuple[Committed, str | None], "final save"
+            )
         saved = self.committed is not None and self.committed[0] == step
         return FinalSave(step, saved, self.committed, None if saved else error or "see the log")
 
-    def _capture_and_send(self, tensors: list[torch.Tensor], offsets: list[int],
-                          job: WriteJob) -> None:
+    def _capture_and_send(self, tensors: list[torch.Tensor], offsets: list[int], job: WriteJob) -> None:
         """Stage 1 beside the next step's data, forward and backward, which read but never
         write these tensors; the optimizer's pre-step hook waits for it. Then stage 2."""
         try:
@@ -202,8 +217,11 @@ class CheckpointManager:
         exit_code = self.stage2.exit_code()
         dead = exit_code is not None
         if dead:
-            log.error("the checkpoint writer process died (exit code %s)%s; restarting it", exit_code,
-                      f" while writing step {self._inflight}" if self._inflight is not None else "")
+            log.error(
+                "the checkpoint writer process died (exit code %s)%s; restarting it",
+                exit_code,
+                f" while writing step {self._inflight}" if self._inflight is not None else "",
+            )
             self._inflight = None
             self.stage2.start()
         new_layout = self._writes is None or self._writes[0] != keys
@@ -219,21 +237,30 @@ class CheckpointManager:
             self._writes = (keys, [holder == self.rank for holder in holders])
         if busy >= 0:
             if self.cfg.when_busy == "skip" and not blocking:
-                log.warning("checkpoint at step %d skipped: the save of step %d is still being "
-                            "written (checkpoint.when_busy=skip)", step, busy)
+                log.warning(
+                    "checkpoint at step %d skipped: the save of step %d is still being "
+                    "written (checkpoint.when_busy=skip)",
+                    step,
+                    busy,
+                )
                 return False
-            log.info("checkpoint at step %d waits for the save of step %d to finish "
-                     "(checkpoint.when_busy=wait)", step, busy)
+            log.info(
+                "checkpoint at step %d waits for the save of step %d to finish (checkpoint.when_busy=wait)", step, busy
+            )
             self._wait()
         return True
 
     def _header(self, step: int) -> dict[str, Any]:
         grid = self.mesh.grid
         return {
-            "format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
-            "layout": {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp,
-                       "vpp": self.job_cfg.parallel.vpp},
-            "config": to_dict(self.job_cfg), "created": time.time(), "run_id": self.run_id,
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "world_size": self.world,
+            "layout": {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp, "vpp": self.job_cfg.parallel.vpp},
+            "config": to_dict(self.job_cfg),
+            "created": time.time(),
+            "run_id": self.run_id,
             "torch": torch.__version__,
         }
 
@@ -258,16 +285,25 @@ class CheckpointManager:
         if kind == "ok":
             if "path" in info:  # rank 0: the commit is confirmed (renamed, synced, verified)
                 self.committed = (step, info["path"])
-                log.info("checkpoint step %d committed: %s (%.1f MB, stage 2 %.2f s)%s", step,
-                         info["path"], info["total_bytes"] / 1e6, info["write_s"],
-                         f"; removed {', '.join(info['removed'])}" if info["removed"] else "")
+                log.info(
+                    "checkpoint step %d committed: %s (%.1f MB, stage 2 %.2f s)%s",
+                    step,
+                    info["path"],
+                    info["total_bytes"] / 1e6,
+                    info["write_s"],
+                    f"; removed {', '.join(info['removed'])}" if info["removed"] else "",
+                )
                 for line in info["quarantined"]:
                     log.warning("invalid checkpoint moved aside (never loaded; inspect or delete it): %s", line)
                 for line in info["unchecked"]:
                     log.warning("checkpoint left in place after a storage error: %s", line)
         else:
-            log.error("checkpoint at step %d FAILED on rank %d: %s -- training continues; "
-                      "older checkpoints are intact", step, self.rank, info)
+            log.error(
+                "checkpoint at step %d FAILED on rank %d: %s -- training continues; older checkpoints are intact",
+                step,
+                self.rank,
+                info,
+            )
 
     # ------------------------------------------------------------------------------ resuming
     def resume(self) -> bool:
@@ -332,8 +368,10 @@ class CheckpointManager:
             held = self.comm.gather_bytes(json.dumps(self.replicas.holdings()).encode())
             choice = None
             if self.rank == 0:
-                holdings = [[h.model_dump() for h in json_of(list[Holding], held[r], f"holdings of rank {r}")]
-                            for r in range(self.world)]
+                holdings = [
+                    [h.model_dump() for h in json_of(list[Holding], held[r], f"holdings of rank {r}")]
+                    for r in range(self.world)
+                ]
                 choice = choose(holdings, self.world, self._grid_layout(), skip)
             choice = self.comm.broadcast_json(choice, tuple[tuple[int, int], dict[str, int]] | None, "copy choice")
             if choice is None:
@@ -342,8 +380,11 @@ class CheckpointManager:
                 return False
             generation, readers = choice
             if storage_step is not None and storage_step > generation[0]:
-                log.info("storage's step %d is newer than the peer copies' step %d: restoring from storage",
-                         storage_step, generation[0])
+                log.info(
+                    "storage's step %d is newer than the peer copies' step %d: restoring from storage",
+                    storage_step,
+                    generation[0],
+                )
                 self.replicas.forget(skip)
                 return False
             mine = {name: c for name, c in self.replicas.files(generation).items() if readers.get(name) == self.rank}
@@ -352,10 +393,14 @@ class CheckpointManager:
             manifest, error = None, None
             if self.rank == 0:
                 try:
-                    headers = [h for r in range(self.world)
-                               for h in json_of(list[dict[str, Any]], got[r], f"copy headers of rank {r}")]
-                    manifest = build_manifest(headers, generation, self.world, self._grid_layout(),
-                                              to_dict(self.job_cfg), self.run_id)
+                    headers = [
+                        h
+                        for r in range(self.world)
+                        for h in json_of(list[dict[str, Any]], got[r], f"copy headers of rank {r}")
+                    ]
+                    manifest = build_manifest(
+                        headers, generation, self.world, self._grid_layout(), to_dict(self.job_cfg), self.run_id
+                    )
                     validate(manifest, where)
                     manifest["manifest_bytes"] = 0
                 except CheckpointError as exc:
@@ -383,16 +428,34 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: {exc}") from None
         shape, restored = loaded.outline, loaded.restored
         if not (restored.rng and loaded.part.own_meta):
-            log.warning("rank %d has no RNG state in %s (saved by %d ranks): it keeps its seeded "
-                        "RNG", self.rank, path, shape.world_size)
+            log.warning(
+                "rank %d has no RNG state in %s (saved by %d ranks): it keeps its seeded RNG",
+                self.rank,
+                path,
+                shape.world_size,
+            )
         read = self.comm.all_reduce([restored.bytes_read], "sum")[0] + shape.manifest_bytes
-        self.last_restore = {"path": path, "step": self.state.step, "bytes_read": read,
-                             "checkpoint_bytes": shape.stored_bytes, "seconds": time.perf_counter() - start,
-                             "source": "storage" if memory is None else "memory"}
+        self.last_restore = {
+            "path": path,
+            "step": self.state.step,
+            "bytes_read": read,
+            "checkpoint_bytes": shape.stored_bytes,
+            "seconds": time.perf_counter() - start,
+            "source": "storage" if memory is None else "memory",
+        }
         saved = shape.layout
-        log.info("resumed from %s at step %d (saved as pp=%d dp=%d tp=%d, %d ranks; read %d of "
-                 "%d stored bytes, %.2f s)", path, self.state.step, saved.pp, saved.dp,
-                 saved.tp, shape.world_size, read, shape.stored_bytes, self.last_restore["seconds"])
+        log.info(
+            "resumed from %s at step %d (saved as pp=%d dp=%d tp=%d, %d ranks; read %d of %d stored bytes, %.2f s)",
+            path,
+            self.state.step,
+            saved.pp,
+            saved.dp,
+            saved.tp,
+            shape.world_size,
+            read,
+            shape.stored_bytes,
+            self.last_restore["seconds"],
+        )
         if shape.model != to_dict(self.job_cfg)["model"]:
             log.warning("the checkpoint's model config differs from this job's (shapes match)")
 
@@ -400,8 +463,10 @@ class CheckpointManager:
         """Put the loaded state in place; a value a state object rejects is reported, not raised,
         so that all ranks agree on the outcome (a data-config mismatch still stops the job)."""
         meta = loaded.part.meta
-        plain = {name: {key: s.model_dump(exclude_none=True) for key, s in scalars.items()}
-                 for name, scalars in loaded.outline.plain.items()}
+        plain = {
+            name: {key: s.model_dump(exclude_none=True) for key, s in scalars.items()}
+            for name, scalars in loaded.outline.plain.items()
+        }
         try:
             install_optimizer_state(self.state, loaded.targets, plain)
             self.state.train.load_state_dict({"step": loaded.outline.step})
@@ -446,7 +511,10 @@ class FinalSave:
     def describe(self) -> str:
         if self.saved:
             return f"step {self.step} is saved in {self.newest[1]}"
-        older = (f"the newest checkpoint this run committed is step {self.newest[0]} ({self.newest[1]}): "
-                 f"steps {self.newest[0] + 1}-{self.step} would be trained again" if self.newest
-                 else "this run committed no checkpoint")
+        older = (
+            f"the newest checkpoint this run committed is step {self.newest[0]} ({self.newest[1]}): "
+            f"steps {self.newest[0] + 1}-{self.step} would be trained again"
+            if self.newest
+            else "this run committed no checkpoint"
+        )
         return f"step {self.step} was NOT saved ({self.error}); {older}"

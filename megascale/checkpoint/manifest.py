@@ -31,8 +31,18 @@ FORMAT = "megascale-checkpoint"
 VERSION = 2  # 2: the manifest carries its checksum and commit sequence number
 RNG = "__rng__/"  # parameter name prefix of a rank's RNG arrays
 # bytes per element of every dtype a checkpoint may hold (torch names without "torch.")
-DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-               "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+DTYPE_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 DATA_FILE = re.compile(r"^rank-(\d{5,})\.bin$")
 _SHA256 = r"^[0-9a-f]{64}$"
 
@@ -91,10 +101,11 @@ class _Record(TypedDict):
 def _consistent_record(rec: _Record) -> _Record:
     numel = math.prod(rec["shape"])
     if rec["nbytes"] != numel * DTYPE_SIZES[rec["dtype"]]:
-        raise ValueError(f"{rec['param']} {rec['field']}: {rec['nbytes']} bytes for shape {rec['shape']} "
-                         f"of {rec['dtype']}")
+        raise ValueError(
+            f"{rec['param']} {rec['field']}: {rec['nbytes']} bytes for shape {rec['shape']} of {rec['dtype']}"
+        )
     if rec["param"].startswith(RNG):
-        if rec["spec"] is not None or not rec["param"][len(RNG):].isdigit():
+        if rec["spec"] is not None or not rec["param"][len(RNG) :].isdigit():
             raise ValueError(f"RNG record {rec['param']!r} must name a rank and have no spec")
     elif rec["spec"] is None or ShardSpec.from_json(rec["spec"]).numel != numel:
         raise ValueError(f"{rec['param']} {rec['field']}: shape {rec['shape']} does not match its spec")
@@ -195,8 +206,10 @@ def validate(data: Any, path: str) -> Manifest:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} manifest")
     if data.get("version") != VERSION:
-        raise CheckpointError(f"{path}: format version {data.get('version')!r}, this megascale reads "
-                              f"version {VERSION}; load it with the megascale that wrote it")
+        raise CheckpointError(
+            f"{path}: format version {data.get('version')!r}, this megascale reads "
+            f"version {VERSION}; load it with the megascale that wrote it"
+        )
     records = data.get("tensors")
     try:
         with paused_gc():
@@ -205,7 +218,7 @@ def validate(data: Any, path: str) -> Manifest:
                 raise CheckpointError(f"{path}: {MANIFEST} does not fit the schema (tensors: not a list)")
             for start in range(0, len(records), _CHUNK):  # checked apart: no second copy of them kept
                 try:
-                    _RECORDS.validate_python(records[start: start + _CHUNK])
+                    _RECORDS.validate_python(records[start : start + _CHUNK])
                 except ValidationError as exc:
                     raise _schema_error(path, exc, ["tensors", start]) from None
     except ValidationError as exc:
@@ -214,8 +227,9 @@ def validate(data: Any, path: str) -> Manifest:
         raise CheckpointError(f"{path}: {MANIFEST} was changed after it was written (checksum mismatch)")
     named = parse_name(os.path.basename(path.rstrip("/")))
     if named is not None and named[0] != manifest.step:
-        raise CheckpointError(f"{path}: the manifest says step {manifest.step}, the directory name "
-                              f"says step {named[0]}")
+        raise CheckpointError(
+            f"{path}: the manifest says step {manifest.step}, the directory name says step {named[0]}"
+        )
     _check_files_and_ranks(manifest, path, records)
     check_records(records, {name: info.size for name, info in manifest.files.items()}, path)
     return manifest
@@ -227,8 +241,9 @@ def _schema_error(path: str, exc: ValidationError, prefix: list) -> CheckpointEr
     if prefix:  # the chunk's index, shifted to the record's place in the manifest
         loc = [prefix[0], prefix[1] + loc[0], *loc[1:]]
     where = ".".join(str(part) for part in loc) or "(top level)"
-    return CheckpointError(f"{path}: {MANIFEST} does not fit the schema ({exc.error_count()} "
-                           f"problem(s); first: {where}: {first['msg']})")
+    return CheckpointError(
+        f"{path}: {MANIFEST} does not fit the schema ({exc.error_count()} problem(s); first: {where}: {first['msg']})"
+    )
 
 
 def _check_files_and_ranks(manifest: Manifest, path: str, records: list[dict]) -> None:
@@ -240,8 +255,7 @@ def _check_files_and_ranks(manifest: Manifest, path: str, records: list[dict]) -
             raise CheckpointError(f"{path}: {name} names a rank beyond world_size {manifest.world_size}")
     if "0" not in manifest.ranks or any(int(r) >= manifest.world_size for r in manifest.ranks):
         raise CheckpointError(f"{path}: per-rank metadata must cover rank 0 and ranks below world_size")
-    rng_records = {(rec["param"][len(RNG):], rec["field"]) for rec in records
-                   if rec["param"].startswith(RNG)}
+    rng_records = {(rec["param"][len(RNG) :], rec["field"]) for rec in records if rec["param"].startswith(RNG)}
     for rank, meta in manifest.ranks.items():
         for name in meta.rng.model_dump(exclude_none=True):
             if (str(int(rank)), name) not in rng_records:
@@ -259,8 +273,10 @@ def check_records(records: list[dict], sizes: dict[str, int], path: str) -> None
         end = 0
         for offset, nbytes, rec in sorted(file_records, key=lambda r: r[0]):
             if offset < end:
-                raise CheckpointError(f"{path}: {rec['param']} {rec['field']} at offset {offset} of {name} "
-                                      f"overlaps the record before it (ends at {end})")
+                raise CheckpointError(
+                    f"{path}: {rec['param']} {rec['field']} at offset {offset} of {name} "
+                    f"overlaps the record before it (ends at {end})"
+                )
             end = offset + nbytes
         if end > sizes[name]:
             raise CheckpointError(f"{path}: records of {name} reach byte {end}, the file has {sizes[name]}")

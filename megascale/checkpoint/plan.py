@@ -130,10 +130,16 @@ def outline(manifest: dict) -> dict[str, Any]:
     for rec in manifest["tensors"]:
         if not rec["param"].startswith(RNG):
             fields[rec["param"]].add(rec["field"])
-    return {"step": manifest["step"], "world_size": manifest["world_size"], "layout": manifest["layout"],
-            "model": manifest["config"].get("model", {}), "plain": manifest["plain"],
-            "fields": {p: sorted(f) for p, f in sorted(fields.items())},
-            "manifest_bytes": manifest["manifest_bytes"], "stored_bytes": checkpoint_bytes(manifest)}
+    return {
+        "step": manifest["step"],
+        "world_size": manifest["world_size"],
+        "layout": manifest["layout"],
+        "model": manifest["config"].get("model", {}),
+        "plain": manifest["plain"],
+        "fields": {p: sorted(f) for p, f in sorted(fields.items())},
+        "manifest_bytes": manifest["manifest_bytes"],
+        "stored_bytes": checkpoint_bytes(manifest),
+    }
 
 
 def assign_readers(files: dict[str, dict], world: int) -> dict[str, int]:
@@ -162,8 +168,13 @@ def spec_key(spec: dict | None) -> tuple:
     if spec is None:
         return ()
     flat = spec["flat_range"]
-    return (tuple(spec["global_shape"]), spec["tp_dim"], spec["tp_rank"], spec["tp_size"],
-            tuple(flat) if flat is not None else None)
+    return (
+        tuple(spec["global_shape"]),
+        spec["tp_dim"],
+        spec["tp_rank"],
+        spec["tp_size"],
+        tuple(flat) if flat is not None else None,
+    )
 
 
 class Plan:
@@ -211,21 +222,28 @@ class Plan:
             for idx in pieces:
                 rec = self.records[idx]
                 if tuple(rec["spec"]["global_shape"]) != shape or rec["dtype"] != dtype:
-                    raise CheckpointError(f"the checkpoint's pieces of {key[0]!r} ({key[1]}) disagree: "
-                                          f"{list(shape)} {dtype} and {rec['spec']['global_shape']} {rec['dtype']}")
+                    raise CheckpointError(
+                        f"the checkpoint's pieces of {key[0]!r} ({key[1]}) disagree: "
+                        f"{list(shape)} {dtype} and {rec['spec']['global_shape']} {rec['dtype']}"
+                    )
                 stored += ShardSpec.from_json(rec["spec"]).valid_numel
             self.visits += len(pieces)
             if stored != math.prod(shape):
-                raise CheckpointError(f"the checkpoint's pieces of {key[0]!r} ({key[1]}) cover {stored} of "
-                                      f"{math.prod(shape)} elements")
+                raise CheckpointError(
+                    f"the checkpoint's pieces of {key[0]!r} ({key[1]}) cover {stored} of {math.prod(shape)} elements"
+                )
             self._stored[key] = (shape, dtype)
         shape, dtype = self._stored[key]
         if tuple(target["spec"]["global_shape"]) != shape:
-            raise CheckpointError(f"parameter {key[0]!r} has shape {list(shape)} in the checkpoint but "
-                                  f"{target['spec']['global_shape']} in this model")
+            raise CheckpointError(
+                f"parameter {key[0]!r} has shape {list(shape)} in the checkpoint but "
+                f"{target['spec']['global_shape']} in this model"
+            )
         if target["dtype"] != dtype:
-            raise CheckpointError(f"parameter {key[0]!r} ({key[1]}) is {dtype} in the checkpoint but "
-                                  f"{target['dtype']} in this model; a checkpoint loads only into its own dtype")
+            raise CheckpointError(
+                f"parameter {key[0]!r} ({key[1]}) is {dtype} in the checkpoint but "
+                f"{target['dtype']} in this model; a checkpoint loads only into its own dtype"
+            )
 
     def _owner(self, key: tuple[str, str], needers: list[tuple[int, int, dict]]) -> int:
         read: dict[int, int] = defaultdict(int)
@@ -243,31 +261,53 @@ class Plan:
         """Every rank's `Part` (as JSON-able dicts), built in one pass over the plan, in one
         global order, so that each sender's and receiver's lists of a pair agree."""
         ranks = self.manifest["ranks"]
-        parts = {r: {"files": {}, "sends": [], "incoming": [], "owned": [], "cuts": [], "fills": [],
-                     "meta": ranks.get(str(r), ranks["0"]), "own_meta": str(r) in ranks}
-                 for r in range(self.world)}
+        parts = {
+            r: {
+                "files": {},
+                "sends": [],
+                "incoming": [],
+                "owned": [],
+                "cuts": [],
+                "fills": [],
+                "meta": ranks.get(str(r), ranks["0"]),
+                "own_meta": str(r) in ranks,
+            }
+            for r in range(self.world)
+        }
         for name, rank in self.reader.items():
             parts[rank]["files"][name] = self.manifest["files"][name]
 
         def move(idx: int, dst: int, kind: str, index: int) -> None:
             rec = self.records[idx]
             src = self.reader[rec["file"]]
-            parts[src]["sends"].append({"dst": dst, "file": rec["file"], "offset": rec["offset"],
-                                        "nbytes": rec["nbytes"]})
-            parts[dst]["incoming"].append({"src": src, "kind": kind, "index": index, "param": rec["param"],
-                                           "field": rec["field"], "spec": rec["spec"], "dtype": rec["dtype"],
-                                           "shape": rec["shape"], "nbytes": rec["nbytes"]})
+            parts[src]["sends"].append(
+                {"dst": dst, "file": rec["file"], "offset": rec["offset"], "nbytes": rec["nbytes"]}
+            )
+            parts[dst]["incoming"].append(
+                {
+                    "src": src,
+                    "kind": kind,
+                    "index": index,
+                    "param": rec["param"],
+                    "field": rec["field"],
+                    "spec": rec["spec"],
+                    "dtype": rec["dtype"],
+                    "shape": rec["shape"],
+                    "nbytes": rec["nbytes"],
+                }
+            )
 
         for idx, dst, i in self.direct:
             move(idx, dst, "target", i)
         for idx, rec in enumerate(self.records):
-            if rec["param"].startswith(RNG) and int(rec["param"][len(RNG):]) < self.world:
-                move(idx, int(rec["param"][len(RNG):]), "rng", 0)
+            if rec["param"].startswith(RNG) and int(rec["param"][len(RNG) :]) < self.world:
+                move(idx, int(rec["param"][len(RNG) :]), "rng", 0)
         for key, needers in self.needers.items():
             owner = self.owner[key]
             shape, dtype = self._stored[key]
-            parts[owner]["owned"].append({"param": key[0], "field": key[1], "global_shape": list(shape),
-                                          "dtype": dtype})
+            parts[owner]["owned"].append(
+                {"param": key[0], "field": key[1], "global_shape": list(shape), "dtype": dtype}
+            )
             for idx in self.by_field[key]:
                 move(idx, owner, "piece", 0)
             for dst, i, spec in needers:

@@ -115,11 +115,20 @@ def capture(state: CheckpointState, rank: int, attempt: int, world: int, grid_la
         host = torch.frombuffer(data, dtype=torch.uint8)
         for piece, offset in zip(written, offsets, strict=True):
             size = piece.tensor.numel() * piece.tensor.element_size()
-            host[offset: offset + size].view(piece.tensor.dtype).view(piece.tensor.shape).copy_(piece.tensor.detach())
+            host[offset : offset + size].view(piece.tensor.dtype).view(piece.tensor.shape).copy_(piece.tensor.detach())
     records = [dict(record_of(p, off), file=data_file(rank)) for p, off in zip(written, offsets, strict=True)]
-    header = {"format": COPY_FORMAT, "rank": rank, "step": state.step, "attempt": attempt, "world_size": world,
-              "layout": grid_layout, "size": nbytes, "records": records, "plain": plain,
-              "meta": {"rng": rng_meta, "loader": state.loader.state_dict()}}
+    header = {
+        "format": COPY_FORMAT,
+        "rank": rank,
+        "step": state.step,
+        "attempt": attempt,
+        "world_size": world,
+        "layout": grid_layout,
+        "size": nbytes,
+        "records": records,
+        "plain": plain,
+        "meta": {"rng": rng_meta, "loader": state.loader.state_dict()},
+    }
     return Copy(header, data)
 
 
@@ -137,15 +146,18 @@ def verify(header: Any, data: bytearray, rank: int | None = None, generation: Ge
         parsed = CopyHeader.model_validate(header)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise CheckpointError(f"{where}: header does not fit the schema ({'.'.join(map(str, first['loc']))}: "
-                              f"{first['msg']})") from None
+        raise CheckpointError(
+            f"{where}: header does not fit the schema ({'.'.join(map(str, first['loc']))}: {first['msg']})"
+        ) from None
     if checksum(header) != parsed.checksum:
         raise CheckpointError(f"{where}: header changed after it was sealed (checksum mismatch)")
     if rank is not None and parsed.rank != rank:
         raise CheckpointError(f"{where}: it is rank {parsed.rank}'s")
     if generation is not None and (parsed.step, parsed.attempt) != generation:
-        raise CheckpointError(f"{where}: step {parsed.step} of attempt {parsed.attempt}, expected "
-                              f"step {generation[0]} of attempt {generation[1]} (stale or mixed)")
+        raise CheckpointError(
+            f"{where}: step {parsed.step} of attempt {parsed.attempt}, expected "
+            f"step {generation[0]} of attempt {generation[1]} (stale or mixed)"
+        )
     if len(data) != parsed.size:
         raise CheckpointError(f"{where}: {len(data)} bytes, the header says {parsed.size} (partial)")
     if hashlib.sha256(data).hexdigest() != parsed.sha256:
@@ -187,17 +199,26 @@ class ReplicaStore:
     def holdings(self) -> list[dict[str, Any]]:
         with self._lock:
             copies = [*self.own.values(), *self.held.values()]
-        return [{"step": c.header["step"], "attempt": c.header["attempt"], "rank": c.rank,
-                 "world_size": c.header["world_size"], "layout": c.header["layout"],
-                 "sha256": c.header["sha256"]} for c in copies]
+        return [
+            {
+                "step": c.header["step"],
+                "attempt": c.header["attempt"],
+                "rank": c.rank,
+                "world_size": c.header["world_size"],
+                "layout": c.header["layout"],
+                "sha256": c.header["sha256"],
+            }
+            for c in copies
+        ]
 
     def files(self, generation: Generation) -> dict[str, Copy]:
         with self._lock:
             return {c.name: c for kept in (self.own, self.held) for g, c in kept.items() if g == generation}
 
 
-def choose(holdings: list[list[dict[str, Any]]], world: int, grid_layout: dict[str, int],
-           skip: set[Generation] = frozenset()) -> tuple[Generation, dict[str, int]] | None:
+def choose(
+    holdings: list[list[dict[str, Any]]], world: int, grid_layout: dict[str, int], skip: set[Generation] = frozenset()
+) -> tuple[Generation, dict[str, int]] | None:
     """The newest generation with every rank's file held somewhere for this layout, and who
     reads each file (its own rank when it holds it, else the lowest rank holding it)."""
     holders: dict[Generation, dict[int, list[int]]] = {}
@@ -214,8 +235,14 @@ def choose(holdings: list[list[dict[str, Any]]], world: int, grid_layout: dict[s
     return None
 
 
-def build_manifest(headers: list[dict[str, Any]], generation: Generation, world: int, grid_layout: dict[str, int],
-                   config: dict[str, Any], run_id: str) -> dict[str, Any]:
+def build_manifest(
+    headers: list[dict[str, Any]],
+    generation: Generation,
+    world: int,
+    grid_layout: dict[str, int],
+    config: dict[str, Any],
+    run_id: str,
+) -> dict[str, Any]:
     """A checkpoint manifest of one generation's copies (one per rank), sealed. Replicated pieces
     are listed once (the lowest rank's), as stage 2 writes them."""
     by_rank = {h["rank"]: h for h in headers}
@@ -232,18 +259,33 @@ def build_manifest(headers: list[dict[str, Any]], generation: Generation, world:
                 tensors.append(rec)
         ranks[str(rank)] = h["meta"]
         plain.update(h["plain"])
-    return seal({"format": FORMAT, "version": VERSION, "step": generation[0], "seq": 1, "world_size": world,
-                 "layout": grid_layout, "config": config, "created": time.time(),
-                 "run_id": run_id, "torch": torch.__version__, "files": files, "tensors": tensors,
-                 "ranks": ranks, "plain": plain})
+    return seal(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": generation[0],
+            "seq": 1,
+            "world_size": world,
+            "layout": grid_layout,
+            "config": config,
+            "created": time.time(),
+            "run_id": run_id,
+            "torch": torch.__version__,
+            "files": files,
+            "tensors": tensors,
+            "ranks": ranks,
+            "plain": plain,
+        }
+    )
 
 
 class PeerReplicator:
     """Every `every` steps: capture this rank's copy, then (in the background) seal it, send it to
     the same local rank of the next node and take the previous node's, checked before it is kept."""
 
-    def __init__(self, store: ReplicaStore, comm: Comm, offset: int, every: int, attempt: int,
-                 grid_layout: dict[str, int]) -> None:
+    def __init__(
+        self, store: ReplicaStore, comm: Comm, offset: int, every: int, attempt: int, grid_layout: dict[str, int]
+    ) -> None:
         """`offset`: ranks between this rank and the one keeping its copy (whole nodes along the ring);
         `comm`: over the replica groups, used by this object's thread only."""
         self.store, self.comm, self.rank, self.world = store, comm, comm.rank, comm.world
@@ -257,8 +299,9 @@ class PeerReplicator:
             return
         self.wait()  # rounds never overlap: every rank sends and receives them in the same order
         copy = capture(state, self.rank, self.attempt, self.world, self.layout)
-        self._thread = threading.Thread(target=self._round, args=(copy,), daemon=True,
-                                        name=f"megascale-peer-copy-{self.rank}")
+        self._thread = threading.Thread(
+            target=self._round, args=(copy,), daemon=True, name=f"megascale-peer-copy-{self.rank}"
+        )
         self._thread.start()
 
     def wait(self) -> None:
@@ -273,21 +316,26 @@ class PeerReplicator:
             header, data = self._exchange(json.dumps(own.header).encode(), own.data)
             held = verify(json.loads(header), data, self.predecessor, own.generation)
         except (RuntimeError, ValueError, CheckpointError) as exc:  # a peer gone mid-copy, a bad copy
-            log.warning("peer copy of step %d: %s; the copy held for rank %d is not updated",
-                        own.header["step"], exc, self.predecessor)
+            log.warning(
+                "peer copy of step %d: %s; the copy held for rank %d is not updated",
+                own.header["step"],
+                exc,
+                self.predecessor,
+            )
             return
         self.store.keep(held, mine=False)
 
     def _exchange(self, header: bytes, data: bytearray) -> tuple[bytes, bytearray]:
         """Send (header, data) to the successor, return the predecessor's: one routed message."""
-        message = torch.cat([_bytes(bytearray(len(header).to_bytes(8, "little"))), _bytes(bytearray(header)),
-                             _bytes(data)])
+        message = torch.cat(
+            [_bytes(bytearray(len(header).to_bytes(8, "little"))), _bytes(bytearray(header)), _bytes(data)]
+        )
         got = self.comm.exchange({self.successor: message})
         if self.predecessor not in got or got[self.predecessor].numel() < 8:
             raise CheckpointError(f"no copy came from rank {self.predecessor}")
         raw = got[self.predecessor]
         size = int.from_bytes(raw[:8].numpy().tobytes(), "little")
-        return raw[8: 8 + size].numpy().tobytes(), bytearray(raw[8 + size:].numpy().tobytes())
+        return raw[8 : 8 + size].numpy().tobytes(), bytearray(raw[8 + size :].numpy().tobytes())
 
 
 def _bytes(buffer: bytearray) -> torch.Tensor:

@@ -55,22 +55,37 @@ class Loaded:
     restored: Restored
 
 
-def load(fs, path: str, manifest: dict | None, comm: Comm,
-         make_targets: Callable[[dict[str, set[str]]], list[Target]], memory: InMemory | None = None) -> Loaded:
+def load(
+    fs,
+    path: str,
+    manifest: dict | None,
+    comm: Comm,
+    make_targets: Callable[[dict[str, set[str]]], list[Target]],
+    memory: InMemory | None = None,
+) -> Loaded:
     """Fill this rank's targets from the checkpoint at `path` (or from the files in `memory`).
     Collective; `manifest` is the validated manifest on rank 0 (None elsewhere). Raises
     CheckpointError on every rank if the checkpoint does not fit or any file is corrupt."""
     head = json.dumps(outline(manifest)).encode() if comm.rank == 0 else b""
     shape = json_of(Outline, comm.broadcast_bytes(head), "checkpoint outline")
     targets = make_targets({name: set(fields) for name, fields in shape.fields.items()})
-    wanted = [{"param": t.param, "field": t.field, "spec": t.spec.to_json(),
-               "dtype": str(t.tensor.dtype).removeprefix("torch.")} for t in targets]
+    wanted = [
+        {
+            "param": t.param,
+            "field": t.field,
+            "spec": t.spec.to_json(),
+            "dtype": str(t.tensor.dtype).removeprefix("torch."),
+        }
+        for t in targets
+    ]
     got = comm.gather_bytes(json.dumps(wanted).encode())
     parts, error = None, None
     if comm.rank == 0:
         try:
-            lists = [[w.model_dump() for w in json_of(list[Wanted], got[r], f"targets of rank {r}")]
-                     for r in range(comm.world)]
+            lists = [
+                [w.model_dump() for w in json_of(list[Wanted], got[r], f"targets of rank {r}")]
+                for r in range(comm.world)
+            ]
             with paused_gc():
                 parts = Plan(manifest, lists, memory.readers if memory else None).parts()
         except CheckpointError as exc:
@@ -91,7 +106,7 @@ def restore(fs, path: str, part: Part, targets: list[Target], comm: Comm, memory
     # phase A: stored pieces to the ranks that take them whole, to owners, RNG arrays to their ranks
     outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
     for send in part.sends:
-        outgoing[send.dst].append(data[send.file][send.offset: send.offset + send.nbytes])
+        outgoing[send.dst].append(data[send.file][send.offset : send.offset + send.nbytes])
     received = comm.exchange({dst: _concat(parts) for dst, parts in outgoing.items()})
     del data, outgoing
     restored = Restored(bytes_read)
@@ -110,8 +125,10 @@ def restore(fs, path: str, part: Part, targets: list[Target], comm: Comm, memory
             pieces[(inc.param, inc.field)].append((ShardSpec.from_json(inc.spec), tensor))
     reader.finish()
     comm.agree(reader.problems)
-    wholes = {(o.param, o.field): _assemble(o.global_shape, torch_dtype(o.dtype), pieces[(o.param, o.field)])
-              for o in part.owned}
+    wholes = {
+        (o.param, o.field): _assemble(o.global_shape, torch_dtype(o.dtype), pieces[(o.param, o.field)])
+        for o in part.owned
+    }
     del received, pieces
 
     # phase B: owners cut every rank's pieces
@@ -144,7 +161,7 @@ class _Reader:
             self.problems.append(f"rank {src} sent {0 if buf is None else buf.numel()} bytes, fewer than planned")
             return None
         self.offsets[src] = start + nbytes
-        return buf[start: start + nbytes]
+        return buf[start : start + nbytes]
 
     def finish(self) -> None:
         for src, buf in self.received.items():
@@ -154,8 +171,10 @@ class _Reader:
 
 def _fill(target: Target, value: torch.Tensor, problems: list[str]) -> None:
     if value.dtype != target.tensor.dtype or value.numel() != target.tensor.numel():
-        problems.append(f"{target.param} ({target.field}): {value.numel()} {value.dtype} values for a "
-                        f"{target.tensor.dtype} tensor of {target.tensor.numel()}")
+        problems.append(
+            f"{target.param} ({target.field}): {value.numel()} {value.dtype} values for a "
+            f"{target.tensor.dtype} tensor of {target.tensor.numel()}"
+        )
         return
     with torch.no_grad():
         target.tensor.copy_(value.view(target.tensor.shape))

@@ -46,7 +46,7 @@ class HostBuffer:
         on_cuda = False
         for tensor, offset in zip(tensors, offsets, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
-            slot = self.bytes[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            slot = self.bytes[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
             slot.copy_(tensor.detach(), non_blocking=tensor.is_cuda and self.pinned)
             on_cuda |= tensor.is_cuda
         if on_cuda:

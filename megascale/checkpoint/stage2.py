@@ -42,12 +42,15 @@ class Stage2:
         never re-imports the trainer's main module); results come back on its stdout."""
         self._process = subprocess.Popen(
             [sys.executable, "-m", "megascale.checkpoint.writer"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
             start_new_session=True,  # a launcher's SIGTERM to the rank's group must not kill a commit
         )
         self._collector = threading.Thread(
-            target=self._collect, args=(self._process,), daemon=True,
-            name=f"megascale-checkpoint-results-{self.rank}")
+            target=self._collect, args=(self._process,), daemon=True, name=f"megascale-checkpoint-results-{self.rank}"
+        )
         self._collector.start()
 
     def exit_code(self) -> int | None:

@@ -65,19 +65,25 @@ def shared_pieces(state: CheckpointState) -> tuple[list[Piece], dict[str, dict[s
 
 def record_of(piece: Piece, offset: int) -> dict[str, Any]:
     """A piece's record in a rank's data file (the manifest's `tensors` entries, less the file)."""
-    return {"param": piece.param, "field": piece.field, "spec": piece.spec.to_json() if piece.spec else None,
-            "dtype": str(piece.tensor.dtype).removeprefix("torch."),
-            "shape": list(piece.tensor.shape), "offset": offset,
-            "nbytes": piece.tensor.numel() * piece.tensor.element_size()}
+    return {
+        "param": piece.param,
+        "field": piece.field,
+        "spec": piece.spec.to_json() if piece.spec else None,
+        "dtype": str(piece.tensor.dtype).removeprefix("torch."),
+        "shape": list(piece.tensor.shape),
+        "offset": offset,
+        "nbytes": piece.tensor.numel() * piece.tensor.element_size(),
+    }
 
 
 def scalar_to_json(value: Any, key: str) -> dict[str, Any]:
     if torch.is_tensor(value):
         if value.numel() != 1:
-            raise TypeError(f"optimizer state {key!r} is a tensor of shape {tuple(value.shape)} "
-                            "that is neither a scalar nor shaped like its parameter")
-        return {"kind": "tensor", "dtype": str(value.dtype).removeprefix("torch."),
-                "value": value.item()}
+            raise TypeError(
+                f"optimizer state {key!r} is a tensor of shape {tuple(value.shape)} "
+                "that is neither a scalar nor shaped like its parameter"
+            )
+        return {"kind": "tensor", "dtype": str(value.dtype).removeprefix("torch."), "value": value.item()}
     if isinstance(value, bool | int | float):
         return {"kind": type(value).__name__, "value": value}
     raise TypeError(f"optimizer state {key!r} of type {type(value).__name__} cannot be saved")
@@ -102,8 +108,7 @@ def rng_pieces(rank: int, state: dict[str, Any]) -> tuple[list[Piece], dict[str,
         elif name == "numpy":
             kind, keys, pos, has_gauss, cached = value
             pieces.append(Piece(param, name, None, torch.from_numpy(keys.astype(np.int64))))
-            meta[name] = {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss),
-                          "cached_gaussian": float(cached)}
+            meta[name] = {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
         elif torch.is_tensor(value):
             pieces.append(Piece(param, name, None, value.cpu()))
             meta[name] = {}
@@ -120,8 +125,13 @@ def rng_from_arrays(arrays: dict[str, torch.Tensor], meta: dict[str, Any]) -> di
         if name == "python":
             state[name] = (info["version"], tuple(array.tolist()), info["gauss_next"])
         elif name == "numpy":
-            state[name] = (info["kind"], array.numpy().astype(np.uint32), info["pos"],
-                           info["has_gauss"], info["cached_gaussian"])
+            state[name] = (
+                info["kind"],
+                array.numpy().astype(np.uint32),
+                info["pos"],
+                info["has_gauss"],
+                info["cached_gaussian"],
+            )
         else:
             state[name] = array
     return state
@@ -161,8 +171,7 @@ def load_targets(state: CheckpointState, saved_fields: dict[str, set[str]]) -> l
     return targets
 
 
-def install_optimizer_state(state: CheckpointState, targets: list[Target],
-                            plain: dict[str, dict[str, Any]]) -> None:
+def install_optimizer_state(state: CheckpointState, targets: list[Target], plain: dict[str, dict[str, Any]]) -> None:
     """Replace the optimizer's state by the loaded tensors and scalars."""
     by_name = dict(state.model.optimizer_tensors())
     optimizer_state = state.optimizer.state

@@ -159,8 +159,7 @@ def committed(fs: fsspec.AbstractFileSystem, root: str) -> list[Entry]:
 
 def temporaries(fs: fsspec.AbstractFileSystem, root: str) -> list[Entry]:
     """Saves that never committed (in progress, or left by a killed or failed save)."""
-    return [Entry(n, int(m.group(1)), join(root, n)) for n in _names(fs, root)
-            if (m := _TEMPORARY.match(n))]
+    return [Entry(n, int(m.group(1)), join(root, n)) for n in _names(fs, root) if (m := _TEMPORARY.match(n))]
 
 
 def _names(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
@@ -168,8 +167,7 @@ def _names(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
         listing = fs.ls(root, detail=True)
     except (FileNotFoundError, NotADirectoryError):  # nothing saved there yet
         return []
-    return [os.path.basename(info["name"].rstrip("/")) for info in listing
-            if info.get("type") == "directory"]
+    return [os.path.basename(info["name"].rstrip("/")) for info in listing if info.get("type") == "directory"]
 
 
 def remove(fs: fsspec.AbstractFileSystem, path: str) -> None:

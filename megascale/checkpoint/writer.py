@@ -75,8 +75,7 @@ def persist(job: WriteJob, buffer: memoryview, abort: Any = None) -> dict[str, A
     start = time.perf_counter()
     try:
         fs.makedirs(tmp, exist_ok=True)
-        digest = _write_data(fs, join(tmp, data_file(job.rank)), buffer[: job.nbytes],
-                             job.bytes_per_s, job.durable)
+        digest = _write_data(fs, join(tmp, data_file(job.rank)), buffer[: job.nbytes], job.bytes_per_s, job.durable)
         index = dict(job.index, file=data_file(job.rank), size=job.nbytes, sha256=digest)
         write_json(fs, join(tmp, sidecar_file(job.rank)), index, job.durable)
     except Exception as exc:
@@ -93,7 +92,7 @@ def _write_data(fs, path: str, data: memoryview, bytes_per_s: float, durable: bo
     start = time.perf_counter()
     with fs.open(path, "wb") as f:
         for offset in range(0, len(data), CHUNK):
-            chunk = data[offset: offset + CHUNK]
+            chunk = data[offset : offset + CHUNK]
             f.write(chunk)
             digest.update(chunk)
             if bytes_per_s > 0:  # stay under the configured bandwidth
@@ -136,8 +135,13 @@ def _commit(fs, root: str, tmp: str, job: WriteJob, abort: Any) -> dict[str, Any
     _reached("latest")
     pruned = prune(fs, root, job.keep, name, job.tmp_name.rsplit("-", 1)[1], job.durable)
     total = sum(f["size"] for f in files.values())
-    return {"path": final, "total_bytes": total, "removed": pruned.removed,
-            "quarantined": pruned.quarantined, "unchecked": pruned.unchecked}
+    return {
+        "path": final,
+        "total_bytes": total,
+        "removed": pruned.removed,
+        "quarantined": pruned.quarantined,
+        "unchecked": pruned.unchecked,
+    }
 
 
 def _reached(point: str) -> None:

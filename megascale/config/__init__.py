@@ -6,7 +6,17 @@ from megascale.config.operations import CheckpointConfig, DiagnosticsConfig
 from megascale.config.schema import DataConfig, JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "DiagnosticsConfig", "JobConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
-    "default_config_path", "dump_config", "load_config", "to_dict",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DiagnosticsConfig",
+    "JobConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "default_config_path",
+    "dump_config",
+    "load_config",
+    "to_dict",
 ]

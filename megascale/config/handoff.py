@@ -36,8 +36,12 @@ def attempt_config(text: str, *, dp: int, run_dir: str, redis_password: str | No
     Redis password the ranks get apart, which the text lacks), so a layout the ranks would
     reject is a `ConfigError` naming the key in the driver, not at every rank."""
     cfg = typed_config(text, "the job's config")
-    cfg = replace(cfg, parallel=replace(cfg.parallel, dp=dp), train=replace(cfg.train, run_dir=run_dir),
-                  checkpoint=replace(cfg.checkpoint, resume="auto", save_on_signal=False))
+    cfg = replace(
+        cfg,
+        parallel=replace(cfg.parallel, dp=dp),
+        train=replace(cfg.train, run_dir=run_dir),
+        checkpoint=replace(cfg.checkpoint, resume="auto", save_on_signal=False),
+    )
     url = cfg.parallel.redis_url
     as_ranks_see_it = replace(cfg, parallel=replace(cfg.parallel, redis_url=_with_password(url, redis_password)))
     as_ranks_see_it.validate()

@@ -48,8 +48,10 @@ def non_defaults(cfg: JobConfig) -> list[str]:
 def packaged_default_line() -> str:
     """What `megascale train` without `--config` runs differently from the defaults listed."""
     changed = ", ".join(f"`{item.replace('=', ' = ', 1)}`" for item in non_defaults(load_config(default_config_path())))
-    return (f"`megascale train` without `--config` runs the packaged default ({default_config_path().name}), "
-            f"which differs from these defaults only in: {changed}")
+    return (
+        f"`megascale train` without `--config` runs the packaged default ({default_config_path().name}), "
+        f"which differs from these defaults only in: {changed}"
+    )
 
 
 def _flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -103,8 +105,11 @@ def markdown_reference() -> str:
     out = []
     for name, doc in sections().items():
         out += [f"### `{name}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{k.name}` | {k.type.replace('|', ' or ')} | {_show(k.default)} | {k.doc.replace('|', '&#124;')} |"
-                for k in keys() if k.name.split(".")[0] == name]
+        out += [
+            f"| `{k.name}` | {k.type.replace('|', ' or ')} | {_show(k.default)} | {k.doc.replace('|', '&#124;')} |"
+            for k in keys()
+            if k.name.split(".")[0] == name
+        ]
         out.append("")
     out.append(packaged_default_line() + ".")
     return "\n".join(out)

@@ -173,6 +173,7 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A TOML-serialisable dict (None values are dropped: TOML has no null). A password in a
     Redis URL is redacted: these dicts are written to RUN_DIR/config.toml and checkpoints."""
+
     def clean(obj: Any) -> Any:
         if isinstance(obj, dict):
             return {k: redacted_url(v) if k == "redis_url" else clean(v) for k, v in obj.items() if v is not None}

@@ -48,17 +48,22 @@ def _check_parents(path: Path) -> None:
         except FileNotFoundError:
             continue  # made by us below, with our umask
         if st.st_uid not in (0, os.geteuid()):
-            raise UnsafePathError(f"{parent} belongs to uid {st.st_uid}, who could replace what we put under it; "
-                                  "choose a directory of your own")
+            raise UnsafePathError(
+                f"{parent} belongs to uid {st.st_uid}, who could replace what we put under it; "
+                "choose a directory of your own"
+            )
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            raise UnsafePathError(f"{parent} is writable by every user without the sticky bit; "
-                                  "choose a directory of your own")
+            raise UnsafePathError(
+                f"{parent} is writable by every user without the sticky bit; choose a directory of your own"
+            )
 
 
 def _check_owner(path: Path, st: os.stat_result) -> None:
     if st.st_uid != os.geteuid():
-        raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
-                              "another user may have made it first; remove it or choose another path")
+        raise UnsafePathError(
+            f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+            "another user may have made it first; remove it or choose another path"
+        )
 
 
 def open_private(path: str | Path, append: bool = True) -> int:
@@ -104,13 +109,16 @@ def read_secret(path: str | Path, what: str) -> bytes:
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{what} {path} is not a regular file (a FIFO, device or directory); "
-                                  "replace it with the file itself")
+            raise UnsafePathError(
+                f"{what} {path} is not a regular file (a FIFO, device or directory); replace it with the file itself"
+            )
         if st.st_uid not in (0, os.geteuid()):
             raise UnsafePathError(f"{what} {path} belongs to uid {st.st_uid}, not to this user or root")
         if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
-            raise UnsafePathError(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can read "
-                                  f"or change it; chmod 600 {path}")
+            raise UnsafePathError(
+                f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can read "
+                f"or change it; chmod 600 {path}"
+            )
         return f.read()
 
 
@@ -127,5 +135,7 @@ def check_secret_dir(path: str | Path, what: str) -> None:
     if st.st_uid not in (0, os.geteuid()):
         raise UnsafePathError(f"{what} {path} belongs to uid {st.st_uid}, not to this user or root")
     if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not st.st_mode & stat.S_ISVTX:
-        raise UnsafePathError(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can replace "
-                              f"its files; chmod 700 {path}")
+        raise UnsafePathError(
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can replace "
+            f"its files; chmod 700 {path}"
+        )

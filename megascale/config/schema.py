@@ -49,7 +49,8 @@ class RopeScaling:
     factor: float = opt(8.0, "how much longer wavelengths are stretched")
     low_freq_factor: float = opt(1.0, "wavelengths above original_max_positions / this are stretched in full")
     high_freq_factor: float = opt(
-        4.0, "wavelengths below original_max_positions / this are kept; between: interpolated")
+        4.0, "wavelengths below original_max_positions / this are kept; between: interpolated"
+    )
     original_max_positions: int = opt(8192, "the context length the model was pretrained with")
 
     def validate(self) -> None:
@@ -74,17 +75,21 @@ class MoEConfig:
     every: int = opt(1, "block i has an MoE MLP when (i + 1) % every == 0 (1: every block)")
     ffn_hidden: int = opt(0, "width of one expert's MLP; 0 = model.ffn_hidden (its default)")
     router: Literal["softmax", "sigmoid"] = opt(
-        "softmax", "softmax over experts (Mixtral, Qwen-MoE) or per-expert sigmoid (DeepSeek-V3)")
+        "softmax", "softmax over experts (Mixtral, Qwen-MoE) or per-expert sigmoid (DeepSeek-V3)"
+    )
     normalize: bool = opt(True, "rescale each token's top-k gates to sum to 1 (Mixtral); sigmoid always does")
     shared_ffn_hidden: int = opt(0, "width of a shared expert every token goes through; 0 = none")
     aux_loss_coef: float = opt(0.01, "load-balancing loss (Switch/GShard, per sequence) coefficient; 0 = off")
     z_loss_coef: float = opt(0.001, "router z-loss (ST-MoE: mean squared log-sum-exp of router logits) coefficient")
     bias_balancing: bool = opt(
-        False, "DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias on the routing scores, moved each step")
+        False, "DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias on the routing scores, moved each step"
+    )
     bias_update_rate: float = opt(0.001, "bias_balancing: step of the bias towards the mean load per optimizer step")
     capacity_factor: float = opt(
-        0.0, "0 = dropless; else an expert takes at most ceil(factor * seq_len * top_k / experts) tokens of a "
-        "sequence, later tokens beyond it are dropped (pass through the residual)")
+        0.0,
+        "0 = dropless; else an expert takes at most ceil(factor * seq_len * top_k / experts) tokens of a "
+        "sequence, later tokens beyond it are dropped (pass through the residual)",
+    )
 
     def is_moe_layer(self, index: int) -> bool:
         return self.experts > 0 and (index + 1) % self.every == 0
@@ -95,8 +100,14 @@ class MoEConfig:
         positive(self, "model.moe", ["experts", "top_k", "every"])
         if self.top_k > self.experts:
             raise ConfigError(f"model.moe.top_k={self.top_k} must be <= model.moe.experts={self.experts}")
-        for key in ("ffn_hidden", "shared_ffn_hidden", "aux_loss_coef", "z_loss_coef", "bias_update_rate",
-                    "capacity_factor"):
+        for key in (
+            "ffn_hidden",
+            "shared_ffn_hidden",
+            "aux_loss_coef",
+            "z_loss_coef",
+            "bias_update_rate",
+            "capacity_factor",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.moe.{key} must be >= 0, got {getattr(self, key)}")
 
@@ -113,11 +124,13 @@ class ModelConfig:
     kv_heads: int = opt(0, "grouped-query attention: key/value heads; 0 = heads (multi-head)")
     ffn_hidden: int = opt(0, "MLP width; 0 = 4 * hidden")
     block: Literal["serial", "parallel"] = opt(
-        "parallel", "serial: x + MLP(LN(x + Attn(LN(x)))); parallel: x + MLP(LN(x)) + Attn(LN(x)) (MegaScale)")
+        "parallel", "serial: x + MLP(LN(x + Attn(LN(x)))); parallel: x + MLP(LN(x)) + Attn(LN(x)) (MegaScale)"
+    )
     parallel_norms: Literal[1, 2] = opt(1, "parallel block: 1 norm feeds both branches, 2 = one each (GPT-NeoX)")
     norm: Literal["layernorm", "rmsnorm"] = opt("layernorm", "layernorm, or rmsnorm (Llama family)")
     mlp: Literal["gelu", "gelu_exact", "swiglu"] = opt(
-        "gelu", "gelu (tanh approximation, GPT-2), gelu_exact, or swiglu (Llama family)")
+        "gelu", "gelu (tanh approximation, GPT-2), gelu_exact, or swiglu (Llama family)"
+    )
     window: int | None = opt(None, "sliding-window attention span in tokens; none = full causal")
     positions: Literal["rotary", "learned"] = opt("rotary", "rotary, or learned absolute positions (GPT-2)")
     tie_embeddings: bool = opt(False, "the head shares the token embedding's weight (needs pp = 1)")
@@ -235,21 +248,26 @@ class ParallelConfig:
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
     # last the head and loss), "even" splits by count, or a list of pp*vpp counts in chunk order
     pp_split: Literal["auto", "even"] | list[int] = opt(
-        "auto", "layers per chunk: auto (FLOP-balanced), even, or a list of pp*vpp counts")
+        "auto", "layers per chunk: auto (FLOP-balanced), even, or a list of pp*vpp counts"
+    )
     schedule: Literal["1f1b", "gpipe", "zb-h1"] = opt(
-        "1f1b", "1f1b (interleaved when vpp > 1), gpipe, or zb-h1 (zero-bubble: split backward, vpp=1)")
+        "1f1b", "1f1b (interleaved when vpp > 1), gpipe, or zb-h1 (zero-bubble: split backward, vpp=1)"
+    )
     sequence_parallel: bool = opt(True, "shard LayerNorm/residual activations along the sequence over tp")
     tp_overlap: bool = opt(True, "chunked all-gather/reduce-scatter fused into the GEMMs")
     tp_overlap_chunks: int = opt(2, "chunks each collective GEMM is cut into")
     ep_overlap_chunks: int = opt(
-        2, "expert parallelism: parts a micro-batch's routed rows are cut into, each part's all-to-all in flight "
-        "while another part's experts compute; 1 = no overlap")
+        2,
+        "expert parallelism: parts a micro-batch's routed rows are cut into, each part's all-to-all in flight "
+        "while another part's experts compute; 1 = no overlap",
+    )
     dp_overlap: bool = opt(True, "ZeRO-2 all-gather prefetch and reduce-scatter overlap")
     dp_bucket_mb: float = opt(16.0, "ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier")
     backend: Literal["auto", "gloo", "nccl"] = opt("auto", "auto (NCCL on CUDA, gloo on CPU), gloo or nccl")
     store: Literal["tcp", "redis"] = opt("tcp", "rendezvous store: tcp (PyTorch's TCPStore) or redis")
     redis_url: str = opt(
-        "redis://127.0.0.1:6379/0", "redis://HOST:PORT/DB of the Redis store (password: $MEGASCALE_REDIS_PASSWORD)")
+        "redis://127.0.0.1:6379/0", "redis://HOST:PORT/DB of the Redis store (password: $MEGASCALE_REDIS_PASSWORD)"
+    )
     redis_connect_timeout_s: float = opt(10.0, "fail with the address if Redis is not reachable within this")
     redis_start: bool = opt(False, "the launcher/driver runs redis-server at redis_url for the job")
     init_timeout_s: float = opt(120.0, "how long ranks wait for each other at start-up")
@@ -278,13 +296,9 @@ class ParallelConfig:
         if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ConfigError("parallel.init_timeout_s and parallel.collective_timeout_s must be > 0")
         if self.redis_connect_timeout_s <= 0:
-            raise ConfigError(
-                f"parallel.redis_connect_timeout_s must be > 0, got {self.redis_connect_timeout_s}"
-            )
+            raise ConfigError(f"parallel.redis_connect_timeout_s must be > 0, got {self.redis_connect_timeout_s}")
         if self.store == "redis" and not self.redis_url.startswith(("redis://", "unix://")):
-            raise ConfigError(
-                f"parallel.redis_url must look like redis://HOST:PORT/DB, got {self.redis_url!r}"
-            )
+            raise ConfigError(f"parallel.redis_url must look like redis://HOST:PORT/DB, got {self.redis_url!r}")
         if self.redis_start:
             self._validate_redis_start()
 
@@ -308,16 +322,17 @@ class ParallelConfig:
 class DataConfig:
     """Prepared token data: path or mixture, loading, evaluation split."""
 
-    path: str = opt("", "a prepared token directory (megascale prep); \"\" = the embedded default corpus")
+    path: str = opt("", 'a prepared token directory (megascale prep); "" = the embedded default corpus')
     cache_dir: str = opt(".cache/megascale", "where the default corpus is prepared")
     val_fraction: float = opt(0.02, "share of documents held out for evaluation")
     seed: int = opt(1234, "seed of the sample order (resumable)")
     prefetch: bool = opt(True, "prepare step k+1's batch while step k runs")
     reader: Literal["node", "tp", "rank"] = opt(
-        "node", "who reads from disk: node (one per node, shared memory), tp, or rank")
+        "node", "who reads from disk: node (one per node, shared memory), tp, or rank"
+    )
     cross_document: bool = opt(False, "predict across end-of-document tokens")
     mixture: dict[str, float] = opt(factory=dict, doc="weighted datasets: PATH=WEIGHT,PATH=WEIGHT (instead of path)")
-    tokenizer: str = opt("", "expected tokenizer: \"\" = the manifest's, bytes, or a tokenizer.json")
+    tokenizer: str = opt("", 'expected tokenizer: "" = the manifest\'s, bytes, or a tokenizer.json')
     verify_checksums: bool = opt(True, "sha256 of every shard before training (readers only)")
 
     def validate(self) -> None:
@@ -341,27 +356,36 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto (CUDA when available), cpu or cuda")
     dtype: str = opt("fp32", "compute dtype: fp32, or bf16 (autocast); fp16 is refused (no loss scaler)")
     param_dtype: str = opt(
-        "fp32", "parameters and their gradients in fp32 or bf16 (fp32 master weights and optimizer state either way)")
+        "fp32", "parameters and their gradients in fp32 or bf16 (fp32 master weights and optimizer state either way)"
+    )
     reduce_dtype: str = opt(
-        "fp32", "dtype of the data-parallel gradient reduce-scatter: fp32 (bf16 gradients widened first) or bf16")
-    max_skipped_steps: int = opt(
-        5, "stop after this many consecutive steps skipped for a non-finite gradient norm")
+        "fp32", "dtype of the data-parallel gradient reduce-scatter: fp32 (bf16 gradients widened first) or bf16"
+    )
+    max_skipped_steps: int = opt(5, "stop after this many consecutive steps skipped for a non-finite gradient norm")
     spike_action: Literal["log", "skip", "rollback"] = opt(
-        "log", "on a loss spike: log it, skip the step, or rollback (restore the last checkpoint, skip the data)")
+        "log", "on a loss spike: log it, skip the step, or rollback (restore the last checkpoint, skip the data)"
+    )
     spike_window: int = opt(50, "loss spikes: steps of recent losses the median and MAD are taken over")
     spike_threshold: float = opt(6.0, "a spike: loss above median + this many robust deviations (1.4826 MAD)")
     spike_skip_batches: int = opt(1, "rollback: batches skipped, ending with the spike's")
     max_rollbacks: int = opt(3, "stop when a spike would roll back to the same checkpoint more than this many times")
     recompute: Literal["none", "full", "selective"] = opt(
-        "none", "activation recomputation: none, selective (attention core) or full (whole blocks)")
+        "none", "activation recomputation: none, selective (attention core) or full (whole blocks)"
+    )
     compile: bool = opt(False, "torch.compile each block (fuses LayerNorm, GeLU, residual adds)")
     fuse_input_gemm: bool = opt(
-        False, "parallel block: QKV and MLP up-projection as one GEMM (tensor parallel always does)")
+        False, "parallel block: QKV and MLP up-projection as one GEMM (tensor parallel always does)"
+    )
     attention: Literal["auto", "sdpa", "flex", "sliding"] = opt(
-        "auto", "attention kernel: auto, sdpa (SWA band-masked: O(s^2)), flex (CUDA only), or sliding "
-        "(SWA in query blocks, O(s*w), any device; auto's choice off CUDA)")
-    loss_chunk: int = opt(DEFAULT_LOSS_CHUNK, "tokens per chunk of the head and loss: whole logits never exist "
-                          "(a chunk's are loss_chunk x vocab/tp fp32 values)")
+        "auto",
+        "attention kernel: auto, sdpa (SWA band-masked: O(s^2)), flex (CUDA only), or sliding "
+        "(SWA in query blocks, O(s*w), any device; auto's choice off CUDA)",
+    )
+    loss_chunk: int = opt(
+        DEFAULT_LOSS_CHUNK,
+        "tokens per chunk of the head and loss: whole logits never exist "
+        "(a chunk's are loss_chunk x vocab/tp fp32 values)",
+    )
     eval_every: int = opt(50, "evaluate every N steps; 0 = never")
     eval_batches: int = opt(4, "batches per evaluation")
     log_every: int = opt(1, "progress line every N steps")
@@ -371,19 +395,33 @@ class TrainConfig:
     wandb: bool = opt(False, "also log to Weights & Biases (pip install 'megascale[wandb]')")
     wandb_project: str = opt("megascale", "the W&B project")
     wandb_mode: Literal["online", "offline"] = opt(
-        "online", "online, or offline: written under run_dir for a later `wandb sync`")
+        "online", "online, or offline: written under run_dir for a later `wandb sync`"
+    )
 
     def validate(self) -> None:
-        positive(self, "train", ["steps", "global_batch", "micro_batch", "log_every", "max_skipped_steps",
-                                 "spike_skip_batches", "max_rollbacks", "loss_chunk"])
+        positive(
+            self,
+            "train",
+            [
+                "steps",
+                "global_batch",
+                "micro_batch",
+                "log_every",
+                "max_skipped_steps",
+                "spike_skip_batches",
+                "max_rollbacks",
+                "loss_chunk",
+            ],
+        )
         for key in ("eval_every", "eval_batches", "gc_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         for key in ("dtype", "param_dtype", "reduce_dtype"):
             check_dtype(f"train.{key}", getattr(self, key))
         if self.spike_window < 8:
-            raise ConfigError(f"train.spike_window must be >= 8 (a median of fewer losses is noise), "
-                              f"got {self.spike_window}")
+            raise ConfigError(
+                f"train.spike_window must be >= 8 (a median of fewer losses is noise), got {self.spike_window}"
+            )
         if self.spike_threshold <= 0:
             raise ConfigError(f"train.spike_threshold must be > 0, got {self.spike_threshold}")
 
@@ -392,8 +430,10 @@ def check_dtype(key: str, value: str) -> None:
     """fp32 or bf16. fp16 would need a dynamic loss scaler (its range is too small for
     gradients), which megascale does not have: refused by name rather than trained badly."""
     if value == "fp16":
-        raise ConfigError(f"{key}='fp16' is not supported: fp16 needs a dynamic loss scaler, which "
-                          "megascale does not offer; use 'bf16' (same memory, fp32's range, no scaler needed)")
+        raise ConfigError(
+            f"{key}='fp16' is not supported: fp16 needs a dynamic loss scaler, which "
+            "megascale does not offer; use 'bf16' (same memory, fp32's range, no scaler needed)"
+        )
     if value not in ("fp32", "bf16"):
         raise ConfigError(f"{key} must be one of ['fp32', 'bf16'], got {value!r}")
 
@@ -410,8 +450,16 @@ class JobConfig:
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def validate(self) -> None:
-        for section in (self.model, self.optim, self.parallel, self.data, self.train,
-                        self.checkpoint, self.diagnostics, self.resilience):
+        for section in (
+            self.model,
+            self.optim,
+            self.parallel,
+            self.data,
+            self.train,
+            self.checkpoint,
+            self.diagnostics,
+            self.resilience,
+        ):
             section.validate()
         self._validate_layout()
 
@@ -429,8 +477,10 @@ class JobConfig:
                 f"train.micro_batch * parallel.dp = {t.micro_batch} * {p.dp} = {per_step}"
             )
         if t.spike_action == "rollback" and self.checkpoint.every <= 0:
-            raise ConfigError("train.spike_action='rollback' restores the last checkpoint: it needs "
-                              "checkpoint.every > 0 (or use spike_action='skip')")
+            raise ConfigError(
+                "train.spike_action='rollback' restores the last checkpoint: it needs "
+                "checkpoint.every > 0 (or use spike_action='skip')"
+            )
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
         if p.cp > 1:
             check_context_parallel(m, p, self.checkpoint.every)
@@ -442,9 +492,12 @@ class JobConfig:
                 f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"
             )
         if p.pp > 1 and m.tie_embeddings:
-            fix = ("this checkpoint's head is its embedding (checkpoint.init_from), so keep parallel.pp=1 and "
-                   "use parallel.tp or parallel.dp" if self.checkpoint.init_from else
-                   "set model.tie_embeddings=false or parallel.pp=1")
+            fix = (
+                "this checkpoint's head is its embedding (checkpoint.init_from), so keep parallel.pp=1 and "
+                "use parallel.tp or parallel.dp"
+                if self.checkpoint.init_from
+                else "set model.tie_embeddings=false or parallel.pp=1"
+            )
             raise ConfigError(
                 "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live "
                 f"on different pipeline stages); {fix}"
@@ -471,19 +524,24 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
 def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
     """What the halo exchange (`parallel/context.py`) needs, and the combinations not built yet."""
     if m.window is None:
-        raise ConfigError(f"parallel.cp={p.cp} needs sliding-window attention (set model.window): ring attention "
-                          "for full causal attention is not implemented yet")
+        raise ConfigError(
+            f"parallel.cp={p.cp} needs sliding-window attention (set model.window): ring attention "
+            "for full causal attention is not implemented yet"
+        )
     if m.seq_len % p.cp:
         raise ConfigError(f"parallel.cp={p.cp} must divide model.seq_len={m.seq_len}")
     local = m.seq_len // p.cp
     if m.window - 1 > local:
-        raise ConfigError(f"model.window={m.window} reaches past the previous cp rank's {local} positions "
-                          f"(seq_len / cp): use model.window <= {local + 1} or a smaller parallel.cp")
+        raise ConfigError(
+            f"model.window={m.window} reaches past the previous cp rank's {local} positions "
+            f"(seq_len / cp): use model.window <= {local + 1} or a smaller parallel.cp"
+        )
     if p.sequence_parallel and p.tp > 1 and local % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
     if p.pp > 1 or p.ep > 1:
-        raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp}, parallel.ep={p.ep} is not supported yet; "
-                          "use pp=1 and ep=1")
+        raise ConfigError(
+            f"parallel.cp={p.cp} with parallel.pp={p.pp}, parallel.ep={p.ep} is not supported yet; use pp=1 and ep=1"
+        )
     if checkpoint_every > 0:
         raise ConfigError(f"parallel.cp={p.cp}: checkpoints do not reshard across cp yet; set checkpoint.every=0")
 
@@ -491,9 +549,11 @@ def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: 
 def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """ep groups of consecutive dp ranks, each rank holding experts / ep whole experts of every MoE layer."""
     if m.moe.experts and m.moe.capacity_factor > 0 and p.tp > 1 and p.sequence_parallel:
-        raise ConfigError(f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.tp={p.tp} and sequence "
-                          "parallelism: a token's place in its expert's queue spans the tp ranks' slices, which is "
-                          "not built yet; use capacity_factor=0 (dropless), parallel.sequence_parallel=false or tp=1")
+        raise ConfigError(
+            f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.tp={p.tp} and sequence "
+            "parallelism: a token's place in its expert's queue spans the tp ranks' slices, which is "
+            "not built yet; use capacity_factor=0 (dropless), parallel.sequence_parallel=false or tp=1"
+        )
     if p.ep == 1:
         return
     if not m.moe.experts:
@@ -502,7 +562,8 @@ def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     if p.dp % p.ep or m.moe.experts % p.ep:
         raise ConfigError(
             f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (ep is carved from dp) and model.moe.experts="
-            f"{m.moe.experts} (each ep rank holds whole experts); valid parallel.ep: {valid}")
+            f"{m.moe.experts} (each ep rank holds whole experts); valid parallel.ep: {valid}"
+        )
 
 
 def check_pipeline_split(layers: int, pp: int, vpp: int, split: str | list[int]) -> None:

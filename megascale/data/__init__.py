@@ -10,10 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"build_loaders": "megascale.data.build", "ensure_default_corpus": "megascale.data.corpus",
-            "EvalLoader": "megascale.data.loader", "TokenBatch": "megascale.data.loader",
-            "TrainLoader": "megascale.data.loader", "DataError": "megascale.data.shards",
-            "EOD": "megascale.data.tokenizer"}
+_EXPORTS = {
+    "build_loaders": "megascale.data.build",
+    "ensure_default_corpus": "megascale.data.corpus",
+    "EvalLoader": "megascale.data.loader",
+    "TokenBatch": "megascale.data.loader",
+    "TrainLoader": "megascale.data.loader",
+    "DataError": "megascale.data.shards",
+    "EOD": "megascale.data.tokenizer",
+}
 
 __all__ = sorted(_EXPORTS)
 

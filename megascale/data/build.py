@@ -64,8 +64,13 @@ def check_tokenizer(stores: list[TokenStore], cfg: JobConfig) -> None:
         )
 
 
-_IDENTITY_KEYS = {"kind": "kind", "vocab_size": "vocabulary", "eod": "end-of-document id", "bos": "BOS id",
-                  "sha256": "sha256"}
+_IDENTITY_KEYS = {
+    "kind": "kind",
+    "vocab_size": "vocabulary",
+    "eod": "end-of-document id",
+    "bos": "BOS id",
+    "sha256": "sha256",
+}
 
 
 def _differences(a: dict, b: dict) -> list[str]:
@@ -79,8 +84,7 @@ def open_order(cfg: JobConfig, verify: bool) -> tuple[GlobalOrder, list[TokenSto
     stores = [TokenStore(p, verify=verify) for p in paths]
     check_tokenizer(stores, cfg)
     global_batch = cfg.train.global_batch
-    splits = [split_windows(s, cfg.model.seq_len, cfg.data.val_fraction, global_batch)
-              for s in stores]
+    splits = [split_windows(s, cfg.model.seq_len, cfg.data.val_fraction, global_batch) for s in stores]
     for split in splits:
         if split.train < global_batch:
             raise DataError(
@@ -94,10 +98,12 @@ def open_order(cfg: JobConfig, verify: bool) -> tuple[GlobalOrder, list[TokenSto
 def fingerprint(cfg: JobConfig, stores: list[TokenStore], weights: list[float]) -> str:
     """What decides the order of sequences (not the global batch, so dp may change on resume)."""
     key = {
-        "data": [[s.manifest["tokens"], [sh["sha256"] for sh in s.manifest["shards"]]]
-                 for s in stores],
-        "weights": weights, "seq_len": cfg.model.seq_len, "seed": cfg.data.seed,
-        "val_fraction": cfg.data.val_fraction, "cross_document": cfg.data.cross_document,
+        "data": [[s.manifest["tokens"], [sh["sha256"] for sh in s.manifest["shards"]]] for s in stores],
+        "weights": weights,
+        "seq_len": cfg.model.seq_len,
+        "seed": cfg.data.seed,
+        "val_fraction": cfg.data.val_fraction,
+        "cross_document": cfg.data.cross_document,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -123,8 +129,7 @@ def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
     ring = None
     if group is not None:
         slot_shape = shape.empty(len(group.dp_ranks)).shape
-        ring = open_ring(group, store, slot_shape, RING_SLOTS, start_timeout,
-                         str(error) if error else None)
+        ring = open_ring(group, store, slot_shape, RING_SLOTS, start_timeout, str(error) if error else None)
     if error is not None:
         raise error
 
@@ -132,8 +137,7 @@ def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
     if group is not None and ring is not None:
         part = group.dp_ranks.index(dp_rank)
         if group.is_reader:
-            produce = RingWriter(order, shape, ring, list(group.dp_ranks), part, group.me,
-                                 step_timeout)
+            produce = RingWriter(order, shape, ring, list(group.dp_ranks), part, group.me, step_timeout)
         else:
             produce = RingReader(ring, group.consumer_index, part, step_timeout)
 

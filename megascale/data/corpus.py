@@ -27,8 +27,7 @@ SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__
 def stdlib_files() -> tuple[Path, list[Path]]:
     """The standard library's .py files, sorted by relative path, without tests and packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
+    files = [p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -36,8 +35,7 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 def source() -> dict:
     """The corpus's identity (a walk of the stdlib, a second on a busy disk): once per process."""
     root, files = stdlib_files()
-    return {"kind": "python-stdlib", "root": str(root), "python": sys.version.split()[0],
-            "files": len(files)}
+    return {"kind": "python-stdlib", "root": str(root), "python": sys.version.split()[0], "files": len(files)}
 
 
 def ensure_default_corpus(cache_dir: str | Path) -> Path:
@@ -62,8 +60,7 @@ def _usable(target: Path) -> bool:
         manifest = read_manifest(target)
     except DataError:
         return False
-    return manifest.get("source") == source() and all(
-        (target / s["file"]).is_file() for s in manifest["shards"])
+    return manifest.get("source") == source() and all((target / s["file"]).is_file() for s in manifest["shards"])
 
 
 def _build(cache: Path, target: Path) -> None:
@@ -75,8 +72,7 @@ def _build(cache: Path, target: Path) -> None:
     try:
         writer = ShardWriter(tmp, dtype_for_vocab(tok.vocab_size), tok.eod)
         with Progress(transient=False) as progress:
-            task = progress.add_task(f"default corpus: tokenising {len(files)} stdlib files",
-                                     total=len(files))
+            task = progress.add_task(f"default corpus: tokenising {len(files)} stdlib files", total=len(files))
             for path in files:
                 writer.add(tok.encode(path.read_bytes()))
                 progress.advance(task)
@@ -89,5 +85,6 @@ def _build(cache: Path, target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"default corpus ready: {target} ({manifest['documents']} documents, "
-          f"{manifest['tokens']:,} tokens)", flush=True)
+    print(
+        f"default corpus ready: {target} ({manifest['documents']} documents, {manifest['tokens']:,} tokens)", flush=True
+    )

@@ -86,8 +86,7 @@ class GlobalOrder:
         counts = np.bincount(self.step_sources(step), minlength=len(self.splits))
         return [c + int(n) for c, n in zip(consumed, counts, strict=True)]
 
-    def train_items(self, step: int, consumed: list[int], lo: int, hi: int
-                    ) -> list[tuple[int, int]]:
+    def train_items(self, step: int, consumed: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
         """(dataset, window) of global positions [lo, hi) of `step`, given counters before it."""
         sources = self.step_sources(step)
         rank = np.empty(len(sources), dtype=np.int64)  # position among the step's picks of d

@@ -16,9 +16,17 @@ from pathlib import PurePosixPath
 
 from megascale.data.shards import DataError
 
-FORMATS = {".txt": "text", ".md": "text", ".rst": "text", ".py": "text",
-           ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
-           ".parquet": "parquet", ".arrow": "arrow"}
+FORMATS = {
+    ".txt": "text",
+    ".md": "text",
+    ".rst": "text",
+    ".py": "text",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
 KINDS = ("auto", "text", "lines", "jsonl", "parquet", "arrow")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "xz"}
 HF_STATE, HF_DICT = "state.json", "dataset_dict.json"
@@ -64,8 +72,11 @@ def find_inputs(items: list[str], kind: str = "auto") -> Found:
         else:
             _add_local(found, item, kind)
     if not found.files:
-        extra = f" ({len(found.ignored)} files with unknown suffixes, e.g. {found.ignored[0]}; pass --format)" \
-            if found.ignored else ""
+        extra = (
+            f" ({len(found.ignored)} files with unknown suffixes, e.g. {found.ignored[0]}; pass --format)"
+            if found.ignored
+            else ""
+        )
         raise DataError(f"no input files found in {', '.join(items)} (empty input){extra}")
     return found
 
@@ -94,8 +105,7 @@ def _add_local(found: Found, item: str, kind: str) -> None:
     if not os.path.isdir(item):
         fmt, compression = classify(item, kind)
         if fmt is None:
-            raise DataError(f"cannot tell the format of {item} from its name; pass --format "
-                            f"({', '.join(KINDS[1:])})")
+            raise DataError(f"cannot tell the format of {item} from its name; pass --format ({', '.join(KINDS[1:])})")
         found.files.append(InputFile(item, fmt, compression, os.path.getsize(item), item))
         return
     groups: list[tuple[str, list[InputFile]]] = []  # sorted by path; a datasets directory as one
@@ -122,8 +132,10 @@ def _hf_dataset(root: str, names: set[str], kind: str) -> list[InputFile] | None
     if HF_DICT in names:
         with open(os.path.join(root, HF_DICT)) as f:
             splits = json.load(f).get("splits", [])
-        raise DataError(f"{root} is a Hugging Face DatasetDict with splits {splits}; pass one split's "
-                        f"directory, e.g. {os.path.join(root, splits[0] if splits else 'train')}")
+        raise DataError(
+            f"{root} is a Hugging Face DatasetDict with splits {splits}; pass one split's "
+            f"directory, e.g. {os.path.join(root, splits[0] if splits else 'train')}"
+        )
     if HF_STATE not in names or kind not in ("auto", "arrow"):
         return None
     with open(os.path.join(root, HF_STATE)) as f:
@@ -163,8 +175,7 @@ def _add_url(found: Found, url: str, kind: str) -> None:
         name = fs.unstrip_protocol(p)
         fmt, compression = classify(p, kind)
         if fmt is None and len(paths) == 1 and p == path:
-            raise DataError(f"cannot tell the format of {url} from its name; pass --format "
-                            f"({', '.join(KINDS[1:])})")
+            raise DataError(f"cannot tell the format of {url} from its name; pass --format ({', '.join(KINDS[1:])})")
         if fmt is None or PurePosixPath(p).name.startswith("."):
             found.ignored.append(name)
         else:

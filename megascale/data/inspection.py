@@ -57,9 +57,18 @@ def inspect_dir(root: str | Path, sample_tokens: int = 1 << 26) -> Report:
         store.close()
     lengths_all = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     scanned = int(counts.sum())
-    report = Report(str(root), int(manifest.get("documents", 0)), int(manifest["tokens"]),
-                    describe(manifest["tokenizer"]), scanned, len(lengths_all), _histogram(lengths_all),
-                    _top_length(lengths_all), _top_token(counts, store.eod), manifest.get("counts", {}))
+    report = Report(
+        str(root),
+        int(manifest.get("documents", 0)),
+        int(manifest["tokens"]),
+        describe(manifest["tokenizer"]),
+        scanned,
+        len(lengths_all),
+        _histogram(lengths_all),
+        _top_length(lengths_all),
+        _top_token(counts, store.eod),
+        manifest.get("counts", {}),
+    )
     report.warnings = _warnings(report, manifest, top_id, scanned == report.tokens, store.vocab_size)
     return report
 
@@ -77,7 +86,7 @@ def _add_counts(total: np.ndarray, more: np.ndarray) -> np.ndarray:
     if len(more) > len(total):
         total, more = more, total
     total = total.copy()
-    total[:len(more)] += more
+    total[: len(more)] += more
     return total
 
 
@@ -110,22 +119,30 @@ def _warnings(r: Report, manifest: dict, top_id: int, full: bool, vocab: int) ->
     out = []
     length, share = r.top_length
     if r.scanned_documents >= MIN_DOCS and share >= SAME_LENGTH_SHARE:
-        out.append(f"{share:.0%} of documents are exactly {length} tokens long: did the tokenizer "
-                   f"truncate or pad them? (prep it again with this version of megascale)")
+        out.append(
+            f"{share:.0%} of documents are exactly {length} tokens long: did the tokenizer "
+            f"truncate or pad them? (prep it again with this version of megascale)"
+        )
     token, token_share = r.top_token
     if token_share >= ONE_TOKEN_SHARE:
-        out.append(f"token id {token}{_token_text(manifest, token)} is {token_share:.0%} of all tokens: "
-                   f"padding, or a tokenizer that maps most text to one token (unknown)?")
+        out.append(
+            f"token id {token}{_token_text(manifest, token)} is {token_share:.0%} of all tokens: "
+            f"padding, or a tokenizer that maps most text to one token (unknown)?"
+        )
     if full and r.scanned_documents != r.documents:
-        out.append(f"{r.scanned_documents} end-of-document tokens but {r.documents} documents: "
-                   f"{r.scanned_documents - r.documents} come from inside documents (text that spells the "
-                   f"end-of-document token)")
+        out.append(
+            f"{r.scanned_documents} end-of-document tokens but {r.documents} documents: "
+            f"{r.scanned_documents - r.documents} come from inside documents (text that spells the "
+            f"end-of-document token)"
+        )
     if top_id >= vocab:
         out.append(f"token id {top_id} is past the vocabulary of {vocab}: the shards do not match the manifest")
     skipped = sum(r.counts.get("skipped", {}).values())
     if skipped:
-        out.append(f"prep skipped {skipped} records ({r.counts['skipped']}); see "
-                   f"{Path(r.path) / manifest.get('rejected', 'rejected.jsonl')}")
+        out.append(
+            f"prep skipped {skipped} records ({r.counts['skipped']}); see "
+            f"{Path(r.path) / manifest.get('rejected', 'rejected.jsonl')}"
+        )
     if r.counts.get("replaced_invalid"):
         out.append(f"{r.counts['replaced_invalid']} invalid bytes or surrogates were replaced by U+FFFD")
     if "counts" not in manifest:
@@ -147,21 +164,24 @@ def _token_text(manifest: dict, token: int) -> str:
 
 
 def render(r: Report) -> str:
-    lines = [f"{r.path}: {r.documents:,} documents, {r.tokens:,} tokens",
-             f"tokenizer: {r.tokenizer}"]
+    lines = [f"{r.path}: {r.documents:,} documents, {r.tokens:,} tokens", f"tokenizer: {r.tokenizer}"]
     c = r.counts
     if c:
-        lines.append(f"prep read {c.get('bytes_read', 0):,} bytes, {c.get('documents_in', 0):,} documents; "
-                     f"empty {c.get('empty_documents', 0):,}, skipped {sum(c.get('skipped', {}).values()):,}, "
-                     f"replaced bytes {c.get('replaced_invalid', 0):,}")
+        lines.append(
+            f"prep read {c.get('bytes_read', 0):,} bytes, {c.get('documents_in', 0):,} documents; "
+            f"empty {c.get('empty_documents', 0):,}, skipped {sum(c.get('skipped', {}).values()):,}, "
+            f"replaced bytes {c.get('replaced_invalid', 0):,}"
+        )
     part = "all" if r.scanned_tokens == r.tokens else f"{r.scanned_tokens:,} of the"
     lines.append(f"document lengths in tokens ({part} tokens scanned, {r.scanned_documents:,} documents):")
     widest = max((n for _, _, n in r.histogram), default=1) or 1
     for lo, hi, n in r.histogram:
         label = f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}"
         lines.append(f"  {label:>15} {n:>10,} {'#' * round(40 * n / widest)}")
-    lines.append(f"most common length: {r.top_length[0]} tokens ({r.top_length[1]:.1%} of documents); "
-                 f"most common token id: {r.top_token[0]} ({r.top_token[1]:.1%} of tokens)")
+    lines.append(
+        f"most common length: {r.top_length[0]} tokens ({r.top_length[1]:.1%} of documents); "
+        f"most common token id: {r.top_token[0]} ({r.top_token[1]:.1%} of tokens)"
+    )
     lines += [f"warning: {w}" for w in r.warnings] or ["no warnings"]
     return "\n".join(lines)
 
@@ -170,8 +190,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     look = sub.add_parser("inspect", help="documents, tokens, tokenizer, length histogram, warnings")
     look.add_argument("path", help="a prepared token directory (megascale prep --out)")
-    look.add_argument("--sample-tokens", type=int, default=1 << 26,
-                      help="scan at most about this many tokens (whole shards, evenly spaced)")
+    look.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=1 << 26,
+        help="scan at most about this many tokens (whole shards, evenly spaced)",
+    )
     look.add_argument("--json", action="store_true", help="print the report as JSON")
     look.add_argument("--strict", action="store_true", help="exit 1 when there is a warning")
 

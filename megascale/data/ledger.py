@@ -54,8 +54,9 @@ class Ledger:
     def _reject(self, task: Task, reject: Reject) -> None:
         where = self.place(task, reject.unit)
         if self.on_error != "skip":
-            raise DataError(f"{_place_text(where)}: {reject.detail} (pass --on-error=skip to skip and count "
-                            f"such records)")
+            raise DataError(
+                f"{_place_text(where)}: {reject.detail} (pass --on-error=skip to skip and count such records)"
+            )
         self.skipped[reject.reason] += 1
         if self._rejected is None:
             self._rejected = open(self.out_dir / REJECTED, "w")  # noqa: SIM115 - closed in close()
@@ -80,19 +81,22 @@ class Ledger:
         accounted = c["documents"] + c["empty_documents"] + c["no_token_documents"] + skipped
         problems = []
         if c["documents_in"] != accounted:
-            problems.append(f"{c['documents_in']} documents read but {c['documents']} written + "
-                            f"{c['empty_documents']} empty + {c['no_token_documents']} without tokens + "
-                            f"{skipped} skipped = {accounted}")
+            problems.append(
+                f"{c['documents_in']} documents read but {c['documents']} written + "
+                f"{c['empty_documents']} empty + {c['no_token_documents']} without tokens + "
+                f"{skipped} skipped = {accounted}"
+            )
         written_docs = writer.documents_written
         if written_docs != c["documents"] or writer.tokens_written != c["tokens_in"] + c["documents"]:
-            problems.append(f"{c['tokens_in']} tokens encoded in {c['documents']} documents but "
-                            f"{writer.tokens_written} tokens in {written_docs} documents written "
-                            f"(each document adds one end-of-document token)")
+            problems.append(
+                f"{c['tokens_in']} tokens encoded in {c['documents']} documents but "
+                f"{writer.tokens_written} tokens in {written_docs} documents written "
+                f"(each document adds one end-of-document token)"
+            )
         if c["bytes_read"] != self.expected_bytes:
             problems.append(f"{c['bytes_read']} input bytes read of {self.expected_bytes}")
         if problems:
-            raise LostData("prep's counts do not add up (a bug in prep; nothing was written): "
-                           + "; ".join(problems))
+            raise LostData("prep's counts do not add up (a bug in prep; nothing was written): " + "; ".join(problems))
 
     def summary(self) -> dict:
         """The counts for the manifest."""

@@ -30,8 +30,7 @@ class TokenBatch:
 
 def to_batch(pair: np.ndarray) -> TokenBatch:
     """[2, M, B, L] int32 -> TokenBatch of int64 tensors (a copy, owned by the caller)."""
-    return TokenBatch(torch.from_numpy(pair[0].astype(np.int64)),
-                      torch.from_numpy(pair[1].astype(np.int64)))
+    return TokenBatch(torch.from_numpy(pair[0].astype(np.int64)), torch.from_numpy(pair[1].astype(np.int64)))
 
 
 # source(step, consumed, stop) -> [2, M, B, L] int32 for this rank, or None (see sources.py)
@@ -41,8 +40,14 @@ Source = Callable[[int, list[int], threading.Event], "np.ndarray | None"]
 class TrainLoader:
     """Step batches for this rank, in order, resumable; optionally one step ahead."""
 
-    def __init__(self, order: GlobalOrder, produce: Source, prefetch: bool,
-                 fingerprint: str, on_close: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        order: GlobalOrder,
+        produce: Source,
+        prefetch: bool,
+        fingerprint: str,
+        on_close: Callable[[], None] | None = None,
+    ):
         self.order, self._produce, self.prefetch = order, produce, prefetch
         self.fingerprint = fingerprint
         self._on_close = on_close
@@ -81,8 +86,7 @@ class TrainLoader:
         return self._step
 
     def state_dict(self) -> dict:
-        return {"step": self._step, "consumed": ",".join(map(str, self._consumed)),
-                "fingerprint": self.fingerprint}
+        return {"step": self._step, "consumed": ",".join(map(str, self._consumed)), "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("fingerprint") != self.fingerprint:
@@ -107,8 +111,9 @@ class TrainLoader:
         self._stop.clear()
         self._ready, self._credit = queue.SimpleQueue(), threading.Lock()
         self._credit.acquire()
-        self._thread = threading.Thread(target=self._run, args=(self._step, list(self._consumed)),
-                                        name="megascale-data-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(self._step, list(self._consumed)), name="megascale-data-prefetch", daemon=True
+        )
         self._thread.start()
 
     def _run(self, step: int, consumed: list[int]) -> None:
@@ -142,8 +147,7 @@ class TrainLoader:
 class EvalLoader:
     """The same held-out batches on every call (read once, then kept)."""
 
-    def __init__(self, order: GlobalOrder, shape: Shape, dp_rank: int, batches: int,
-                 needs_data: bool):
+    def __init__(self, order: GlobalOrder, shape: Shape, dp_rank: int, batches: int, needs_data: bool):
         self.order, self.shape, self.dp_rank = order, shape, dp_rank
         self.count = batches if order.val_windows else 0
         self.needs_data = needs_data

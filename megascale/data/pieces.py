@@ -56,7 +56,7 @@ class Cutter:
             if checks == MAX_CHECKS:
                 break
             at = match.start()
-            if self._safe(data[max(0, at - WINDOW):at], data[at:at + WINDOW]):
+            if self._safe(data[max(0, at - WINDOW) : at], data[at : at + WINDOW]):
                 return lo + at
         return None
 

@@ -55,10 +55,20 @@ def chunk_size(total: int, workers: int) -> int:
     return int(min(CHUNK_MAX, max(CHUNK_MIN, total // (4 * workers))))
 
 
-def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
-            options: Options = Options(), workers: int = 0, train_vocab: int = 0,
-            shard_tokens: int = 1 << 26, overwrite: bool = False, progress: bool | object = True,
-            chunk_bytes: int = 0, say: Callable[[str], None] | None = None) -> dict:
+def prepare(
+    inputs: list[str],
+    out: str | Path,
+    tokenizer: str = "bytes",
+    *,
+    options: Options = Options(),
+    workers: int = 0,
+    train_vocab: int = 0,
+    shard_tokens: int = 1 << 26,
+    overwrite: bool = False,
+    progress: bool | object = True,
+    chunk_bytes: int = 0,
+    say: Callable[[str], None] | None = None,
+) -> dict:
     """Tokenise `inputs` into a token directory at `out`; returns the manifest.
     `workers` 0 picks one per core (fewer for small inputs); `progress` is True/False or a rich
     Console to draw the bar on; `say` prints notes (default: stderr)."""
@@ -77,8 +87,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
     job = Job(tokenizer, options.field, options.replace_invalid, options.eod_token, options.bos)
     try:
         if train_vocab:
-            job = replace(job, tokenizer=str(train_tokenizer(plan(found.files, options.field, chunk, spill),
-                                                             job, train_vocab, tmp)))
+            job = replace(
+                job,
+                tokenizer=str(train_tokenizer(plan(found.files, options.field, chunk, spill), job, train_vocab, tmp)),
+            )
         tok = load_tokenizer(job.tokenizer, job.eod_token, job.bos)
         for note in tok.notes:
             say(f"megascale prep: note: {note}")
@@ -86,8 +98,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
         ledger = Ledger(tmp, options.on_error, total)
         try:
             previous: Task | None = None
-            for task, result in run_tasks(plan(found.files, options.field, chunk, spill), job, workers,
-                                          total, progress, tok):
+            for task, result in run_tasks(
+                plan(found.files, options.field, chunk, spill), job, workers, total, progress, tok
+            ):
                 if previous is not None and previous.index != task.index:
                     _drop_spill(previous.file, spill)
                 ledger.add(task, result)
@@ -104,12 +117,21 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", *,
         ledger.check(writer)
         identity = tok.identity()
         if train_vocab:
-            identity.update(name=f"bpe-{train_vocab} (trained by prep, tokenizer.json)",
-                            path=str((out / "tokenizer.json").resolve()))
-        source = {"kind": "prep", "inputs": [str(p) for p in inputs], "format": options.kind,
-                  "field": options.field, "on_error": options.on_error,
-                  "replace_invalid": options.replace_invalid, "files": len(found.files),
-                  "ignored_files": len(found.ignored), "ignored_examples": found.ignored[:20]}
+            identity.update(
+                name=f"bpe-{train_vocab} (trained by prep, tokenizer.json)",
+                path=str((out / "tokenizer.json").resolve()),
+            )
+        source = {
+            "kind": "prep",
+            "inputs": [str(p) for p in inputs],
+            "format": options.kind,
+            "field": options.field,
+            "on_error": options.on_error,
+            "replace_invalid": options.replace_invalid,
+            "files": len(found.files),
+            "ignored_files": len(found.ignored),
+            "ignored_examples": found.ignored[:20],
+        }
         extra: dict = {"counts": ledger.summary(), "notes": tok.notes}
         if ledger.skipped:
             extra["rejected"] = REJECTED
@@ -140,8 +162,12 @@ def train_tokenizer(tasks: Iterator[Task], job: Job, vocab_size: int, out: Path)
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     reader = Encoder(replace(job, tokenizer="bytes", eod_token=None, bos=None))
 
     def texts() -> Iterator[str]:
@@ -171,8 +197,14 @@ def _encode(task: Task) -> TaskResult:
     return _ENCODER(task)
 
 
-def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int, progress: bool | object,
-              tok: ByteTokenizer | HFTokenizer | None = None) -> Iterator[tuple[Task, TaskResult]]:
+def run_tasks(
+    tasks: Iterator[Task],
+    job: Job,
+    workers: int,
+    total: int,
+    progress: bool | object,
+    tok: ByteTokenizer | HFTokenizer | None = None,
+) -> Iterator[tuple[Task, TaskResult]]:
     """(task, result) in task order; with workers > 1, at most 2 x workers tasks in flight;
     with one, in this process with `tok` (the job's tokenizer, if loaded already)."""
     with _progress_bar(total, progress) as advance:
@@ -183,8 +215,12 @@ def run_tasks(tasks: Iterator[Task], job: Job, workers: int, total: int, progres
                 advance(task.size)
                 yield task, result
             return
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),  # no fork of a threaded parent
-                                   initializer=_init_worker, initargs=(job,))
+        pool = ProcessPoolExecutor(
+            workers,
+            mp_context=mp.get_context("spawn"),  # no fork of a threaded parent
+            initializer=_init_worker,
+            initargs=(job,),
+        )
         pending: deque = deque()
         try:
             for task in tasks:

@@ -141,20 +141,31 @@ class Encoder:
             record = json.loads(line)
         except UnicodeDecodeError as exc:
             if not self.job.replace_invalid:
-                result.rejects.append(Reject(unit, "invalid UTF-8", f"invalid UTF-8 at byte {exc.start} of the line "
-                                             f"(pass --replace-invalid to replace it with U+FFFD)"))
+                result.rejects.append(
+                    Reject(
+                        unit,
+                        "invalid UTF-8",
+                        f"invalid UTF-8 at byte {exc.start} of the line "
+                        f"(pass --replace-invalid to replace it with U+FFFD)",
+                    )
+                )
                 return None
             return self._json_field(line.decode("utf-8", "megascale.replace").encode(), unit, task, result)
         except json.JSONDecodeError as exc:
             hint = ""
             if task.start == 0 and unit == 0 and (line.lstrip().startswith(b"[") or line.strip() == b"{"):
-                hint = ("; a file of JSON lines holds one object per line, and this looks like one JSON "
-                        "document spread over lines: give prep the .jsonl files only")
+                hint = (
+                    "; a file of JSON lines holds one object per line, and this looks like one JSON "
+                    "document spread over lines: give prep the .jsonl files only"
+                )
             result.rejects.append(Reject(unit, "invalid JSON", f"not valid JSON ({exc.msg}){hint}"))
             return None
         if not isinstance(record, dict):
-            result.rejects.append(Reject(unit, "not a JSON object",
-                                         f"a JSON {type(record).__name__}, not an object with a {name!r} field"))
+            result.rejects.append(
+                Reject(
+                    unit, "not a JSON object", f"a JSON {type(record).__name__}, not an object with a {name!r} field"
+                )
+            )
             return None
         if name not in record:
             result.rejects.append(Reject(unit, "missing field", f"no field {name!r} in this record (use --field NAME)"))
@@ -204,8 +215,14 @@ class Encoder:
             if self.job.replace_invalid:
                 return value.decode("utf-8", "megascale.replace")
             line = value.count(b"\n", 0, exc.start) + 1
-            result.rejects.append(Reject(unit, "invalid UTF-8", f"invalid UTF-8 at byte {exc.start} (line {line} of "
-                                         f"the document); pass --replace-invalid to replace it with U+FFFD"))
+            result.rejects.append(
+                Reject(
+                    unit,
+                    "invalid UTF-8",
+                    f"invalid UTF-8 at byte {exc.start} (line {line} of "
+                    f"the document); pass --replace-invalid to replace it with U+FFFD",
+                )
+            )
             return None
 
     def _utf8(self, text: str, unit: int, result: TaskResult) -> bytes | None:
@@ -214,9 +231,15 @@ class Encoder:
         except UnicodeEncodeError as exc:
             if self.job.replace_invalid:
                 return text.encode("utf-8", "megascale.replace")
-            result.rejects.append(Reject(unit, "lone surrogate", f"lone surrogate {text[exc.start]!r} at character "
-                                         f"{exc.start}: not valid Unicode text (pass --replace-invalid to replace "
-                                         f"it with U+FFFD)"))
+            result.rejects.append(
+                Reject(
+                    unit,
+                    "lone surrogate",
+                    f"lone surrogate {text[exc.start]!r} at character "
+                    f"{exc.start}: not valid Unicode text (pass --replace-invalid to replace "
+                    f"it with U+FFFD)",
+                )
+            )
             return None
 
     def _encode(self, docs: list, units: list[int], result: TaskResult) -> None:
@@ -225,7 +248,7 @@ class Encoder:
         for i, doc in enumerate(docs):
             size += len(doc)
             if size >= BATCH_CHARS or i == len(docs) - 1:
-                ids, lengths = self._encode_batch(docs[start:i + 1], units[start:i + 1], result)
+                ids, lengths = self._encode_batch(docs[start : i + 1], units[start : i + 1], result)
                 ids_parts.append(ids)
                 length_parts.append(lengths)
                 start, size = i + 1, 0

@@ -135,8 +135,15 @@ class ShardWriter:
         self._file.close()
         self._file = None
         path = self.out_dir / self._name
-        self.shards.append({"file": self._name, "documents": self._docs, "tokens": self._tokens,
-                            "bytes": path.stat().st_size, "sha256": self._hash.hexdigest()})
+        self.shards.append(
+            {
+                "file": self._name,
+                "documents": self._docs,
+                "tokens": self._tokens,
+                "bytes": path.stat().st_size,
+                "sha256": self._hash.hexdigest(),
+            }
+        )
 
     def finish(self, tokenizer: dict, source: dict, **extra: object) -> dict:
         """Close the last shard and write the manifest (with `extra` keys); returns it."""
@@ -200,7 +207,7 @@ class TokenStore:
             offset = start + done - shard.start
             n = min(count - done, shard.tokens - offset)
             raw = os.pread(shard.fd, n * self.dtype.itemsize, offset * self.dtype.itemsize)
-            out[done:done + n] = np.frombuffer(raw, dtype=self.dtype)
+            out[done : done + n] = np.frombuffer(raw, dtype=self.dtype)
             done += n
             i += 1
         return out

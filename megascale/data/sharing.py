@@ -60,8 +60,7 @@ def find_group(mode: str, mesh: Any, store: dist.Store, timeout: float) -> Reade
     base = f"megascale/data/{calls}"
     needs = mesh.is_first_stage or mesh.is_last_stage
     host = socket.gethostname()
-    info = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "needs": needs,
-            "host": host}
+    info = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "needs": needs, "host": host}
     store.set(f"{base}/info/{mesh.rank}", json.dumps(info))
     if not needs:
         return None
@@ -69,16 +68,20 @@ def find_group(mode: str, mesh: Any, store: dist.Store, timeout: float) -> Reade
     keys = [f"{base}/info/{r}" for r in candidates]
     store.wait(keys, timedelta(seconds=timeout))
     infos = {r: json.loads(store.get(k)) for r, k in zip(candidates, keys, strict=True)}
-    members = [r for r, i in infos.items() if i["needs"] and i["host"] == host
-               and (mode == "node" or (i["dp"], i["pp"]) == (mesh.dp_rank, mesh.pp_rank))]
+    members = [
+        r
+        for r, i in infos.items()
+        if i["needs"] and i["host"] == host and (mode == "node" or (i["dp"], i["pp"]) == (mesh.dp_rank, mesh.pp_rank))
+    ]
     if len(members) < 2:
         return None
     dp_ranks = tuple(sorted({infos[r]["dp"] for r in members}))
     return ReaderGroup(tuple(members), dp_ranks, mesh.rank, f"{base}/group{members[0]}")
 
 
-def open_ring(group: ReaderGroup, store: dist.Store, slot_shape: tuple[int, ...], slots: int,
-              timeout: float, error: str | None) -> StepRing | None:
+def open_ring(
+    group: ReaderGroup, store: dist.Store, slot_shape: tuple[int, ...], slots: int, timeout: float, error: str | None
+) -> StepRing | None:
     """Create (reader) or attach (others) the group's ring; `error` is this rank's failure to
     open its data, passed on so that no rank of the group waits for a ring that never comes.
     The reader unlinks the segment's name once every consumer has mapped it."""
@@ -106,8 +109,7 @@ def open_ring(group: ReaderGroup, store: dist.Store, slot_shape: tuple[int, ...]
         if error:
             return None
         raise DataError(f"the data reader (rank {group.ranks[0]}) failed: {posted['error']}")
-    ring = StepRing.attach(posted["name"], slot_shape, slots, group.consumers,
-                           group.consumer_index)
+    ring = StepRing.attach(posted["name"], slot_shape, slots, group.consumers, group.consumer_index)
     store.set(f"{ns}/attached/{group.me}", "ok")
     store.wait([f"{ns}/unlinked"], wait)  # so that no rank starts training with a name left
     return ring

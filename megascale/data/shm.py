@@ -42,8 +42,15 @@ class Interrupted(Exception):
 class StepRing:
     """Shared step batches for one reader group on one host."""
 
-    def __init__(self, name: str, buf: memoryview | mmap.mmap, slot_shape: tuple[int, ...],
-                 slots: int, consumers: int, owner: shared_memory.SharedMemory | None):
+    def __init__(
+        self,
+        name: str,
+        buf: memoryview | mmap.mmap,
+        slot_shape: tuple[int, ...],
+        slots: int,
+        consumers: int,
+        owner: shared_memory.SharedMemory | None,
+    ):
         self.name, self._buf, self._owner = name, buf, owner
         self.slots, self.consumers = slots, consumers
         self.header_len = _FIXED + slots + 2 * consumers
@@ -51,21 +58,19 @@ class StepRing:
         offset = self.header_len * 8 + ERROR_BYTES
         self.error_buf = np.ndarray((ERROR_BYTES,), np.uint8, buf, self.header_len * 8)
         self.data = np.ndarray((slots, *slot_shape), np.int32, buf, offset)
-        self.slot_step = self.header[_FIXED:_FIXED + slots]
-        self.wanted = self.header[_FIXED + slots:_FIXED + slots + consumers]
-        self.pids = self.header[_FIXED + slots + consumers:]
+        self.slot_step = self.header[_FIXED : _FIXED + slots]
+        self.wanted = self.header[_FIXED + slots : _FIXED + slots + consumers]
+        self.pids = self.header[_FIXED + slots + consumers :]
 
     # -- creation, attachment, release --------------------------------------------------------
     @staticmethod
     def nbytes(slot_shape: tuple[int, ...], slots: int, consumers: int) -> int:
-        return (_FIXED + slots + 2 * consumers) * 8 + ERROR_BYTES + slots * 4 * int(
-            np.prod(slot_shape))
+        return (_FIXED + slots + 2 * consumers) * 8 + ERROR_BYTES + slots * 4 * int(np.prod(slot_shape))
 
     @classmethod
     def create(cls, slot_shape: tuple[int, ...], slots: int, consumers: int) -> StepRing:
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        shm = shared_memory.SharedMemory(name, create=True,
-                                         size=cls.nbytes(slot_shape, slots, consumers))
+        shm = shared_memory.SharedMemory(name, create=True, size=cls.nbytes(slot_shape, slots, consumers))
         ring = cls(name, shm.buf, slot_shape, slots, consumers, owner=shm)
         ring.header[:] = 0
         ring.header[_MAGIC], ring.header[_WRITER_PID] = MAGIC, os.getpid()
@@ -74,8 +79,7 @@ class StepRing:
         return ring
 
     @classmethod
-    def attach(cls, name: str, slot_shape: tuple[int, ...], slots: int, consumers: int,
-               index: int) -> StepRing:
+    def attach(cls, name: str, slot_shape: tuple[int, ...], slots: int, consumers: int, index: int) -> StepRing:
         # Mapped directly, not through SharedMemory, which would register the segment with a
         # resource tracker (shared by spawned processes) that must only know its creator.
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
@@ -97,8 +101,8 @@ class StepRing:
 
     def fail(self, message: str) -> None:
         """The writer cannot go on: consumers raise this message instead of waiting."""
-        raw = message.encode()[:ERROR_BYTES - 1]
-        self.error_buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+        raw = message.encode()[: ERROR_BYTES - 1]
+        self.error_buf[: len(raw)] = np.frombuffer(raw, np.uint8)
         self.error_buf[len(raw)] = 0
         self.header[_STATE] = FAILED
 
@@ -138,14 +142,18 @@ class StepRing:
     def seek(self, index: int, step: int) -> None:
         self.wanted[index] = step
 
-    def copy(self, index: int, step: int, part: int, stop: threading.Event,
-             timeout: float) -> np.ndarray:
+    def copy(self, index: int, step: int, part: int, stop: threading.Event, timeout: float) -> np.ndarray:
         """Copy part `part` (this rank's dp slice) of `step` out of the ring."""
         j = step % self.slots
         self.wanted[index] = step
         while True:
-            self._wait(lambda: self.slot_step[j] == step, stop, timeout, self._check_writer,
-                       f"the reader to publish step {step}")
+            self._wait(
+                lambda: self.slot_step[j] == step,
+                stop,
+                timeout,
+                self._check_writer,
+                f"the reader to publish step {step}",
+            )
             out = self.data[j, part].copy()
             if self.slot_step[j] == step:  # not rewritten while copying
                 self.wanted[index] = step + 1
@@ -163,8 +171,7 @@ class StepRing:
                 check()
                 last = now
             if now - start > timeout:
-                raise DataError(f"timed out after {timeout:.0f} s waiting for {what} "
-                                f"(shared memory {self.name})")
+                raise DataError(f"timed out after {timeout:.0f} s waiting for {what} (shared memory {self.name})")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 

@@ -33,8 +33,9 @@ class Shape:
         return np.empty((ranks, 2, self.micro_batches, self.micro_batch, self.seq_len), np.int32)
 
 
-def read_dp_slices(order: GlobalOrder, shape: Shape, step: int, consumed: list[int],
-                   dp_ranks: list[int], out: np.ndarray) -> None:
+def read_dp_slices(
+    order: GlobalOrder, shape: Shape, step: int, consumed: list[int], dp_ranks: list[int], out: np.ndarray
+) -> None:
     """Fill `out[i]` with dp rank `dp_ranks[i]`'s sequences of `step`."""
     n = shape.sequences
     for i, r in enumerate(dp_ranks):

@@ -45,7 +45,7 @@ def added_by_template(tok) -> tuple[list[int], list[int]]:
     inner = [i for i, m in enumerate(mask) if not m]
     if not inner:
         return [], []
-    return ids[:inner[0]], ids[inner[-1] + 1:]
+    return ids[: inner[0]], ids[inner[-1] + 1 :]
 
 
 class SpecialTokens:
@@ -77,9 +77,11 @@ class SpecialTokens:
             if (found := self.tok.token_to_id(name)) is not None:
                 return name, int(found), "name"
         size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.notes.append(f"{self.path} has no end-of-document token (none in {', '.join(CONFIG_FILES)}, none "
-                          f"named {', '.join(EOD_NAMES)}); prep ends documents with a new id {size}, one past "
-                          f"the vocabulary (pass --eod-token TOKEN to use one of its tokens)")
+        self.notes.append(
+            f"{self.path} has no end-of-document token (none in {', '.join(CONFIG_FILES)}, none "
+            f"named {', '.join(EOD_NAMES)}); prep ends documents with a new id {size}, one past "
+            f"the vocabulary (pass --eod-token TOKEN to use one of its tokens)"
+        )
         return None, size, "new id"
 
     def _bos(self, override: str | None, prefix: list[int]) -> tuple[str | None, int | None, str]:
@@ -88,14 +90,18 @@ class SpecialTokens:
         if override:
             return override, self._id(override, "--bos"), "--bos"
         if len(prefix) > 1:
-            raise DataError(f"{self.path}: its post-processor puts {len(prefix)} tokens {prefix} before each "
-                            f"sequence; pass --bos TOKEN (or --bos none) to say which one starts a document")
+            raise DataError(
+                f"{self.path}: its post-processor puts {len(prefix)} tokens {prefix} before each "
+                f"sequence; pass --bos TOKEN (or --bos none) to say which one starts a document"
+            )
         said = self._config_flag("add_bos_token")
         if said is not None and said != bool(prefix):
-            self.notes.append(f"{self.path.parent / 'tokenizer_config.json'} says add_bos_token={str(said).lower()} "
-                              f"but the tokenizer.json's post-processor adds {'a BOS' if prefix else 'none'}; prep "
-                              f"follows the post-processor, as transformers' AutoTokenizer does (pass --bos to "
-                              f"choose)")
+            self.notes.append(
+                f"{self.path.parent / 'tokenizer_config.json'} says add_bos_token={str(said).lower()} "
+                f"but the tokenizer.json's post-processor adds {'a BOS' if prefix else 'none'}; prep "
+                f"follows the post-processor, as transformers' AutoTokenizer does (pass --bos to "
+                f"choose)"
+            )
         if prefix:
             return self.tok.id_to_token(prefix[0]), prefix[0], "post-processor"
         return None, None, "post-processor"

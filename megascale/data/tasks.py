@@ -45,8 +45,17 @@ def plan(files: list[InputFile], field: str, chunk: int, spill_dir: str) -> Iter
         elif file.splittable and (utf16 := utf16_failure(file, _head(file))):
             yield Task(file, index, file.size, failure=utf16, failure_kind="UTF-16")
         elif file.splittable and file.kind == "text" and file.size > (piece := min(chunk, PIECE_MAX)):
-            yield from (Task(file, index, min(start + piece, file.size) - start, start,
-                             min(start + piece, file.size), piece=piece) for start in range(0, file.size, piece))
+            yield from (
+                Task(
+                    file,
+                    index,
+                    min(start + piece, file.size) - start,
+                    start,
+                    min(start + piece, file.size),
+                    piece=piece,
+                )
+                for start in range(0, file.size, piece)
+            )
         elif file.splittable and file.kind == "text":
             yield Task(file, index, file.size, 0, file.size)
         elif file.splittable:
@@ -67,8 +76,10 @@ def utf16_failure(file: InputFile, head: bytes) -> str | None:
         kind = "UTF-16 little-endian" if sample[1::2].count(0) > sample[::2].count(0) else "UTF-16 big-endian"
     if kind is None:
         return None
-    return (f"{file.name} is {kind} text (as PowerShell and some Windows tools write it), not UTF-8; "
-            f"convert it first, e.g. `iconv -f UTF-16 -t UTF-8 IN > OUT`")
+    return (
+        f"{file.name} is {kind} text (as PowerShell and some Windows tools write it), not UTF-8; "
+        f"convert it first, e.g. `iconv -f UTF-16 -t UTF-8 IN > OUT`"
+    )
 
 
 def _head(file: InputFile) -> bytes:
@@ -133,8 +144,10 @@ def decompressed(raw, file: InputFile) -> Iterator[bytes]:
             stream = _stdlib_stream(raw, file.compression)  # read1: what came before damage is kept
             yield from iter(lambda: stream.read1(READ_BLOCK), b"")
     except EOFError as exc:
-        raise DataError(f"truncated file: its {file.compression} data ends before the end of the stream ({exc}); "
-                        f"with --on-error=skip the whole records before the cut are kept") from exc
+        raise DataError(
+            f"truncated file: its {file.compression} data ends before the end of the stream ({exc}); "
+            f"with --on-error=skip the whole records before the cut are kept"
+        ) from exc
     except Exception as exc:  # each codec has its own error classes (OSError, LZMAError...)
         raise DataError(f"cannot read the {file.compression or 'stored'} data: {exc}") from exc
 

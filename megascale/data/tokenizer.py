@@ -51,8 +51,10 @@ class ByteTokenizer:
 
     def encode_batch(self, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(every document's ids one after another, each document's length)."""
-        return (np.frombuffer(b"".join(docs), dtype=np.uint8),
-                np.fromiter(map(len, docs), dtype=np.int64, count=len(docs)))
+        return (
+            np.frombuffer(b"".join(docs), dtype=np.uint8),
+            np.fromiter(map(len, docs), dtype=np.int64, count=len(docs)),
+        )
 
     def decode(self, ids: np.ndarray) -> bytes:
         return np.asarray(ids, dtype=np.uint8).tobytes()
@@ -76,9 +78,11 @@ class HFTokenizer:
             self._tok = _Tok.from_str(raw.decode("utf-8", errors="replace"))
         except Exception as exc:  # tokenizers raises plain Exception with serde's message
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise DataError(f"tokenizer file {self.path} is not a tokenizer.json the tokenizers library "
-                            f"can load ({reason}); pass the tokenizer.json saved by tokenizers or "
-                            f"transformers' save_pretrained, or 'bytes'") from exc
+            raise DataError(
+                f"tokenizer file {self.path} is not a tokenizer.json the tokenizers library "
+                f"can load ({reason}); pass the tokenizer.json saved by tokenizers or "
+                f"transformers' save_pretrained, or 'bytes'"
+            ) from exc
         self.notes = self._switch_off_truncation_and_padding()
         self.special = SpecialTokens(self._tok, self.path, eod_token, bos)
         self.notes += self.special.notes
@@ -98,8 +102,10 @@ class HFTokenizer:
             self._tok.no_padding()
         if not notes:
             return []
-        return [f"{self.path} has {' and '.join(notes)} saved in it; prep switched them off and "
-                f"encodes every document in full"]
+        return [
+            f"{self.path} has {' and '.join(notes)} saved in it; prep switched them off and "
+            f"encodes every document in full"
+        ]
 
     def encode(self, text: bytes) -> np.ndarray:
         return self.encode_batch([text.decode()])[0]
@@ -119,24 +125,37 @@ class HFTokenizer:
 
     def identity(self) -> dict:
         model = type(self._tok.model).__name__  # BPE, WordPiece, Unigram, WordLevel (no re-serialising)
-        return {"kind": "hf", "name": f"{self.path.resolve().parent.name}/{self.path.name}",
-                "path": str(self.path.resolve()), "model": model, "vocab_size": self.vocab_size,
-                "eod": self.eod, "eod_token": self.eod_token, "bos": self.bos, "bos_token": self.bos_token,
-                "chosen": self.special.chosen, "sha256": self.sha256}
+        return {
+            "kind": "hf",
+            "name": f"{self.path.resolve().parent.name}/{self.path.name}",
+            "path": str(self.path.resolve()),
+            "model": model,
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+            "eod_token": self.eod_token,
+            "bos": self.bos,
+            "bos_token": self.bos_token,
+            "chosen": self.special.chosen,
+            "sha256": self.sha256,
+        }
 
 
 def describe(identity: dict) -> str:
     """One line that tells two tokenizers apart: name, model, vocabulary, EOD id, hash, path."""
     if identity.get("kind") == "bytes":
-        return (f"'bytes' (built-in byte-level, vocabulary {identity.get('vocab_size')}, "
-                f"end-of-document id {identity.get('eod')})")
+        return (
+            f"'bytes' (built-in byte-level, vocabulary {identity.get('vocab_size')}, "
+            f"end-of-document id {identity.get('eod')})"
+        )
     eod_token = f" {identity['eod_token']!r}" if identity.get("eod_token") else ""
     bos = f", BOS id {identity['bos']} {identity.get('bos_token')!r}" if identity.get("bos") is not None else ""
     sha = str(identity.get("sha256", ""))[:12]
     where = f", {identity['path']}" if identity.get("path") else ""
-    return (f"{identity.get('name')!r} ({identity.get('model', 'hf')}, vocabulary "
-            f"{identity.get('vocab_size')}, end-of-document id {identity.get('eod')}{eod_token}{bos}, "
-            f"sha256 {sha}{where})")
+    return (
+        f"{identity.get('name')!r} ({identity.get('model', 'hf')}, vocabulary "
+        f"{identity.get('vocab_size')}, end-of-document id {identity.get('eod')}{eod_token}{bos}, "
+        f"sha256 {sha}{where})"
+    )
 
 
 def load_tokenizer(spec: str, eod_token: str | None = None, bos: str | None = None) -> ByteTokenizer | HFTokenizer:
@@ -144,8 +163,10 @@ def load_tokenizer(spec: str, eod_token: str | None = None, bos: str | None = No
     tokenizer's own)."""
     if spec in ("", "bytes", "byte"):
         if eod_token or bos not in (None, "none"):
-            raise DataError("the built-in 'bytes' tokenizer has a fixed end-of-document id (256) and no BOS: "
-                            "--eod-token and --bos need a tokenizer.json")
+            raise DataError(
+                "the built-in 'bytes' tokenizer has a fixed end-of-document id (256) and no BOS: "
+                "--eod-token and --bos need a tokenizer.json"
+            )
         return ByteTokenizer()
     path = Path(spec)
     if not path.is_file():

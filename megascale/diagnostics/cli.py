@@ -22,15 +22,18 @@ from megascale.layout.grid import RankGrid
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="the run directory (holds timers/, hang/)")
-    parser.add_argument("--config", type=Path, default=None,
-                        help="job config TOML (default: RUN_DIR/config.toml when present)")
+    parser.add_argument(
+        "--config", type=Path, default=None, help="job config TOML (default: RUN_DIR/config.toml when present)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="report folder (RUN_DIR/report)")
-    parser.add_argument("--layout", default=None, metavar="PP,DP,TP",
-                        help="the rank grid, when the run's files do not record it")
+    parser.add_argument(
+        "--layout", default=None, metavar="PP,DP,TP", help="the rank grid, when the run's files do not record it"
+    )
     parser.add_argument("--sql", default=None, help="run a query on the store and print rows")
     parser.add_argument("--header", action="store_true", help="with --sql: print column names")
-    parser.add_argument("--trace-steps", default=None, metavar="A:B",
-                        help="only steps A..B in the timeline traces (default: all)")
+    parser.add_argument(
+        "--trace-steps", default=None, metavar="A:B", help="only steps A..B in the timeline traces (default: all)"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -81,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
         for line in report.hang.summary():
             print("  " + line)
     for d in detection_rows(run_dir):
-        print(f"fail-slow: {d['kind']} {d['where']} steps {d['steps']}: compute {d['compute_ms']} ms vs peers "
-              f"{d['peers_ms']} ms ({d['ratio']}), cost {d['cost']} of throughput; {d['action']} ({d['reason']}); "
-              f"replacement {d['recovery_s']} s")
+        print(
+            f"fail-slow: {d['kind']} {d['where']} steps {d['steps']}: compute {d['compute_ms']} ms vs peers "
+            f"{d['peers_ms']} ms ({d['ratio']}), cost {d['cost']} of throughput; {d['action']} ({d['reason']}); "
+            f"replacement {d['recovery_s']} s"
+        )
     if report.stragglers:
         print("stragglers:")
         for s in report.stragglers:

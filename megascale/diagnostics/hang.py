@@ -61,9 +61,12 @@ class HangAnalysis:
         return lines
 
     def to_dict(self) -> dict[str, Any]:
-        return {"grid": {"pp": self.grid.pp, "dp": self.grid.dp, "tp": self.grid.tp},
-                "stuck": self.stuck, "summary": self.summary(),
-                "ranks": {r: vars(s) for r, s in sorted(self.ranks.items())}}
+        return {
+            "grid": {"pp": self.grid.pp, "dp": self.grid.dp, "tp": self.grid.tp},
+            "stuck": self.stuck,
+            "summary": self.summary(),
+            "ranks": {r: vars(s) for r, s in sorted(self.ranks.items())},
+        }
 
 
 def load_dumps(run_dir: str | Path) -> dict[int, dict[str, Any]]:
@@ -75,8 +78,10 @@ def load_dumps(run_dir: str | Path) -> dict[int, dict[str, Any]]:
 
 
 def load_roll_call(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    return {int(d["rank"]): d for d in
-            (json.loads(p.read_text()) for p in sorted(roll_call_dir(run_dir).glob("rank*.json")))}
+    return {
+        int(d["rank"]): d
+        for d in (json.loads(p.read_text()) for p in sorted(roll_call_dir(run_dir).glob("rank*.json")))
+    }
 
 
 def analyse(run_dir: str | Path, grid: RankGrid | None = None) -> HangAnalysis | None:
@@ -101,12 +106,14 @@ def _grid_of_run(run_dir: str | Path, records: list[dict[str, Any]]) -> RankGrid
 
         p = load_config(config).parallel
         return RankGrid.of(p)
-    raise ValueError(f"no grid in the hang dumps or roll call and no {config}; "
-                     "pass the layout (megascale report --layout PP,DP,TP)")
+    raise ValueError(
+        f"no grid in the hang dumps or roll call and no {config}; pass the layout (megascale report --layout PP,DP,TP)"
+    )
 
 
-def analyse_dumps(grid: RankGrid, dumps: dict[int, dict[str, Any]],
-                  hosts: dict[int, str] | None = None) -> HangAnalysis:
+def analyse_dumps(
+    grid: RankGrid, dumps: dict[int, dict[str, Any]], hosts: dict[int, str] | None = None
+) -> HangAnalysis:
     ranks = {r: RankState(r, grid.named_coords(r), (hosts or {}).get(r, "?")) for r in range(grid.world_size)}
     for r, dump in dumps.items():
         s = ranks[r]
@@ -117,9 +124,14 @@ def analyse_dumps(grid: RankGrid, dumps: dict[int, dict[str, Any]],
         if waiting:
             attrs = waiting.get("attrs", {})
             s.state = "waiting"
-            s.call = {"kind": waiting["kind"], "op": attrs.get("op", waiting["name"]),
-                      "group": attrs.get("group"), "seq": attrs.get("seq"),
-                      "peer": attrs.get("peer"), "ranks": attrs.get("ranks")}
+            s.call = {
+                "kind": waiting["kind"],
+                "op": attrs.get("op", waiting["name"]),
+                "group": attrs.get("group"),
+                "seq": attrs.get("seq"),
+                "peer": attrs.get("peer"),
+                "ranks": attrs.get("ranks"),
+            }
             s.detail = f"waiting in {_call_label(s.call)} for {waiting.get('age', 0):.0f} s"
         else:
             s.state = "busy"
@@ -210,9 +222,11 @@ def _mark_diverged(grid: RankGrid, ranks: dict[int, RankState]) -> None:
         for m in (ranks[r] for r in grid.group_of(s.rank, s.call["group"])):
             if m.state in ("waiting", "busy") and not _same_call(m.call, s.call) and _ahead(m, behind):
                 m.state = "diverged"
-                m.detail = (f"went past {_call_label(s.call)}, which rank {s.rank} of its "
-                            f"{s.call['group']} group waits in (skipped a collective?); now "
-                            f"{m.detail}")
+                m.detail = (
+                    f"went past {_call_label(s.call)}, which rank {s.rank} of its "
+                    f"{s.call['group']} group waits in (skipped a collective?); now "
+                    f"{m.detail}"
+                )
 
 
 def _dependencies(grid: RankGrid, ranks: dict[int, RankState], s: RankState) -> list[int]:
@@ -260,8 +274,7 @@ def _call_label(call: dict | None) -> str:
 
 
 DETAIL_RANKS = 256  # ranks drawn cell by cell, labelled, with their wait arrows
-COLOURS = {"waiting": "#9ecae1", "busy": "#fdae6b", "diverged": "#fdae6b", "silent": "#fcbba1",
-           "stuck": "#de2d26"}
+COLOURS = {"waiting": "#9ecae1", "busy": "#fdae6b", "diverged": "#fdae6b", "silent": "#fcbba1", "stuck": "#de2d26"}
 
 
 def plot_hang(analysis: HangAnalysis, path: str | Path) -> Path:
@@ -283,8 +296,7 @@ def plot_hang_detail(analysis: HangAnalysis, path: str | Path) -> Path | None:
     if g.world_size <= DETAIL_RANKS or not analysis.stuck:
         return None
     replicas = sorted({analysis.ranks[r].coords["dp"] for r in analysis.stuck})
-    return _plot_cells(analysis, path, replicas[:max(1, DETAIL_RANKS // (g.pp * g.tp))],
-                       stages_as_rows=True)
+    return _plot_cells(analysis, path, replicas[: max(1, DETAIL_RANKS // (g.pp * g.tp))], stages_as_rows=True)
 
 
 def _state_of(analysis: HangAnalysis, rank: int) -> str:
@@ -304,30 +316,47 @@ def _plot_overview(analysis: HangAnalysis, path: str | Path) -> Path:
     names = list(COLOURS)
     cells = np.full((g.dp, g.pp * (g.tp + gap) - gap), np.nan)
     for r, s in analysis.ranks.items():
-        cells[g.dp - 1 - s.coords["dp"], s.coords["pp"] * (g.tp + gap) + s.coords["tp"]] = \
-            names.index(_state_of(analysis, r))
+        cells[g.dp - 1 - s.coords["dp"], s.coords["pp"] * (g.tp + gap) + s.coords["tp"]] = names.index(
+            _state_of(analysis, r)
+        )
     fig, ax = plt.subplots(figsize=(min(4 + 0.12 * cells.shape[1], 30), min(3 + 0.06 * g.dp, 30)))
-    ax.imshow(cells, cmap=ListedColormap(list(COLOURS.values())), vmin=-0.5,
-              vmax=len(names) - 0.5, aspect="auto", interpolation="nearest",
-              extent=(0, cells.shape[1], 0, g.dp))
+    ax.imshow(
+        cells,
+        cmap=ListedColormap(list(COLOURS.values())),
+        vmin=-0.5,
+        vmax=len(names) - 0.5,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(0, cells.shape[1], 0, g.dp),
+    )
     for r in analysis.stuck[:64]:
         c = analysis.ranks[r].coords
-        ax.add_patch(Rectangle((c["pp"] * (g.tp + gap) + c["tp"] - 1.5, c["dp"] - 1.5), 4, 4,
-                               fill=False, edgecolor="black", linewidth=1.5))
-    ax.set_xticks([p * (g.tp + gap) + g.tp / 2 for p in range(g.pp)],
-                  [f"pp {p}" for p in range(g.pp)])
+        ax.add_patch(
+            Rectangle(
+                (c["pp"] * (g.tp + gap) + c["tp"] - 1.5, c["dp"] - 1.5),
+                4,
+                4,
+                fill=False,
+                edgecolor="black",
+                linewidth=1.5,
+            )
+        )
+    ax.set_xticks([p * (g.tp + gap) + g.tp / 2 for p in range(g.pp)], [f"pp {p}" for p in range(g.pp)])
     ax.set_ylabel(f"dp (0..{g.dp - 1}, bottom up); x: tp within each stage")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
-              loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=5, fontsize=8)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.06),
+        ncol=5,
+        fontsize=8,
+    )
     more = f" +{len(analysis.stuck) - 8} more" if len(analysis.stuck) > 8 else ""
     stuck = ", ".join(f"r{r}" for r in analysis.stuck[:8]) + more or "none found"
-    ax.set_title(f"hang at {g.world_size} ranks: stuck {stuck} (boxed); "
-                 "the detail figure draws their replicas")
+    ax.set_title(f"hang at {g.world_size} ranks: stuck {stuck} (boxed); the detail figure draws their replicas")
     return save_figure(fig, path)
 
 
-def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int],
-                stages_as_rows: bool = False) -> Path:
+def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int], stages_as_rows: bool = False) -> Path:
     """The labelled drawing of the ranks in dp replicas `replicas`, with their wait arrows: a
     panel per stage side by side (x: tp, y: dp), or with `stages_as_rows` a row per stage of
     each replica (x: tp), which keeps tp8 pp8's 64 cells of one replica legible."""
@@ -342,12 +371,14 @@ def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int],
     gap = 1
     if stages_as_rows:
         width, height = g.tp, len(replicas) * (g.pp + gap) - gap
-        headings = [(-0.3, height - 1 - i * (g.pp + gap) - p + 0.5, f"dp {d} pp {p}")
-                    for d, i in index.items() for p in range(g.pp)]
+        headings = [
+            (-0.3, height - 1 - i * (g.pp + gap) - p + 0.5, f"dp {d} pp {p}")
+            for d, i in index.items()
+            for p in range(g.pp)
+        ]
     else:
         width, height = g.pp * (g.tp + gap) - gap, len(replicas)
-        headings = [(p * (g.tp + gap) + g.tp / 2, height + 0.1, f"pp stage {p} (x: tp, y: dp)")
-                    for p in range(g.pp)]
+        headings = [(p * (g.tp + gap) + g.tp / 2, height + 0.1, f"pp stage {p} (x: tp, y: dp)") for p in range(g.pp)]
 
     def place(c: dict[str, int]) -> tuple[int, int]:
         if stages_as_rows:
@@ -360,9 +391,16 @@ def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int],
         if s.coords["dp"] not in index:
             continue
         x, y = place(s.coords)
-        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9,
-                               facecolor=COLOURS[_state_of(analysis, r)], edgecolor="black",
-                               linewidth=2 if r in analysis.stuck else 0.5))
+        ax.add_patch(
+            Rectangle(
+                (x + 0.05, y + 0.05),
+                0.9,
+                0.9,
+                facecolor=COLOURS[_state_of(analysis, r)],
+                edgecolor="black",
+                linewidth=2 if r in analysis.stuck else 0.5,
+            )
+        )
         label = f"r{r} {s.host}\n{s.state}"
         if s.call:
             label += f"\n{s.call['op']}#{s.call.get('seq')}"
@@ -370,17 +408,32 @@ def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int],
         centre[r] = (x + 0.5, y + 0.5)
     edges = [(r, d) for r in centre for d in analysis.ranks[r].depends_on if d in centre][:400]
     for r, d in edges:
-        ax.annotate("", xy=centre[d], xytext=centre[r],
-                    arrowprops={"arrowstyle": "-|>", "color": "#333333", "alpha": 0.7,
-                                "lw": 1.0, "shrinkA": 18, "shrinkB": 18,
-                                "connectionstyle": "arc3,rad=0.25"})
+        ax.annotate(
+            "",
+            xy=centre[d],
+            xytext=centre[r],
+            arrowprops={
+                "arrowstyle": "-|>",
+                "color": "#333333",
+                "alpha": 0.7,
+                "lw": 1.0,
+                "shrinkA": 18,
+                "shrinkB": 18,
+                "connectionstyle": "arc3,rad=0.25",
+            },
+        )
     for x, y, text in headings:
         ax.text(x, y, text, ha="right" if stages_as_rows else "center", va="center", fontsize=9)
     ax.set_xlim(-2.2 if stages_as_rows else -0.2, width + 0.2)
     ax.set_ylim(-0.6, height + 0.5)
     ax.set_axis_off()
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
-              loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5, fontsize=8)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.02),
+        ncol=5,
+        fontsize=8,
+    )
     stuck = ", ".join(f"r{r}" for r in analysis.stuck) or "none found"
     shown = "" if len(index) == g.dp else f" (dp replicas {', '.join(map(str, replicas))} of {g.dp})"
     ax.set_title(f"hang: stuck {stuck}; arrows: waits for{shown}")

@@ -34,15 +34,22 @@ class Report:
     traces: dict[str, Path] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        return {"html": str(self.html), "stragglers": [s.to_dict() for s in self.stragglers],
-                "hang": self.hang.to_dict() if self.hang else None,
-                "figures": {k: str(v) for k, v in self.figures.items()},
-                "traces": {k: str(v) for k, v in self.traces.items()}}
+        return {
+            "html": str(self.html),
+            "stragglers": [s.to_dict() for s in self.stragglers],
+            "hang": self.hang.to_dict() if self.hang else None,
+            "figures": {k: str(v) for k, v in self.figures.items()},
+            "traces": {k: str(v) for k, v in self.traces.items()},
+        }
 
 
-def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
-                 out_dir: str | Path | None = None, grid: RankGrid | None = None,
-                 trace_steps: tuple[int, int] | None = None) -> Report:
+def build_report(
+    run_dir: str | Path,
+    cfg: DiagnosticsConfig | None = None,
+    out_dir: str | Path | None = None,
+    grid: RankGrid | None = None,
+    trace_steps: tuple[int, int] | None = None,
+) -> Report:
     """Collect the run's files, analyse them and write RUN_DIR/report/ (or `out_dir`).
 
     `trace_steps` limits the timeline traces to a step range (they grow with the run).
@@ -55,9 +62,9 @@ def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
     try:
         collector.poll()
         conn = collector.conn
-        found = straggler.find_stragglers(conn, cfg.straggler_threshold,
-                                          cfg.straggler_min_fraction,
-                                          warmup_steps=cfg.straggler_warmup_steps)
+        found = straggler.find_stragglers(
+            conn, cfg.straggler_threshold, cfg.straggler_min_fraction, warmup_steps=cfg.straggler_warmup_steps
+        )
         figures: dict[str, Path] = {}
         warmup = cfg.straggler_warmup_steps
         ratios = straggler.compute_ratios(conn, warmup)
@@ -65,16 +72,17 @@ def build_report(run_dir: str | Path, cfg: DiagnosticsConfig | None = None,
         for order in ("host", "grid"):
             if png := straggler.plot_heatmap(conn, out / f"heatmap_{order}.png", order, warmup):
                 figures[f"heatmap_{order}"] = png
-            if aggregated and (png := straggler.plot_heatmap(
-                    conn, out / f"heatmap_{order}_detail.png", order, warmup,
-                    straggler.drilldown_ranks(ratios, order))):
+            if aggregated and (
+                png := straggler.plot_heatmap(
+                    conn, out / f"heatmap_{order}_detail.png", order, warmup, straggler.drilldown_ranks(ratios, order)
+                )
+            ):
                 figures[f"heatmap_{order}_detail"] = png
         if (png := plot_breakdown(conn, out / "breakdown.png")) is not None:
             figures["breakdown"] = png
         if (png := plot_mfu(conn, out / "mfu.png")) is not None:
             figures["mfu"] = png
-        traces = {g: timeline.write_trace(conn, out / f"trace_by_{g}.json", g, trace_steps)
-                  for g in ("pp", "host")}
+        traces = {g: timeline.write_trace(conn, out / f"trace_by_{g}.json", g, trace_steps) for g in ("pp", "host")}
         analysis = hang.analyse(run_dir, grid)
         if analysis is not None:
             figures["hang"] = hang.plot_hang(analysis, out / "hang.png")
@@ -101,14 +109,16 @@ def plot_breakdown(conn: sqlite3.Connection, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     cols = ", ".join(f"AVG({k}) AS {k}" for k in KINDS)
-    by_step = query(conn, f"SELECT step, {cols}, AVG(step_time) AS step_time FROM rank_steps "
-                          "GROUP BY step ORDER BY step")
+    by_step = query(
+        conn, f"SELECT step, {cols}, AVG(step_time) AS step_time FROM rank_steps GROUP BY step ORDER BY step"
+    )
     if not by_step:
         return None
     (ranks,) = conn.execute("SELECT COUNT(DISTINCT rank) FROM spans").fetchone()
     right = "rank" if ranks <= BREAKDOWN_RANKS else "pp"
-    by_right = query(conn, f"SELECT {right}, {cols}, AVG(step_time) AS step_time FROM rank_steps "
-                           f"GROUP BY {right} ORDER BY {right}")
+    by_right = query(
+        conn, f"SELECT {right}, {cols}, AVG(step_time) AS step_time FROM rank_steps GROUP BY {right} ORDER BY {right}"
+    )
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     for ax, rows, x in ((axes[0], by_step, "step"), (axes[1], by_right, right)):
         xs = [r[x] for r in rows]
@@ -118,8 +128,7 @@ def plot_breakdown(conn: sqlite3.Connection, path: Path) -> Path | None:
             if any(vals):
                 ax.bar(xs, vals, bottom=bottom, label=kind, width=0.8)
                 bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        idle = [max(0.0, (r["step_time"] or 0.0) * 1e3 - b)
-                for r, b in zip(rows, bottom, strict=True)]
+        idle = [max(0.0, (r["step_time"] or 0.0) * 1e3 - b) for r, b in zip(rows, bottom, strict=True)]
         ax.bar(xs, idle, bottom=bottom, label="untimed", width=0.8, color="#dddddd")
         if len(xs) <= 32:
             ax.set_xticks(xs)
@@ -142,9 +151,11 @@ def plot_mfu(conn: sqlite3.Connection, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    for ax, key, label, scale in ((axes[0], "mfu", "MFU (%)", 100.0),
-                                  (axes[1], "tokens_per_s", "tokens/s", 1.0),
-                                  (axes[2], "loss", "loss", 1.0)):
+    for ax, key, label, scale in (
+        (axes[0], "mfu", "MFU (%)", 100.0),
+        (axes[1], "tokens_per_s", "tokens/s", 1.0),
+        (axes[2], "loss", "loss", 1.0),
+    ):
         pts = [(r["step"], r[key] * scale) for r in rows if r[key] is not None]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker=".", linewidth=1)
@@ -194,11 +205,15 @@ while it stayed, and what was done about it.</p>
 <h2>Timeline</h2><p>Chrome/Perfetto traces (open in ui.perfetto.dev or chrome://tracing):
 {% for group, name in traces %}<a href="{{ name }}">by {{ group }}</a>{{ ", " if not loop.last }}{% endfor %}</p>
 </body></html>"""
-TITLES = {"heatmap_host": "Compute heat map, ranks by host", "heatmap_grid": "Compute heat map, ranks by pp/dp/tp",
-          "heatmap_host_detail": "Drill-down: the ranks of the most deviant hosts",
-          "heatmap_grid_detail": "Drill-down: the ranks of the most deviant tp groups",
-          "hang_detail": "Hang drill-down: the stuck ranks' dp replicas",
-          "breakdown": "Step-time breakdown", "mfu": "MFU over time"}
+TITLES = {
+    "heatmap_host": "Compute heat map, ranks by host",
+    "heatmap_grid": "Compute heat map, ranks by pp/dp/tp",
+    "heatmap_host_detail": "Drill-down: the ranks of the most deviant hosts",
+    "heatmap_grid_detail": "Drill-down: the ranks of the most deviant tp groups",
+    "hang_detail": "Hang drill-down: the stuck ranks' dp replicas",
+    "breakdown": "Step-time breakdown",
+    "mfu": "MFU over time",
+}
 
 
 def _data_uri(path: Path) -> str:
@@ -208,14 +223,18 @@ def _data_uri(path: Path) -> str:
 def _stage_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     """Share of step time per kind for each pipeline stage: p2p is the pipeline bubble."""
     cols = ", ".join(f"SUM({k}) AS {k}" for k in KINDS)
-    rows = query(conn, f"SELECT pp, COUNT(DISTINCT rank) AS ranks, {cols}, "
-                       "SUM(step_time) AS step FROM rank_steps GROUP BY pp ORDER BY pp")
+    rows = query(
+        conn,
+        f"SELECT pp, COUNT(DISTINCT rank) AS ranks, {cols}, "
+        "SUM(step_time) AS step FROM rank_steps GROUP BY pp ORDER BY pp",
+    )
     out = []
     for r in rows:
         parts = [r[k] or 0 for k in KINDS]
         parts.append((r["step"] or 0) - sum(parts))
-        out.append({"pp": r["pp"], "ranks": r["ranks"],
-                    "shares": [100 * v / r["step"] if r["step"] else None for v in parts]})
+        out.append(
+            {"pp": r["pp"], "ranks": r["ranks"], "shares": [100 * v / r["step"] if r["step"] else None for v in parts]}
+        )
     return out
 
 
@@ -238,11 +257,17 @@ def recovery_rows(run_dir: Path) -> list[dict[str, Any]]:
             continue
         check = f.get("selfcheck") if isinstance(f.get("selfcheck"), dict) else {}
         where = f"rank {f['rank']}" if f.get("rank") is not None else f.get("node")
-        rows.append({"kind": f.get("kind"), "where": where, "path": f.get("path") or "-",
-                     "check": ("ran" if check.get("run") else "skipped") if check else "-",
-                     "source": f.get("restore_source") or "-",
-                     "spans": [_seconds(f.get(f"{p}_s")) for p in RECOVERY_PHASES],
-                     "total": _seconds(f.get("recovery_s"))})
+        rows.append(
+            {
+                "kind": f.get("kind"),
+                "where": where,
+                "path": f.get("path") or "-",
+                "check": ("ran" if check.get("run") else "skipped") if check else "-",
+                "source": f.get("restore_source") or "-",
+                "spans": [_seconds(f.get(f"{p}_s")) for p in RECOVERY_PHASES],
+                "total": _seconds(f.get("recovery_s")),
+            }
+        )
     return rows
 
 
@@ -257,24 +282,41 @@ def detection_rows(run_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for d in summary.get("stragglers", []) if isinstance(summary, dict) else []:
         recovery = faults.get(d.get("time")) if d.get("action") == "replace" else None
-        rows.append({"kind": d.get("kind"), "where": d.get("node") or "every rank",
-                     "steps": "-".join(str(s) for s in d.get("steps", [])), "ratio": f"{d.get('ratio', 0):.2f}x",
-                     "compute_ms": f"{d.get('compute_s', 0) * 1e3:.1f}",
-                     "peers_ms": f"{d.get('peers_median_s', 0) * 1e3:.1f}",
-                     "cost": f"{d.get('cost', 0):.0%}", "action": d.get("action"), "reason": d.get("reason"),
-                     "recovery_s": _seconds((recovery or {}).get("recovery_s"))})
+        rows.append(
+            {
+                "kind": d.get("kind"),
+                "where": d.get("node") or "every rank",
+                "steps": "-".join(str(s) for s in d.get("steps", [])),
+                "ratio": f"{d.get('ratio', 0):.2f}x",
+                "compute_ms": f"{d.get('compute_s', 0) * 1e3:.1f}",
+                "peers_ms": f"{d.get('peers_median_s', 0) * 1e3:.1f}",
+                "cost": f"{d.get('cost', 0):.0%}",
+                "action": d.get("action"),
+                "reason": d.get("reason"),
+                "recovery_s": _seconds((recovery or {}).get("recovery_s")),
+            }
+        )
     return rows
 
 
 def render_html(run_dir: Path, report: Report, conn: sqlite3.Connection) -> str:
-    (stats,) = query(conn, "SELECT COUNT(DISTINCT rank) AS ranks, COUNT(DISTINCT step) AS steps, "
-                           "AVG(step_time) AS step_time FROM rank_steps")
+    (stats,) = query(
+        conn,
+        "SELECT COUNT(DISTINCT rank) AS ranks, COUNT(DISTINCT step) AS steps, "
+        "AVG(step_time) AS step_time FROM rank_steps",
+    )
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
-        run_dir=str(run_dir), stats=stats, kinds=[*KINDS, "untimed"], stages=_stage_rows(conn),
+        run_dir=str(run_dir),
+        stats=stats,
+        kinds=[*KINDS, "untimed"],
+        stages=_stage_rows(conn),
         hang=report.hang.summary() if report.hang is not None else None,
         figures={k: _data_uri(v) for k, v in report.figures.items() if k == "hang"},
         stragglers=[s.describe() for s in report.stragglers],
         pictures=[(title, _data_uri(report.figures[key])) for key, title in TITLES.items() if key in report.figures],
         traces=[(group, path.name) for group, path in report.traces.items()],
-        recoveries=recovery_rows(run_dir), phases=RECOVERY_PHASES, detections=detection_rows(run_dir))
+        recoveries=recovery_rows(run_dir),
+        phases=RECOVERY_PHASES,
+        detections=detection_rows(run_dir),
+    )

@@ -39,8 +39,7 @@ SELECT step, rank, MIN(host) AS host, MIN(pp) AS pp, MIN(dp) AS dp, MIN(tp) AS t
 {kinds},
     MAX(CASE WHEN kind = 'step' THEN dur END) AS step_time
 FROM spans GROUP BY step, rank;
-""".format(kinds=",\n".join(
-    f"    SUM(CASE WHEN kind = '{k}' THEN self ELSE 0 END) AS {k}" for k in KINDS))
+""".format(kinds=",\n".join(f"    SUM(CASE WHEN kind = '{k}' THEN self ELSE 0 END) AS {k}" for k in KINDS))
 
 _METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "step_time")
 
@@ -61,9 +60,20 @@ def connect(path: str | Path) -> sqlite3.Connection:
 
 def span_row(rec: dict[str, Any]) -> tuple:
     coords = rec.get("coords") or {}
-    return (rec["step"], rec["rank"], rec.get("host", ""), coords.get("pp", 0), coords.get("dp", 0),
-            coords.get("tp", 0), rec["name"], rec["kind"], rec["start"], rec["dur"],
-            rec.get("self", rec["dur"]), json.dumps(rec.get("attrs") or {}, default=str))
+    return (
+        rec["step"],
+        rec["rank"],
+        rec.get("host", ""),
+        coords.get("pp", 0),
+        coords.get("dp", 0),
+        coords.get("tp", 0),
+        rec["name"],
+        rec["kind"],
+        rec["start"],
+        rec["dur"],
+        rec.get("self", rec["dur"]),
+        json.dumps(rec.get("attrs") or {}, default=str),
+    )
 
 
 class Collector:
@@ -116,8 +126,7 @@ class Collector:
                 except json.JSONDecodeError:
                     continue  # a torn line from a killed rank: skip it, keep the rest
         count = insert(records)
-        self.conn.execute("INSERT OR REPLACE INTO ingested(file, offset) VALUES (?, ?)",
-                          (key, offset + end))
+        self.conn.execute("INSERT OR REPLACE INTO ingested(file, offset) VALUES (?, ?)", (key, offset + end))
         return count
 
     def _insert_spans(self, records: Iterable[dict[str, Any]]) -> int:
@@ -126,8 +135,7 @@ class Collector:
         return len(rows)
 
     def _insert_metrics(self, records: Iterable[dict[str, Any]]) -> int:
-        rows = [(r["step"], *(r.get(k) for k in _METRIC_KEYS), json.dumps(r))
-                for r in records if "step" in r]
+        rows = [(r["step"], *(r.get(k) for k in _METRIC_KEYS), json.dumps(r)) for r in records if "step" in r]
         self.conn.executemany("INSERT OR REPLACE INTO metrics VALUES (?,?,?,?,?,?)", rows)
         return len(rows)
 

@@ -41,20 +41,20 @@ class Straggler:
 
     def describe(self) -> str:
         c = " ".join(f"{k}={v}" for k, v in self.coords.items())
-        return (f"rank {self.rank} on {self.host} ({c}): compute {self.median_ratio:.2f}x its "
-                f"stage peers' median, slow in {self.slow_fraction:.0%} of {self.steps} steps")
+        return (
+            f"rank {self.rank} on {self.host} ({c}): compute {self.median_ratio:.2f}x its "
+            f"stage peers' median, slow in {self.slow_fraction:.0%} of {self.steps} steps"
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def compute_ratios(conn: sqlite3.Connection, warmup_steps: int = 1,
-                   metric: str = "compute") -> list[dict]:
+def compute_ratios(conn: sqlite3.Connection, warmup_steps: int = 1, metric: str = "compute") -> list[dict]:
     """Per (step, rank): the metric, its stage peers' median and MAD, ratio and robust z."""
     if metric not in ("compute", "comm", "p2p", "data", "optimizer", "step_time"):
         raise ValueError(f"unknown metric {metric!r}")
-    rows = query(conn, f"SELECT step, rank, host, pp, dp, tp, {metric} AS value FROM rank_steps "
-                       "ORDER BY step, rank")
+    rows = query(conn, f"SELECT step, rank, host, pp, dp, tp, {metric} AS value FROM rank_steps ORDER BY step, rank")
     steps = sorted({r["step"] for r in rows})
     keep = set(steps[warmup_steps:]) if len(steps) > warmup_steps else set(steps)
     groups: dict[tuple[int, int], list[dict]] = {}
@@ -87,8 +87,13 @@ def _median_without(ordered: list[float], value: float) -> float:
     return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
-def find_stragglers(conn: sqlite3.Connection, threshold: float = 1.10, min_fraction: float = 0.5,
-                    z_min: float = 3.0, warmup_steps: int = 1) -> list[Straggler]:
+def find_stragglers(
+    conn: sqlite3.Connection,
+    threshold: float = 1.10,
+    min_fraction: float = 0.5,
+    z_min: float = 3.0,
+    warmup_steps: int = 1,
+) -> list[Straggler]:
     """Ranks consistently slower in compute than their stage peers, slowest first."""
     per_rank: dict[int, list[dict]] = {}
     for r in compute_ratios(conn, warmup_steps):
@@ -100,11 +105,16 @@ def find_stragglers(conn: sqlite3.Connection, threshold: float = 1.10, min_fract
         fraction = len(slow) / len(rows)
         if fraction >= min_fraction:
             first = rows[0]
-            found.append(Straggler(
-                rank=rank, host=first["host"],
-                coords={"pp": first["pp"], "dp": first["dp"], "tp": first["tp"]},
-                median_ratio=statistics.median(r["ratio"] for r in rows),
-                slow_fraction=fraction, steps=len(rows)))
+            found.append(
+                Straggler(
+                    rank=rank,
+                    host=first["host"],
+                    coords={"pp": first["pp"], "dp": first["dp"], "tp": first["tp"]},
+                    median_ratio=statistics.median(r["ratio"] for r in rows),
+                    slow_fraction=fraction,
+                    steps=len(rows),
+                )
+            )
     return sorted(found, key=lambda s: -s.median_ratio)
 
 
@@ -112,8 +122,7 @@ MAX_ROWS = 256  # heat-map rows: at the 40-inch height cap each keeps >= 15 px
 DRILL_GROUPS = 4  # hosts (or tp groups) drawn rank by rank in the drill-down
 
 
-def heatmap_rows(rows: list[dict], order: str,
-                 cap: int = MAX_ROWS) -> list[tuple[str, list[int], object]]:
+def heatmap_rows(rows: list[dict], order: str, cap: int = MAX_ROWS) -> list[tuple[str, list[int], object]]:
     """The heat map's rows as (label, ranks, separator group), in `order`.
 
     A row per rank up to `cap` ranks; beyond, a row per host (`order="host"`) or per tp group
@@ -122,12 +131,10 @@ def heatmap_rows(rows: list[dict], order: str,
     """
     if order not in ("host", "grid"):
         raise ValueError(f"order must be 'host' or 'grid', got {order!r}")
-    key = ((lambda r: (r["host"], r["rank"])) if order == "host"
-           else (lambda r: (r["pp"], r["dp"], r["tp"], r["rank"])))
+    key = (lambda r: (r["host"], r["rank"])) if order == "host" else (lambda r: (r["pp"], r["dp"], r["tp"], r["rank"]))
     ranks = sorted({(key(r), r["rank"], r["host"], r["pp"], r["dp"], r["tp"]) for r in rows})
     if len(ranks) <= cap:
-        return [(f"{h} r{rk} pp{p} dp{d} tp{t}", [rk], h if order == "host" else p)
-                for _, rk, h, p, d, t in ranks]
+        return [(f"{h} r{rk} pp{p} dp{d} tp{t}", [rk], h if order == "host" else p) for _, rk, h, p, d, t in ranks]
     natural: dict[tuple, list[tuple]] = {}
     for e in ranks:
         natural.setdefault((e[2],) if order == "host" else (e[3], e[4]), []).append(e)
@@ -165,8 +172,7 @@ def drilldown_ranks(rows: list[dict], order: str, groups: int = DRILL_GROUPS) ->
     return sorted(r for r in per_rank if where[r] in chosen)
 
 
-def heatmap_matrix(rows: list[dict], order: str) -> tuple[list[tuple[str, list[int], object]],
-                                                         list[int], np.ndarray]:
+def heatmap_matrix(rows: list[dict], order: str) -> tuple[list[tuple[str, list[int], object]], list[int], np.ndarray]:
     """(rows as `heatmap_rows` makes them, steps, ratio per row and step): a row's value is the
     ratio of its most deviant rank in that step (largest |log ratio|)."""
     import numpy as np
@@ -188,8 +194,13 @@ def heatmap_matrix(rows: list[dict], order: str) -> tuple[list[tuple[str, list[i
     return lines, steps, grid
 
 
-def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host",
-                 warmup_steps: int = 1, ranks: Collection[int] | None = None) -> Path | None:
+def plot_heatmap(
+    conn: sqlite3.Connection,
+    path: str | Path,
+    order: str = "host",
+    warmup_steps: int = 1,
+    ranks: Collection[int] | None = None,
+) -> Path | None:
     """PNG of compute / stage median per rank (rows) and step (columns).
 
     `order="host"` groups rows by host (a slow machine shows as a band); `order="grid"` sorts by
@@ -216,9 +227,14 @@ def plot_heatmap(conn: sqlite3.Connection, path: str | Path, order: str = "host"
     height = min(2 + 0.25 * len(lines), 40)
     fig, ax = plt.subplots(figsize=(min(max(7, 4 + 0.12 * len(steps)), 24), height))
     span = max(1.25, float(np.nanmax(np.maximum(grid, 1 / grid))))  # symmetric in log
-    im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", norm=LogNorm(1 / span, span),
-                   interpolation="nearest",
-                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(lines) - 0.5, -0.5))
+    im = ax.imshow(
+        grid,
+        aspect="auto",
+        cmap="RdBu_r",
+        norm=LogNorm(1 / span, span),
+        interpolation="nearest",
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(lines) - 0.5, -0.5),
+    )
     every = max(1, len(lines) // 128)
     ax.set_yticks(range(0, len(lines), every))
     ax.set_yticklabels([lines[i][0] for i in range(0, len(lines), every)], fontsize=7)

@@ -20,8 +20,9 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 
-def peak_tensor_bytes(fn: Callable[[], object], device: torch.device | str = "cpu",
-                      external: Sequence[torch.Tensor] = ()) -> int:
+def peak_tensor_bytes(
+    fn: Callable[[], object], device: torch.device | str = "cpu", external: Sequence[torch.Tensor] = ()
+) -> int:
     """The most bytes of tensors allocated by `fn()` alive at once on `device`, beyond `external`."""
     gc.collect()
     tracker = MemTracker()

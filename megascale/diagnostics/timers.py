@@ -73,9 +73,15 @@ class _Span:
 class Timers:
     """Per-rank span recorder. Cheap when disabled: `span()` returns a shared null context."""
 
-    def __init__(self, rank: int, coords: dict[str, int], host: str | None,
-                 out_dir: str | Path | None, enabled: bool = True,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        coords: dict[str, int],
+        host: str | None,
+        out_dir: str | Path | None,
+        enabled: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
         self.rank = rank
         self.coords = dict(coords)
         self.host = host or socket.gethostname()
@@ -131,9 +137,17 @@ class Timers:
         now = time.perf_counter()
         for thread, stack in list(self._open.items()):
             for depth, s in enumerate(list(stack)):
-                out.append({"name": s.name, "kind": s.kind, "attrs": dict(s.attrs),
-                            "start": self._epoch + s.start, "age": now - s.start,
-                            "depth": depth, "thread": thread})
+                out.append(
+                    {
+                        "name": s.name,
+                        "kind": s.kind,
+                        "attrs": dict(s.attrs),
+                        "start": self._epoch + s.start,
+                        "age": now - s.start,
+                        "depth": depth,
+                        "thread": thread,
+                    }
+                )
         return out
 
     def call_counts(self) -> dict[str, int]:
@@ -233,15 +247,18 @@ class Timers:
         self.last_totals = totals
         if self._file is not None and rows:
             # the fields shared by every line are encoded once per step
-            head = json.dumps({"step": step, "rank": self.rank, "coords": self.coords,
-                               "host": self.host})[:-1]
+            head = json.dumps({"step": step, "rank": self.rank, "coords": self.coords, "host": self.host})[:-1]
             dumps, epoch = json.dumps, self._epoch
-            lines = [f'{head}, "name": {dumps(name)}, "kind": "{kind}", '
-                     f'"start": {epoch + start:.6f}, "dur": {end - start:.7f}, "self": {own:.7f}, '
-                     f'"attrs": {dumps(attrs, default=str) if attrs else "{}"}}}'
-                     for (name, kind, start, end, attrs), own in zip(rows, selfs, strict=True)]
-            lines.append(f'{head}, "name": "step", "kind": "step", "start": {epoch + wall[0]:.6f}, '
-                         f'"dur": {wall[1] - wall[0]:.7f}, "self": 0.0, "attrs": {{}}}}')
+            lines = [
+                f'{head}, "name": {dumps(name)}, "kind": "{kind}", '
+                f'"start": {epoch + start:.6f}, "dur": {end - start:.7f}, "self": {own:.7f}, '
+                f'"attrs": {dumps(attrs, default=str) if attrs else "{}"}}}'
+                for (name, kind, start, end, attrs), own in zip(rows, selfs, strict=True)
+            ]
+            lines.append(
+                f'{head}, "name": "step", "kind": "step", "start": {epoch + wall[0]:.6f}, '
+                f'"dur": {wall[1] - wall[0]:.7f}, "self": 0.0, "attrs": {{}}}}'
+            )
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
         return totals

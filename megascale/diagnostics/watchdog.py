@@ -68,19 +68,28 @@ def flight_recorder() -> dict[str, Any] | None:
         enqueued = int(status.get("last_enqueued_collective", -1))
         completed = int(status.get("last_completed_collective", -1))
         last = [e for e in entries if str(e.get("pg_id")) == pg]
-        groups[pg] = {"last_enqueued": enqueued, "last_completed": completed,
-                      "pending": enqueued > completed,
-                      "last_op": last[-1].get("profiling_name") if last else None,
-                      "process_group": last[-1].get("process_group") if last else None}
+        groups[pg] = {
+            "last_enqueued": enqueued,
+            "last_completed": completed,
+            "pending": enqueued > completed,
+            "last_op": last[-1].get("profiling_name") if last else None,
+            "process_group": last[-1].get("process_group") if last else None,
+        }
     return {"groups": groups, "entries": entries[-32:], "version": raw.get("version")}
 
 
 class Watchdog:
     """Daemon thread that dumps this rank's state when it has been stuck for `timeout_s`."""
 
-    def __init__(self, timers: Timers, run_dir: str | Path, timeout_s: float,
-                 grid: RankGrid | None = None, poll_s: float | None = None,
-                 on_hang: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        timers: Timers,
+        run_dir: str | Path,
+        timeout_s: float,
+        grid: RankGrid | None = None,
+        poll_s: float | None = None,
+        on_hang: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.timers = timers
         self.run_dir = Path(run_dir)
         self.timeout_s = timeout_s
@@ -94,9 +103,17 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         t = self.timers
-        write_json(roll_call_dir(self.run_dir) / f"rank{t.rank}.json",
-                   {"rank": t.rank, "host": t.host, "pid": os.getpid(), "coords": t.coords,
-                    "grid": self.grid, "time": time.time()})
+        write_json(
+            roll_call_dir(self.run_dir) / f"rank{t.rank}.json",
+            {
+                "rank": t.rank,
+                "host": t.host,
+                "pid": os.getpid(),
+                "coords": t.coords,
+                "grid": self.grid,
+                "time": time.time(),
+            },
+        )
         self._thread.start()
         return self
 
@@ -128,18 +145,33 @@ class Watchdog:
         innermost = spans[-1] if spans else None
         waiting = next((s for s in reversed(spans) if s["kind"] in WAIT_KINDS), None)
         if waiting is not None:
-            reason = (f"{waiting['kind']} '{waiting['name']}' open for {waiting['age']:.1f} s "
-                      f"(timeout {self.timeout_s} s)")
+            reason = (
+                f"{waiting['kind']} '{waiting['name']}' open for {waiting['age']:.1f} s (timeout {self.timeout_s} s)"
+            )
         elif innermost is not None:
-            reason = (f"{innermost['kind']} '{innermost['name']}' open for "
-                      f"{innermost['age']:.1f} s (timeout {self.timeout_s} s)")
+            reason = (
+                f"{innermost['kind']} '{innermost['name']}' open for "
+                f"{innermost['age']:.1f} s (timeout {self.timeout_s} s)"
+            )
         else:
             reason = f"step not finished after {step_age:.1f} s (timeout {self.timeout_s} s)"
-        return {"rank": t.rank, "host": t.host, "pid": os.getpid(), "coords": t.coords,
-                "grid": self.grid, "time": time.time(), "reason": reason,
-                "last_step": t.last_step, "step_age_s": step_age, "calls": t.call_counts(),
-                "waiting": waiting, "innermost": innermost, "open_spans": spans,
-                "stacks": _stacks(), "flight_recorder": flight_recorder()}
+        return {
+            "rank": t.rank,
+            "host": t.host,
+            "pid": os.getpid(),
+            "coords": t.coords,
+            "grid": self.grid,
+            "time": time.time(),
+            "reason": reason,
+            "last_step": t.last_step,
+            "step_age_s": step_age,
+            "calls": t.call_counts(),
+            "waiting": waiting,
+            "innermost": innermost,
+            "open_spans": spans,
+            "stacks": _stacks(),
+            "flight_recorder": flight_recorder(),
+        }
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -152,5 +184,8 @@ class Watchdog:
 def _stacks() -> dict[str, list[str]]:
     names = {th.ident: th.name for th in threading.enumerate()}
     me = threading.get_ident()
-    return {f"{names.get(ident, ident)}": traceback.format_stack(frame)[-12:]
-            for ident, frame in sys._current_frames().items() if ident != me}
+    return {
+        f"{names.get(ident, ident)}": traceback.format_stack(frame)[-12:]
+        for ident, frame in sys._current_frames().items()
+        if ident != me
+    }

@@ -55,13 +55,19 @@ def _rope(c: dict, model_type: str, default_fraction: float = 1.0) -> dict:
     if kind == "default":
         scaling = RopeScaling()
     elif kind == "llama3":
-        scaling = RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
-                              float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+        scaling = RopeScaling(
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]),
+        )
     else:
         raise _refuse(model_type, f"rope_type {kind!r} (supported: default, llama3)")
     base = params.get("rope_theta", _get(c, "rope_theta", "rotary_emb_base", default=10000.0))
-    fraction = params.get("partial_rotary_factor", _get(c, "partial_rotary_factor", "rotary_pct",
-                                                        default=default_fraction))
+    fraction = params.get(
+        "partial_rotary_factor", _get(c, "partial_rotary_factor", "rotary_pct", default=default_fraction)
+    )
     return dict(rope_base=float(base), rotary_fraction=float(fraction), rope_scaling=scaling)
 
 
@@ -69,9 +75,17 @@ def _rope_out(m: ModelConfig) -> dict:
     """The transformers 4 keys (transformers 5 reads them too)."""
     out: dict = {"rope_theta": m.rope_base}
     s = m.rope_scaling
-    out["rope_scaling"] = None if s.kind == "none" else {
-        "rope_type": s.kind, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-        "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_positions}
+    out["rope_scaling"] = (
+        None
+        if s.kind == "none"
+        else {
+            "rope_type": s.kind,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_positions,
+        }
+    )
     return out
 
 
@@ -90,17 +104,28 @@ def _shape(c: dict) -> dict:
     hidden = int(_get(c, "hidden_size", "n_embd"))
     head_dim = c.get("head_dim")
     if head_dim not in (None, hidden // heads):
-        raise _refuse(c.get("model_type", "?"), f"head_dim={head_dim} != hidden_size/num_attention_heads="
-                                                f"{hidden // heads}")
+        raise _refuse(
+            c.get("model_type", "?"), f"head_dim={head_dim} != hidden_size/num_attention_heads={hidden // heads}"
+        )
     kv = int(c.get("num_key_value_heads") or heads)
-    return dict(vocab_size=int(c["vocab_size"]), layers=int(_get(c, "num_hidden_layers", "n_layer")),
-                hidden=hidden, heads=heads, kv_heads=0 if kv == heads else kv,
-                tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    return dict(
+        vocab_size=int(c["vocab_size"]),
+        layers=int(_get(c, "num_hidden_layers", "n_layer")),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=0 if kv == heads else kv,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+    )
 
 
 def _shape_out(m: ModelConfig) -> dict:
-    return {"vocab_size": m.vocab_size, "hidden_size": m.hidden, "num_hidden_layers": m.layers,
-            "num_attention_heads": m.heads, "tie_word_embeddings": m.tie_embeddings}
+    return {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden,
+        "num_hidden_layers": m.layers,
+        "num_attention_heads": m.heads,
+        "tie_word_embeddings": m.tie_embeddings,
+    }
 
 
 def _checked(m: ModelConfig, model_type: str) -> ModelConfig:
@@ -112,6 +137,7 @@ def _checked(m: ModelConfig, model_type: str) -> ModelConfig:
 
 
 # ---------------------------------------------------------------- Llama, Mistral, Qwen 2
+
 
 def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
     def read(c: dict) -> ModelConfig:
@@ -125,28 +151,56 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
             window = c.get("sliding_window")
         elif model_type == "qwen2":
             window = _qwen2_window(c)
-        return _checked(ModelConfig(
-            **_shape(c), seq_len=_seq_len(c, learned=False), ffn_hidden=int(c["intermediate_size"]),
-            block="serial", norm="rmsnorm", mlp="swiglu", window=window, positions="rotary",
-            bias=attention_bias, qkv_bias=model_type == "qwen2", norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            moe=_mixtral_moe(c) if model_type == "mixtral" else MoEConfig(), **_rope(c, model_type)), model_type)
+        return _checked(
+            ModelConfig(
+                **_shape(c),
+                seq_len=_seq_len(c, learned=False),
+                ffn_hidden=int(c["intermediate_size"]),
+                block="serial",
+                norm="rmsnorm",
+                mlp="swiglu",
+                window=window,
+                positions="rotary",
+                bias=attention_bias,
+                qkv_bias=model_type == "qwen2",
+                norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                moe=_mixtral_moe(c) if model_type == "mixtral" else MoEConfig(),
+                **_rope(c, model_type),
+            ),
+            model_type,
+        )
+
     return read
 
 
 def _mixtral_moe(c: dict) -> MoEConfig:
     """Mixtral's router: softmax over the experts, top-k, the k gates renormalised; every block.
     Its balancing loss coefficient carries over; it has no z-loss."""
-    return MoEConfig(experts=int(c["num_local_experts"]), top_k=int(c.get("num_experts_per_tok", 2)),
-                     router="softmax", normalize=True, aux_loss_coef=float(c.get("router_aux_loss_coef", 0.01)),
-                     z_loss_coef=0.0)
+    return MoEConfig(
+        experts=int(c["num_local_experts"]),
+        top_k=int(c.get("num_experts_per_tok", 2)),
+        router="softmax",
+        normalize=True,
+        aux_loss_coef=float(c.get("router_aux_loss_coef", 0.01)),
+        z_loss_coef=0.0,
+    )
 
 
 def _mixtral_expresses(m: ModelConfig) -> bool:
     """Mixtral computes a megascale MoE whose every block routes by renormalised softmax top-k
     through experts of the model's width, dropless, without a shared expert or routing bias."""
     e = m.moe
-    return (_llama_family(m, moe=True) and not m.bias and not m.qkv_bias and e.every == 1 and e.router == "softmax"
-            and e.normalize and not e.shared_ffn_hidden and not e.bias_balancing and e.capacity_factor == 0)
+    return (
+        _llama_family(m, moe=True)
+        and not m.bias
+        and not m.qkv_bias
+        and e.every == 1
+        and e.router == "softmax"
+        and e.normalize
+        and not e.shared_ffn_hidden
+        and not e.bias_balancing
+        and e.capacity_factor == 0
+    )
 
 
 def _qwen2_window(c: dict) -> int | None:
@@ -164,25 +218,43 @@ def _qwen2_window(c: dict) -> int | None:
 
 def _llama_family(m: ModelConfig, moe: bool = False) -> bool:
     """The Llama layers, with dense MLPs (or, `moe`, mixtures of experts)."""
-    return (m.block == "serial" and m.norm == "rmsnorm" and m.mlp == "swiglu" and m.positions == "rotary"
-            and m.rotary_fraction == 1.0 and (m.moe.experts > 0) == moe)
+    return (
+        m.block == "serial"
+        and m.norm == "rmsnorm"
+        and m.mlp == "swiglu"
+        and m.positions == "rotary"
+        and m.rotary_fraction == 1.0
+        and (m.moe.experts > 0) == moe
+    )
 
 
 def _llama_write(model_type: str) -> Callable[[ModelConfig], dict]:
     def write(m: ModelConfig) -> dict:
-        out = {**_shape_out(m), "num_key_value_heads": m.kv_groups, "intermediate_size": m.ffn,
-               "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "max_position_embeddings": _max_positions(m),
-               **_rope_out(m)}
+        out = {
+            **_shape_out(m),
+            "num_key_value_heads": m.kv_groups,
+            "intermediate_size": m.ffn,
+            "hidden_act": "silu",
+            "rms_norm_eps": m.norm_eps,
+            "max_position_embeddings": _max_positions(m),
+            **_rope_out(m),
+        }
         if model_type == "qwen2":
             out.update(use_sliding_window=m.window is not None, sliding_window=m.window, max_window_layers=0)
         elif model_type == "mistral":
             out.update(sliding_window=m.window)
         elif model_type == "mixtral":
-            out.update(sliding_window=m.window, num_local_experts=m.moe.experts, num_experts_per_tok=m.moe.top_k,
-                       intermediate_size=m.expert_ffn, router_aux_loss_coef=m.moe.aux_loss_coef)
+            out.update(
+                sliding_window=m.window,
+                num_local_experts=m.moe.experts,
+                num_experts_per_tok=m.moe.top_k,
+                intermediate_size=m.expert_ffn,
+                router_aux_loss_coef=m.moe.aux_loss_coef,
+            )
         else:
             out.update(attention_bias=m.bias, mlp_bias=m.bias)
         return out
+
     return write
 
 
@@ -197,7 +269,8 @@ def _llama_names(m: ModelConfig) -> dict[str, Rule]:
         rules[ms + "ln2.weight"] = same(hf + "post_attention_layernorm.weight")
         for kind in ("weight", "bias") if m.bias or m.qkv_bias else ("weight",):
             rules[ms + f"attn.qkv.{kind}"] = separate_qkv(
-                *(f"{attn}{p}_proj.{kind}" for p in "qkv"), m.heads, m.kv_groups)
+                *(f"{attn}{p}_proj.{kind}" for p in "qkv"), m.heads, m.kv_groups
+            )
         rules[ms + "attn.proj.weight"] = same(attn + "o_proj.weight")
         if m.moe.is_moe_layer(i):  # Mixtral's block_sparse_moe: w1 gate, w3 up, w2 down
             moe = hf + "block_sparse_moe."
@@ -217,11 +290,13 @@ def _llama_names(m: ModelConfig) -> dict[str, Rule]:
 
 
 def _llama_like(model_type: str, hf_class: str, expresses: Callable[[ModelConfig], bool]) -> Architecture:
-    return Architecture(model_type, hf_class, "model.", _llama_read(model_type), expresses,
-                        _llama_write(model_type), _llama_names)
+    return Architecture(
+        model_type, hf_class, "model.", _llama_read(model_type), expresses, _llama_write(model_type), _llama_names
+    )
 
 
 # ---------------------------------------------------------------- GPT-2
+
 
 def _gpt2_read(c: dict) -> ModelConfig:
     for key in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
@@ -233,27 +308,54 @@ def _gpt2_read(c: dict) -> ModelConfig:
     if act not in GELU:
         raise _refuse("gpt2", f"activation_function {act!r} (supported: {', '.join(GELU)})")
     shape = _shape(c)
-    return _checked(ModelConfig(
-        **{**shape, "tie_embeddings": bool(c.get("tie_word_embeddings", True))}, seq_len=_seq_len(c, learned=True),
-        ffn_hidden=int(c.get("n_inner") or 4 * shape["hidden"]), block="serial", mlp=GELU[act],
-        positions="learned", bias=True, norm_eps=float(c.get("layer_norm_epsilon", 1e-5))), "gpt2")
+    return _checked(
+        ModelConfig(
+            **{**shape, "tie_embeddings": bool(c.get("tie_word_embeddings", True))},
+            seq_len=_seq_len(c, learned=True),
+            ffn_hidden=int(c.get("n_inner") or 4 * shape["hidden"]),
+            block="serial",
+            mlp=GELU[act],
+            positions="learned",
+            bias=True,
+            norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+        ),
+        "gpt2",
+    )
 
 
 def _gpt2_expresses(m: ModelConfig) -> bool:
-    return (m.block == "serial" and m.norm == "layernorm" and m.mlp in GELU_OUT and m.positions == "learned"
-            and m.bias and m.kv_groups == m.heads and m.window is None)
+    return (
+        m.block == "serial"
+        and m.norm == "layernorm"
+        and m.mlp in GELU_OUT
+        and m.positions == "learned"
+        and m.bias
+        and m.kv_groups == m.heads
+        and m.window is None
+    )
 
 
 def _gpt2_write(m: ModelConfig) -> dict:
-    return {"vocab_size": m.vocab_size, "n_embd": m.hidden, "n_layer": m.layers, "n_head": m.heads,
-            "n_positions": m.seq_len, "n_inner": m.ffn, "activation_function": GELU_OUT[m.mlp],
-            "layer_norm_epsilon": m.norm_eps, "tie_word_embeddings": m.tie_embeddings}
+    return {
+        "vocab_size": m.vocab_size,
+        "n_embd": m.hidden,
+        "n_layer": m.layers,
+        "n_head": m.heads,
+        "n_positions": m.seq_len,
+        "n_inner": m.ffn,
+        "activation_function": GELU_OUT[m.mlp],
+        "layer_norm_epsilon": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+    }
 
 
 def _gpt2_names(m: ModelConfig) -> dict[str, Rule]:
-    rules = {"embed.tokens.weight": same("transformer.wte.weight"),
-             "embed.positions.weight": same("transformer.wpe.weight"),
-             "head.norm.weight": same("transformer.ln_f.weight"), "head.norm.bias": same("transformer.ln_f.bias")}
+    rules = {
+        "embed.tokens.weight": same("transformer.wte.weight"),
+        "embed.positions.weight": same("transformer.wpe.weight"),
+        "head.norm.weight": same("transformer.ln_f.weight"),
+        "head.norm.bias": same("transformer.ln_f.bias"),
+    }
     if not m.tie_embeddings:
         rules["head.out.weight"] = same("lm_head.weight")
     for i in range(m.layers):
@@ -272,6 +374,7 @@ def _gpt2_names(m: ModelConfig) -> dict[str, Rule]:
 
 # ---------------------------------------------------------------- GPT-NeoX
 
+
 def _neox_read(c: dict) -> ModelConfig:
     act = c.get("hidden_act", "gelu")
     if act not in GELU:
@@ -279,23 +382,47 @@ def _neox_read(c: dict) -> ModelConfig:
     if c.get("attention_bias") is False:
         raise _refuse("gpt_neox", "attention_bias=false with the MLP's biases")
     parallel = c.get("use_parallel_residual", True)
-    return _checked(ModelConfig(
-        **_shape(c), seq_len=_seq_len(c, learned=False), ffn_hidden=int(c["intermediate_size"]),
-        block="parallel" if parallel else "serial", parallel_norms=2 if parallel else 1, mlp=GELU[act],
-        positions="rotary", bias=True, norm_eps=float(c.get("layer_norm_eps", 1e-5)),
-        **_rope(c, "gpt_neox", default_fraction=0.25)), "gpt_neox")
+    return _checked(
+        ModelConfig(
+            **_shape(c),
+            seq_len=_seq_len(c, learned=False),
+            ffn_hidden=int(c["intermediate_size"]),
+            block="parallel" if parallel else "serial",
+            parallel_norms=2 if parallel else 1,
+            mlp=GELU[act],
+            positions="rotary",
+            bias=True,
+            norm_eps=float(c.get("layer_norm_eps", 1e-5)),
+            **_rope(c, "gpt_neox", default_fraction=0.25),
+        ),
+        "gpt_neox",
+    )
 
 
 def _neox_expresses(m: ModelConfig) -> bool:
-    return (m.norm == "layernorm" and m.mlp in GELU_OUT and m.positions == "rotary" and m.bias
-            and m.kv_groups == m.heads and m.window is None)
+    return (
+        m.norm == "layernorm"
+        and m.mlp in GELU_OUT
+        and m.positions == "rotary"
+        and m.bias
+        and m.kv_groups == m.heads
+        and m.window is None
+    )
 
 
 def _neox_write(m: ModelConfig) -> dict:
-    return {**_shape_out(m), "intermediate_size": m.ffn, "hidden_act": GELU_OUT[m.mlp],
-            "layer_norm_eps": m.norm_eps, "use_parallel_residual": m.block == "parallel",
-            "max_position_embeddings": _max_positions(m), "attention_bias": True,
-            "rotary_pct": m.rotary_fraction, "rotary_emb_base": m.rope_base, **_rope_out(m)}
+    return {
+        **_shape_out(m),
+        "intermediate_size": m.ffn,
+        "hidden_act": GELU_OUT[m.mlp],
+        "layer_norm_eps": m.norm_eps,
+        "use_parallel_residual": m.block == "parallel",
+        "max_position_embeddings": _max_positions(m),
+        "attention_bias": True,
+        "rotary_pct": m.rotary_fraction,
+        "rotary_emb_base": m.rope_base,
+        **_rope_out(m),
+    }
 
 
 def _neox_names(m: ModelConfig) -> dict[str, Rule]:
@@ -319,18 +446,23 @@ def _neox_names(m: ModelConfig) -> dict[str, Rule]:
     return rules
 
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
-    _llama_like("llama", "LlamaForCausalLM",
-                lambda m: _llama_family(m) and not m.qkv_bias and m.window is None),
-    _llama_like("mistral", "MistralForCausalLM",
-                lambda m: _llama_family(m) and not m.bias and not m.qkv_bias and m.window is not None),
-    _llama_like("qwen2", "Qwen2ForCausalLM", lambda m: _llama_family(m) and not m.bias and m.qkv_bias),
-    _llama_like("mixtral", "MixtralForCausalLM", _mixtral_expresses),
-    Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_read, _gpt2_expresses, _gpt2_write,
-                 _gpt2_names),
-    Architecture("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.", _neox_read, _neox_expresses, _neox_write,
-                 _neox_names),
-)}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a
+    for a in (
+        _llama_like("llama", "LlamaForCausalLM", lambda m: _llama_family(m) and not m.qkv_bias and m.window is None),
+        _llama_like(
+            "mistral",
+            "MistralForCausalLM",
+            lambda m: _llama_family(m) and not m.bias and not m.qkv_bias and m.window is not None,
+        ),
+        _llama_like("qwen2", "Qwen2ForCausalLM", lambda m: _llama_family(m) and not m.bias and m.qkv_bias),
+        _llama_like("mixtral", "MixtralForCausalLM", _mixtral_expresses),
+        Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_read, _gpt2_expresses, _gpt2_write, _gpt2_names),
+        Architecture(
+            "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.", _neox_read, _neox_expresses, _neox_write, _neox_names
+        ),
+    )
+}
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -339,11 +471,15 @@ def architecture_of(config: dict) -> Architecture:
     model_type = config.get("model_type")
     moe = [k for k in MOE_KEYS if config.get(k)]
     if moe and model_type != "mixtral":
-        raise InteropError(f"model_type {model_type!r} is a mixture of experts ({moe[0]}={config[moe[0]]}) that "
-                           "megascale does not map; of the mixtures of experts it imports mixtral")
+        raise InteropError(
+            f"model_type {model_type!r} is a mixture of experts ({moe[0]}={config[moe[0]]}) that "
+            "megascale does not map; of the mixtures of experts it imports mixtral"
+        )
     if model_type not in ARCHITECTURES:
-        raise InteropError(f"model_type {model_type!r} is not supported; megascale imports "
-                           f"{', '.join(sorted(ARCHITECTURES))} (and its own exports, model_type 'megascale')")
+        raise InteropError(
+            f"model_type {model_type!r} is not supported; megascale imports "
+            f"{', '.join(sorted(ARCHITECTURES))} (and its own exports, model_type 'megascale')"
+        )
     return ARCHITECTURES[model_type]
 
 

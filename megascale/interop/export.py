@@ -46,8 +46,13 @@ class Exported:
     tokenizer: str  # where the tokenizer came from ("bytes" or a tokenizer.json)
 
 
-def export(url: str, out: Path, dtype: torch.dtype | None = None, tokenizer: str | None = None,
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Exported:
+def export(
+    url: str,
+    out: Path,
+    dtype: torch.dtype | None = None,
+    tokenizer: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Exported:
     """Write the newest valid checkpoint at `url` (a checkpoint, a checkpoint root or a run
     directory) to `out`, with `tokenizer` (default: the run's)."""
     tensors, manifest = whole_tensors(checkpoint_root(url))
@@ -55,8 +60,9 @@ def export(url: str, out: Path, dtype: torch.dtype | None = None, tokenizer: str
     weights = {param: t if dtype is None else t.to(dtype) for (param, _), t in tensors.items()}
     tok = load_tokenizer(tokenizer) if tokenizer else run_tokenizer(manifest["config"])
     started = manifest["config"].get("checkpoint", {}).get("init_from") or None
-    return write_export(model, weights, out, tok, int(manifest["step"]), max_shard_bytes,
-                        Path(started) if started else None)
+    return write_export(
+        model, weights, out, tok, int(manifest["step"]), max_shard_bytes, Path(started) if started else None
+    )
 
 
 def checkpoint_root(url: str) -> str:
@@ -67,9 +73,15 @@ def checkpoint_root(url: str) -> str:
     return url
 
 
-def write_export(model: ModelConfig, weights: dict[str, torch.Tensor], out: Path,
-                 tokenizer: str | ByteTokenizer | HFTokenizer, step: int, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 started_from: Path | None = None) -> Exported:
+def write_export(
+    model: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    out: Path,
+    tokenizer: str | ByteTokenizer | HFTokenizer,
+    step: int,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    started_from: Path | None = None,
+) -> Exported:
     """`weights`: whole parameters by single-process name (a tied head stored once);
     `started_from`: the transformers checkpoint the run was initialised from, if any."""
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -77,9 +89,11 @@ def write_export(model: ModelConfig, weights: dict[str, torch.Tensor], out: Path
     write_tokenizer(tok, out, model.seq_len)
     arch = standard_architecture(model)
     if arch is None and model.moe.experts:
-        raise InteropError("a mixture-of-experts model exports as mixtral only (serial Llama layers, softmax "
-                           "top-k renormalised in every block, no shared expert, routing bias or capacity); the "
-                           "remote-code export has no MoE layers")
+        raise InteropError(
+            "a mixture-of-experts model exports as mixtral only (serial Llama layers, softmax "
+            "top-k renormalised in every block, no shared expert, routing bias or capacity); the "
+            "remote-code export has no MoE layers"
+        )
     if arch is None:
         config = remote_code_config(model)
         named = sorted(weights.items())
@@ -88,8 +102,11 @@ def write_export(model: ModelConfig, weights: dict[str, torch.Tensor], out: Path
     else:
         config = {"model_type": arch.model_type, "architectures": [arch.hf_class], **arch.write(model)}
         rules = arch.names(model)
-        named = [(hf, t) for name in sorted(weights) for hf, t in
-                 zip(rules[name].sources, rules[name].split(weights[name]), strict=True)]
+        named = [
+            (hf, t)
+            for name in sorted(weights)
+            for hf, t in zip(rules[name].sources, rules[name].split(weights[name]), strict=True)
+        ]
     stored = next(iter(weights.values())).dtype
     config.update(eos_token_id=tok.eod, bos_token_id=tok.bos, torch_dtype=DTYPE_NAMES.get(stored, "float32"))
     config = kept_settings(config, started_from, out)
@@ -129,11 +146,18 @@ def kept_settings(config: dict, started_from: Path | None, out: Path) -> dict:
 
 def remote_code_config(model: ModelConfig) -> dict:
     return {
-        "model_type": MEGASCALE_TYPE, "architectures": ["MegascaleForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_megascale.MegascaleConfig",
-                     "AutoModelForCausalLM": "modeling_megascale.MegascaleForCausalLM"},
+        "model_type": MEGASCALE_TYPE,
+        "architectures": ["MegascaleForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_megascale.MegascaleConfig",
+            "AutoModelForCausalLM": "modeling_megascale.MegascaleForCausalLM",
+        },
         MODEL_KEY: {**to_dict(model), "window": model.window},
-        "vocab_size": model.vocab_size, "hidden_size": model.hidden, "num_hidden_layers": model.layers,
-        "num_attention_heads": model.heads, "max_position_embeddings": model.seq_len,
-        "tie_word_embeddings": model.tie_embeddings, "use_cache": False,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads,
+        "max_position_embeddings": model.seq_len,
+        "tie_word_embeddings": model.tie_embeddings,
+        "use_cache": False,
     }

@@ -54,14 +54,24 @@ def load_checkpoint(url: str) -> tuple[GPT, dict]:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"head.out.weight"} if model.cfg.tie_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise CheckpointError(f"{url}: the checkpoint does not fit its model config (missing "
-                              f"{sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
+        raise CheckpointError(
+            f"{url}: the checkpoint does not fit its model config (missing "
+            f"{sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})"
+        )
     return model, manifest
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0, stop: int | None = None, cache: bool = True) -> list[int]:
+def generate(
+    model: GPT,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop: int | None = None,
+    cache: bool = True,
+) -> list[int]:
     """The prompt's continuation (new token ids only), ending early at `stop`. Learned positions
     limit the context to the model's seq_len (the oldest tokens drop out of the window; from then
     on every step runs the window again, as `cache=False` does from the start)."""
@@ -123,4 +133,3 @@ def encode_prompt(tokenizer: ByteTokenizer | HFTokenizer, text: str) -> list[int
     """The prompt as the training documents began: after the BOS, where the tokenizer adds one."""
     bos = [] if tokenizer.bos is None else [tokenizer.bos]
     return bos + [int(i) for i in tokenizer.encode(text.encode())]
-

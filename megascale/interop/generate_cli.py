@@ -7,8 +7,11 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a megascale checkpoint (step_N or a checkpoint root) or a Hugging "
-                        "Face model directory (an export, or any checkpoint `megascale import` reads)")
+    parser.add_argument(
+        "checkpoint",
+        help="a megascale checkpoint (step_N or a checkpoint root) or a Hugging "
+        "Face model directory (an export, or any checkpoint `megascale import` reads)",
+    )
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -36,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         print("megascale generate: the prompt encodes to no tokens", file=sys.stderr)
         return 2
-    new = generate(loaded.model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                   stop=loaded.tokenizer.eod)
+    new = generate(
+        loaded.model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop=loaded.tokenizer.eod
+    )
     print(f"[{loaded.source}]", file=sys.stderr)
     sys.stdout.write(args.prompt + loaded.tokenizer.decode(new).decode("utf-8", errors="replace") + "\n")
     if args.ids:

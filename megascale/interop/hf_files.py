@@ -66,7 +66,8 @@ class HFDirectory:
             raise InteropError(
                 f"{self.path} holds only pickled weights ({pickled[0]}); megascale never unpickles a "
                 "checkpoint (it can run code): save it as safetensors (save_pretrained(..., "
-                "safe_serialization=True)) and import that")
+                "safe_serialization=True)) and import that"
+            )
         raise InteropError(f"{self.path} has no {SINGLE} nor {INDEX}")
 
     @property
@@ -78,8 +79,8 @@ class HFDirectory:
         model saves it, without."""
         if name in self.files:
             return name
-        if name.startswith(prefix) and name[len(prefix):] in self.files:
-            return name[len(prefix):]
+        if name.startswith(prefix) and name[len(prefix) :] in self.files:
+            return name[len(prefix) :]
         return None
 
     def _handle(self, file: Path):
@@ -94,8 +95,9 @@ class HFDirectory:
         return self._handle(self.files[name]).get_tensor(name)
 
 
-def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int,
-                      metadata: dict[str, str]) -> list[Path]:
+def write_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int, metadata: dict[str, str]
+) -> list[Path]:
     """Write `tensors` as one `model.safetensors`, or as shards of at most `max_shard_bytes`
     (a tensor larger than that gets a shard of its own) with `model.safetensors.index.json`."""
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -21,11 +21,16 @@ from megascale.model.flops import parameter_count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a local transformers checkpoint directory (config.json + "
-                        "model.safetensors or sharded safetensors with their index)")
+    parser.add_argument(
+        "checkpoint",
+        help="a local transformers checkpoint directory (config.json + "
+        "model.safetensors or sharded safetensors with their index)",
+    )
     parser.add_argument("--out", required=True, help="directory to write config.toml into")
-    parser.epilog = ("Overrides go into the written config, e.g. --model.seq_len=2048 --parallel.tp=2; "
-                     "model options that change the weights are refused")
+    parser.epilog = (
+        "Overrides go into the written config, e.g. --model.seq_len=2048 --parallel.tp=2; "
+        "model options that change the weights are refused"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +78,8 @@ def summary(source: Pretrained, cfg: JobConfig, path: Path) -> str:
     if m.positions == "rotary" and limit and limit != m.seq_len:
         lines.append(f"model.seq_len = {m.seq_len} (the checkpoint allows {limit}): set it to your training length")
     tokenizer = cfg.data.tokenizer or "bytes"
-    lines += [f"next: megascale prep INPUTS --out TOKENS --tokenizer {tokenizer}",
-              f"      megascale train --config {path} --data.path=TOKENS"]
+    lines += [
+        f"next: megascale prep INPUTS --out TOKENS --tokenizer {tokenizer}",
+        f"      megascale train --config {path} --data.path=TOKENS",
+    ]
     return "\n".join(lines)

@@ -55,8 +55,10 @@ class Pretrained:
             for source in rule.sources:
                 found = self.dir.resolve(source, prefix)
                 if found is None:
-                    raise InteropError(f"{self.dir.path}: {source} (for megascale's {name}) is not in the checkpoint's "
-                                       f"safetensors; the files do not match config.json")
+                    raise InteropError(
+                        f"{self.dir.path}: {source} (for megascale's {name}) is not in the checkpoint's "
+                        f"safetensors; the files do not match config.json"
+                    )
                 stored[source] = found
             shapes = [self.dir.shape(stored[s]) for s in rule.sources]
             try:
@@ -65,8 +67,9 @@ class Pretrained:
                 joined = None
             if joined != shape:
                 found = ", ".join(f"{s} {tuple(sh)}" for s, sh in zip(rule.sources, shapes, strict=True))
-                raise InteropError(f"{self.dir.path}: {found} do not make megascale's {name} {shape}, the shape "
-                                   f"config.json describes")
+                raise InteropError(
+                    f"{self.dir.path}: {found} do not make megascale's {name} {shape}, the shape config.json describes"
+                )
         return stored
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -91,8 +94,11 @@ def exported_model_config(config: dict) -> ModelConfig:
 def differences(wanted: ModelConfig, have: ModelConfig) -> list[str]:
     """The model options of `have` that would not hold the checkpoint `wanted` describes."""
     free = FREE_OPTIONS - ({"seq_len"} if wanted.positions == "learned" else set())
-    return [f.name for f in dataclasses.fields(ModelConfig)
-            if f.name not in free and getattr(wanted, f.name) != getattr(have, f.name)]
+    return [
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in free and getattr(wanted, f.name) != getattr(have, f.name)
+    ]
 
 
 def init_source(cfg: JobConfig) -> Pretrained:
@@ -105,7 +111,8 @@ def init_source(cfg: JobConfig) -> Pretrained:
         raise InteropError(
             f"checkpoint.init_from={cfg.checkpoint.init_from}: model.{key} is {getattr(cfg.model, key)!r} here but "
             f"{getattr(source.model, key)!r} in that checkpoint ({len(wrong)} option(s) differ: {', '.join(wrong)}); "
-            f"`megascale import {cfg.checkpoint.init_from} --out DIR` writes the matching config")
+            f"`megascale import {cfg.checkpoint.init_from} --out DIR` writes the matching config"
+        )
     return source
 
 

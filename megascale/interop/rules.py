@@ -54,7 +54,7 @@ def split_group_major(qkv: torch.Tensor, heads: int, kv_groups: int) -> list[tor
     d = qkv.shape[0] // (heads + 2 * kv_groups)
     per = heads // kv_groups * d
     grouped = qkv.reshape(kv_groups, -1, *rest)
-    parts = grouped[:, :per], grouped[:, per:per + d], grouped[:, per + d:]
+    parts = grouped[:, :per], grouped[:, per : per + d], grouped[:, per + d :]
     return [p.reshape(-1, *rest).contiguous() for p in parts]
 
 
@@ -65,6 +65,7 @@ def separate_qkv(q: str, k: str, v: str, heads: int, kv_groups: int) -> Rule:
 
 def fused_qkv_conv1d(name: str, heads: int, bias: bool) -> Rule:
     """GPT-2's c_attn: [h, 3h] (bias [3h]) with all queries, then all keys, then all values."""
+
     def join(ts: list[torch.Tensor]) -> torch.Tensor:
         t = ts[0] if bias else ts[0].t()
         return group_major(*t.chunk(3, dim=0), heads)
@@ -78,6 +79,7 @@ def fused_qkv_conv1d(name: str, heads: int, bias: bool) -> Rule:
 
 def gate_up(gate: str, up: str) -> Rule:
     """SwiGLU's gate_proj and up_proj -> megascale's interleaved rows (gate 0, up 0, gate 1, ...)."""
+
     def join(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(ts, dim=1).reshape(-1, *ts[0].shape[1:])
 

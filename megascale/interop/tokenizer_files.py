@@ -36,8 +36,9 @@ def run_tokenizer(job: dict) -> ByteTokenizer | HFTokenizer:
     if not datasets:
         return load_tokenizer("bytes")  # the embedded default corpus is byte-level
     if identity is None:
-        raise FileNotFoundError(f"cannot tell the run's tokenizer: {Path(datasets[0]) / MANIFEST} is unreadable; "
-                                "pass --tokenizer")
+        raise FileNotFoundError(
+            f"cannot tell the run's tokenizer: {Path(datasets[0]) / MANIFEST} is unreadable; pass --tokenizer"
+        )
     return manifest_tokenizer(identity)
 
 
@@ -61,8 +62,11 @@ def write_tokenizer(tok: ByteTokenizer | HFTokenizer, out: Path, max_length: int
                 shutil.copyfile(tok.path.parent / name, out / name)
         eod_token, bos_token = tok.eod_token, tok.bos_token
     if not (out / "tokenizer_config.json").is_file():
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-                  "clean_up_tokenization_spaces": False}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": max_length,
+            "clean_up_tokenization_spaces": False,
+        }
         if eod_token:
             config["eos_token"] = eod_token
         if bos_token:

@@ -48,8 +48,9 @@ class RankGrid:
 
     @classmethod
     def of(cls, degrees: HasDegrees) -> RankGrid:
-        return cls(pp=degrees.pp, dp=degrees.dp, tp=degrees.tp, cp=getattr(degrees, "cp", 1),
-                   ep=getattr(degrees, "ep", 1))
+        return cls(
+            pp=degrees.pp, dp=degrees.dp, tp=degrees.tp, cp=getattr(degrees, "cp", 1), ep=getattr(degrees, "ep", 1)
+        )
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "cp", "ep"):

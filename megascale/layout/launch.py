@@ -43,8 +43,14 @@ class LaunchEnv:
             raise ConfigError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
         local_world = _integer(env, "LOCAL_WORLD_SIZE", 0) or None
         node = _integer(env, "GROUP_RANK", -1)
-        return cls(rank=rank, world_size=world, local_rank=_integer(env, "LOCAL_RANK", rank),
-                   local_world_size=local_world, launched="RANK" in env, node=None if node < 0 else node)
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=_integer(env, "LOCAL_RANK", rank),
+            local_world_size=local_world,
+            launched="RANK" in env,
+            node=None if node < 0 else node,
+        )
 
     def device(self, choice: str) -> torch.device:
         """The device `train.device` (auto, cpu or cuda) means for this rank: its node's GPU

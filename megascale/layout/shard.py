@@ -71,15 +71,25 @@ class ShardSpec:
     def to_json(self) -> dict[str, Any]:
         """The stored form (checkpoint records, restore plans): the layout, never the groups;
         `sp_partial` is how this run uses the piece, not what it holds, so it is not stored."""
-        return {"global_shape": list(self.global_shape), "tp_dim": self.tp_dim, "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size, "flat_range": list(self.flat_range) if self.flat_range else None}
+        return {
+            "global_shape": list(self.global_shape),
+            "tp_dim": self.tp_dim,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "flat_range": list(self.flat_range) if self.flat_range else None,
+        }
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> ShardSpec:
         """Inverse of `to_json` (its input is schema-checked first: `checkpoint.manifest.Spec`)."""
         flat = data["flat_range"]
-        return ShardSpec(tuple(data["global_shape"]), data["tp_dim"], data["tp_rank"], data["tp_size"],
-                         tuple(flat) if flat is not None else None)
+        return ShardSpec(
+            tuple(data["global_shape"]),
+            data["tp_dim"],
+            data["tp_rank"],
+            data["tp_size"],
+            tuple(flat) if flat is not None else None,
+        )
 
     def split_over(self, *groups: dist.ProcessGroup | None) -> ShardSpec:
         """The same piece, now also one of several summed over `groups` (None entries ignored)."""
@@ -137,4 +147,3 @@ def local_piece(whole: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     if valid_end > start:
         out[: valid_end - start] = flat[start:valid_end]
     return out
-

@@ -110,8 +110,8 @@ class KVCache:
                 raise ValueError("a KV cache takes the prompt once, then one token at a time")
             k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
             if self.window is not None:
-                k, v = k[..., -self.window:, :], v[..., -self.window:, :]
+                k, v = k[..., -self.window :, :], v[..., -self.window :, :]
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
         self.seen += q.shape[-2]
-        self.k, self.v = (k, v) if self.window is None else (k[..., -self.window:, :], v[..., -self.window:, :])
+        self.k, self.v = (k, v) if self.window is None else (k[..., -self.window :, :], v[..., -self.window :, :])
         return out

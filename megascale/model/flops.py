@@ -88,7 +88,8 @@ def parameter_count(cfg: ModelConfig) -> int:
     norms_per_layer = cfg.parallel_norms if cfg.block == "parallel" else 2
     per_layer = (
         (h + qkv_b) * cfg.qkv_width  # qkv
-        + h * h + h * b  # attention output
+        + h * h
+        + h * b  # attention output
         + norms_per_layer * norm_parameters(cfg)
     )
     mlps = sum(_mlp_layer_parameters(cfg, i) for i in range(cfg.layers))

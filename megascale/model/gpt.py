@@ -43,7 +43,7 @@ class Embedding(nn.Module):
         if self.context is not None:
             offset = self.context.offset(tokens.shape[1])
         if self.positions is not None:
-            h = h + self.positions.weight[offset: offset + tokens.shape[1]]
+            h = h + self.positions.weight[offset : offset + tokens.shape[1]]
         return h
 
 
@@ -167,7 +167,8 @@ class Block(nn.Module):
         attn, mlp = self.attn, self.mlp
         weight_in = torch.cat([attn.qkv.weight, mlp.fc.weight])
         qkv, up = attn.qkv.project(h, weight_in, _joined_bias(attn.qkv, mlp.fc)).split(
-            [attn.qkv.weight.shape[0], mlp.fc.weight.shape[0]], dim=-1)
+            [attn.qkv.weight.shape[0], mlp.fc.weight.shape[0]], dim=-1
+        )
         inner = torch.cat([attn.attend(qkv), mlp.activation(up)], dim=-1)
         weight_out = torch.cat([attn.proj.weight, mlp.proj.weight], dim=1)
         biases = [b for b in (attn.proj.bias, mlp.proj.bias) if b is not None]
@@ -178,8 +179,9 @@ def _joined_bias(*layers: nn.Linear) -> torch.Tensor | None:
     """The biases of layers whose outputs are concatenated (zeros for a layer without one)."""
     if all(layer.bias is None for layer in layers):
         return None
-    return torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.weight.shape[0])
-                      for layer in layers])
+    return torch.cat(
+        [layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.weight.shape[0]) for layer in layers]
+    )
 
 
 class Head(nn.Module):

@@ -30,8 +30,15 @@ IGNORE_INDEX = -100
 Combine = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _chunk(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-           combine: Combine | None, grad_x: torch.Tensor | None, grad_w: torch.Tensor | None) -> torch.Tensor:
+def _chunk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    combine: Combine | None,
+    grad_x: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+) -> torch.Tensor:
     """The summed loss of one chunk of tokens; its gradients written into `grad_x` (this chunk's
     rows) and added to `grad_w`. Its logits die when it returns (one chunk alive at a time)."""
     local_vocab = weight.shape[0]
@@ -63,8 +70,16 @@ def _chunk(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_st
 
 class _ChunkedLinearCrossEntropy(Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                vocab_start: int, combine: Combine | None, grads: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk: int,
+        vocab_start: int,
+        combine: Combine | None,
+        grads: bool,
+    ) -> torch.Tensor:
         want_x, want_w = (grads and ctx.needs_input_grad[0]), (grads and ctx.needs_input_grad[1])
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if want_x else None
@@ -72,8 +87,15 @@ class _ChunkedLinearCrossEntropy(Function):
         with torch.autocast(x.device.type, enabled=False):  # the caller chose the GEMM dtype
             for start in range(0, x.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                total += _chunk(x[rows], weight, labels[rows], vocab_start, combine,
-                                None if grad_x is None else grad_x[rows], grad_w)
+                total += _chunk(
+                    x[rows],
+                    weight,
+                    labels[rows],
+                    vocab_start,
+                    combine,
+                    None if grad_x is None else grad_x[rows],
+                    grad_w,
+                )
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -87,8 +109,14 @@ class _ChunkedLinearCrossEntropy(Function):
         return gx, gw, None, None, None, None, None
 
 
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                          vocab_start: int = 0, combine: Combine | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    vocab_start: int = 0,
+    combine: Combine | None = None,
+) -> torch.Tensor:
     """Sum over tokens of cross_entropy(x @ weight.T, labels) (0 where `labels == -100`), with
     fp32 logits, `chunk` tokens at a time. x: `[tokens, hidden]`, weight: `[V_local, hidden]`,
     labels: `[tokens]` (whole-vocabulary ids). Under autocast the GEMMs run in its dtype, as
@@ -98,5 +126,4 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.T
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
-    return _ChunkedLinearCrossEntropy.apply(x, weight, labels, chunk, vocab_start, combine,
-                                            torch.is_grad_enabled())
+    return _ChunkedLinearCrossEntropy.apply(x, weight, labels, chunk, vocab_start, combine, torch.is_grad_enabled())

@@ -199,5 +199,8 @@ def balance_step(layers: list[MoE], reduce: Callable[[torch.Tensor], torch.Tenso
         imbalance = max(imbalance, float(load.max() / mean.clamp(min=1e-9)))
         dropped, assigned = dropped + float(row[-1]), assigned + float(load.sum())
         layer.load, layer.dropped = None, None
-    return {"moe_imbalance": imbalance, "moe_dropped": dropped / max(assigned, 1.0),
-            "moe_load": [float(v) for v in stats[0, :-1]]}
+    return {
+        "moe_imbalance": imbalance,
+        "moe_dropped": dropped / max(assigned, 1.0),
+        "moe_load": [float(v) for v in stats[0, :-1]],
+    }

@@ -18,8 +18,13 @@ ScalingKey = tuple[str, float, float, float, int]
 
 
 def scaling_key(scaling: RopeScaling) -> ScalingKey:
-    return (scaling.kind, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
-            scaling.original_max_positions)
+    return (
+        scaling.kind,
+        scaling.factor,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+        scaling.original_max_positions,
+    )
 
 
 def inverse_frequencies(rotary_dim: int, base: float, scaling: ScalingKey) -> torch.Tensor:

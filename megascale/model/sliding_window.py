@@ -55,8 +55,9 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _eager_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _eager_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernel's contract in plain PyTorch: (output, log-sum-exp `[b, heads, queries]`)."""
     per = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(per, 1), v.repeat_interleave(per, 1)
@@ -65,8 +66,16 @@ def _eager_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return (scores.sub_(lse.unsqueeze(-1)).exp_().to(q.dtype) @ v), lse
 
 
-def _eager_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+def _eager_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
     per = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(per, 1), v.repeat_interleave(per, 1)
     probs = _wide(q @ kr.transpose(-1, -2)).mul_(scale).add_(mask).sub_(lse.unsqueeze(-1)).exp_()
@@ -121,15 +130,15 @@ class _Chunks:
     def rows(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
         """Queries (or outputs) of a group `[b, heads, s, e]` -> `[b * count, heads, block, e]`."""
         if count == 1:
-            return x[:, :, start:start + self.block]
+            return x[:, :, start : start + self.block]
         b, h, _, e = x.shape
-        part = x[:, :, start:start + count * self.block].view(b, h, count, self.block, e)
+        part = x[:, :, start : start + count * self.block].view(b, h, count, self.block, e)
         return part.transpose(1, 2).reshape(b * count, h, self.block, e)
 
     def put(self, dst: torch.Tensor, start: int, count: int, value: torch.Tensor) -> None:
         b, h, _, e = dst.shape
         value = value.view(b, count, h, -1, e).transpose(1, 2).reshape(b, h, -1, e)
-        dst[:, :, start:start + value.shape[2]] = value
+        dst[:, :, start : start + value.shape[2]] = value
 
     def kv(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
         """Keys (or values) of a group: `[b * count, kv_heads, keys of a chunk, d]`."""
@@ -146,7 +155,7 @@ class _Chunks:
         """Add a group's key (or value) gradients `[b * count, kv_heads, span, d]` into place."""
         lo, hi = self.key_range(start, count)
         if count == 1:
-            dst[:, :, max(lo, 0):hi] += grad[:, :, max(0, -lo):]
+            dst[:, :, max(lo, 0) : hi] += grad[:, :, max(0, -lo) :]
             return
         b, g, _, d = dst.shape
         grad = grad.view(b, count, g, -1, d).transpose(1, 2)  # [b, g, count, span, d]
@@ -155,13 +164,13 @@ class _Chunks:
             width = min(self.block, span - offset)
             first = lo + offset
             if first + rows <= dst.shape[2]:
-                target = dst[:, :, first:first + rows].view(b, g, count, self.block, d)
-                target[:, :, :, :width] += grad[:, :, :, offset:offset + width]
+                target = dst[:, :, first : first + rows].view(b, g, count, self.block, d)
+                target[:, :, :, :width] += grad[:, :, :, offset : offset + width]
             else:  # the last piece ends the keys: the last chunk's part of it is shorter than a block
-                target = dst[:, :, first:first + rows - self.block].view(b, g, count - 1, self.block, d)
-                target[:, :, :, :width] += grad[:, :, :-1, offset:offset + width]
+                target = dst[:, :, first : first + rows - self.block].view(b, g, count - 1, self.block, d)
+                target[:, :, :, :width] += grad[:, :, :-1, offset : offset + width]
                 last = first + rows - self.block
-                dst[:, :, last:last + width] += grad[:, :, -1, offset:offset + width]
+                dst[:, :, last : last + width] += grad[:, :, -1, offset : offset + width]
 
     def mask(self, start: int, like: torch.Tensor) -> torch.Tensor:
         lo, hi = self.key_range(start)
@@ -184,7 +193,8 @@ class _SlidingWindowAttention(Function):
             mask = chunks.mask(start, q)
             if _fused(q):
                 o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    *args, attn_mask=mask, scale=chunks.scale)
+                    *args, attn_mask=mask, scale=chunks.scale
+                )
             else:
                 o, m = _eager_forward(*args, mask, chunks.scale)
             chunks.put(out, start, count, o)
@@ -200,13 +210,19 @@ class _SlidingWindowAttention(Function):
         grad_q = torch.empty_like(q)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         for start, count in chunks:
-            args = (chunks.rows(grad_out, start, count), chunks.rows(q, start, count), chunks.kv(k, start, count),
-                    chunks.kv(v, start, count), chunks.rows(out, start, count),
-                    chunks.rows(lse, start, count).squeeze(-1))
+            args = (
+                chunks.rows(grad_out, start, count),
+                chunks.rows(q, start, count),
+                chunks.kv(k, start, count),
+                chunks.kv(v, start, count),
+                chunks.rows(out, start, count),
+                chunks.rows(lse, start, count).squeeze(-1),
+            )
             mask = chunks.mask(start, q)
             if _fused(q):
                 dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    *args, 0.0, False, attn_mask=mask, scale=chunks.scale)
+                    *args, 0.0, False, attn_mask=mask, scale=chunks.scale
+                )
             else:
                 dq, dk, dv = _eager_backward(*args, mask, chunks.scale)
             chunks.put(grad_q, start, count, dq)
@@ -215,8 +231,9 @@ class _SlidingWindowAttention(Function):
         return grad_q, grad_k, grad_v, None, None
 
 
-def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                             block: int | None = None) -> torch.Tensor:
+def sliding_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, block: int | None = None
+) -> torch.Tensor:
     """Causal attention of q `[b, heads, s, d]` over k, v `[b, kv_heads, prefix + s, d]` within the
     last `window` positions, in query chunks of `block` (default: `default_block(window)`)."""
     if window < 1:
@@ -224,6 +241,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
     if k.shape[2] < q.shape[2] or v.shape[2] != k.shape[2]:
-        raise ValueError(f"keys/values of {k.shape[2]}/{v.shape[2]} positions for {q.shape[2]} queries: "
-                         "they must be equal, and at least as many as the queries")
+        raise ValueError(
+            f"keys/values of {k.shape[2]}/{v.shape[2]} positions for {q.shape[2]} queries: "
+            "they must be equal, and at least as many as the queries"
+        )
     return _SlidingWindowAttention.apply(q, k, v, window, block or default_block(window))

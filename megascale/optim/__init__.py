@@ -20,9 +20,7 @@ def decays(name: str, tensor: torch.Tensor) -> bool:
     return shard_spec(tensor).matrix and not name.endswith("bias")
 
 
-def build_optimizer(
-    named: Iterable[tuple[str, torch.Tensor]], cfg: OptimConfig
-) -> torch.optim.Optimizer:
+def build_optimizer(named: Iterable[tuple[str, torch.Tensor]], cfg: OptimConfig) -> torch.optim.Optimizer:
     """`named` pairs a parameter's name with the tensor to optimise: the parameter itself, or
     this rank's shard of it under ZeRO."""
     decay: list[torch.Tensor] = []
@@ -32,7 +30,8 @@ def build_optimizer(
             raise ConfigError(
                 f"optim.name={cfg.name!r} would step on {name} in {tensor.dtype} and keep its state in it: "
                 "the optimizer needs fp32 master weights (train.param_dtype=bf16 keeps them in the ZeRO "
-                "shards; an optimizer given the bf16 parameters themselves cannot)")
+                "shards; an optimizer given the bf16 parameters themselves cannot)"
+            )
         (decay if decays(name, tensor) else no_decay).append(tensor)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
@@ -45,6 +44,12 @@ def build_optimizer(
 
 
 __all__ = [
-    "Lamb", "build_optimizer", "clip_grad_norm_", "clip_to_norm_", "decays", "global_grad_norm", "lr_at",
+    "Lamb",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "clip_to_norm_",
+    "decays",
+    "global_grad_norm",
+    "lr_at",
     "whole_sq_norms",
 ]

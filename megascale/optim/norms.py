@@ -41,9 +41,7 @@ def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tenso
     return local
 
 
-def global_grad_norm(
-    params: Sequence[torch.Tensor], across: Sequence[dist.ProcessGroup | None] = ()
-) -> torch.Tensor:
+def global_grad_norm(params: Sequence[torch.Tensor], across: Sequence[dist.ProcessGroup | None] = ()) -> torch.Tensor:
     """L2 norm of all gradients of the model, counting every element exactly once.
 
     `across` are groups holding disjoint parameters (pipeline stages) whose totals add up; a

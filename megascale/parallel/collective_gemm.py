@@ -56,8 +56,9 @@ class _AllGatherMatmul(Function):
     """y = all_gather_seq(x) @ W^T + b;  x: [b, s/tp, k] -> y: [b, s, n_local]."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                tp: TPContext, target: Target | None) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext, target: Target | None
+    ) -> torch.Tensor:
         ctx.target = target
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         x, weight, bias = compute_dtype(x, weight, bias)
@@ -98,8 +99,9 @@ class _AllGatherMatmul(Function):
         if ctx.target is not None:  # split backward: the weight-gradient GEMMs wait for W
             chunks = [(grad[:, :, r0:r1].transpose(0, 1), c) for (r0, r1), c in zip(ctx.ranges, gathered, strict=True)]
             target = ctx.target
-            weight_grad.defer(lambda: target.pairs(
-                lambda: _sum_chunks(chunks), lambda: grad_out.sum((0, 1), dtype=torch.float32)))
+            weight_grad.defer(
+                lambda: target.pairs(lambda: _sum_chunks(chunks), lambda: grad_out.sum((0, 1), dtype=torch.float32))
+            )
         if need_x:
             grad_x = grad.new_empty(batch, local, weight.shape[1], dtype=x_dtype)
             for (r0, r1), p in zip(ctx.ranges, pending, strict=True):
@@ -111,8 +113,7 @@ class _MatmulReduceScatter(Function):
     """z = reduce_scatter_seq(x @ W^T);  x: [b, s, k_local] -> z: [b, s/tp, n]."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: TPContext,
-                target: Target | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: TPContext, target: Target | None) -> torch.Tensor:
         ctx.target = target
         ctx.dtypes = (x.dtype, weight.dtype)
         x, weight = compute_dtype(x, weight)
@@ -123,8 +124,7 @@ class _MatmulReduceScatter(Function):
         parts = x.reshape(batch, tp.size, local, k)
         with torch.autocast(x.device.type, enabled=False):
             pending = [  # GEMM(c+1) runs while RS(c) is in flight
-                _issue(start_reduce_scatter(F.linear(parts[:, :, r0:r1].transpose(0, 1), weight),
-                                            tp), tp)
+                _issue(start_reduce_scatter(F.linear(parts[:, :, r0:r1].transpose(0, 1), weight), tp), tp)
                 for r0, r1 in ranges
             ]
         out = x.new_empty(batch, local, weight.shape[0])
@@ -172,8 +172,7 @@ def _sum_chunks(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor
     return grad_w
 
 
-def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      tp: TPContext) -> torch.Tensor:
+def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPContext) -> torch.Tensor:
     """Column-parallel GEMM on a sequence-parallel input: `[b, s/tp, k] -> [b, s, n/tp]`."""
     if weight_grad.active():
         target = Target.of(weight, bias)

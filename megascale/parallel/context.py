@@ -42,15 +42,18 @@ FORWARD_TAG, BACKWARD_TAG = 35, 36
 def split_sequence(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
     """Rank `rank`'s contiguous part of `x` along the sequence dimension `dim`."""
     if x.shape[dim] % size:
-        raise ConfigError(f"model.seq_len {x.shape[dim]} is not divisible by parallel.cp = {size}; "
-                          "choose a cp that divides the sequence length")
+        raise ConfigError(
+            f"model.seq_len {x.shape[dim]} is not divisible by parallel.cp = {size}; "
+            "choose a cp that divides the sequence length"
+        )
     return x.chunk(size, dim)[rank]
 
 
 def split_batch(batch: TokenBatch, rank: int, size: int) -> TokenBatch:
     """This cp rank's part of every sequence of a `[micro_batches, micro, seq]` batch."""
-    return replace(batch, inputs=split_sequence(batch.inputs, rank, size, 2),
-                   labels=split_sequence(batch.labels, rank, size, 2))
+    return replace(
+        batch, inputs=split_sequence(batch.inputs, rank, size, 2), labels=split_sequence(batch.labels, rank, size, 2)
+    )
 
 
 def sum_grads_over(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
@@ -77,7 +80,7 @@ class _Halo:
 
     def post(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.rank + 1 < self.size:
-            tail = torch.stack([k[:, :, -self.halo:], v[:, :, -self.halo:]]).contiguous()
+            tail = torch.stack([k[:, :, -self.halo :], v[:, :, -self.halo :]]).contiguous()
             self.works.append(dist.isend(tail, self._peer(self.rank + 1), group=self.group, tag=FORWARD_TAG))
         if self.rank > 0:
             self.received = k.new_empty(2, k.shape[0], k.shape[1], self.halo, k.shape[3])
@@ -94,8 +97,9 @@ class _Halo:
             self.grad_works.append(dist.isend(grad, self._peer(self.rank - 1), group=self.group, tag=BACKWARD_TAG))
         if self.rank + 1 < self.size:
             self.grad_received = like.new_empty(2, like.shape[0], like.shape[1], self.halo, like.shape[3])
-            self.grad_works.append(dist.irecv(self.grad_received, self._peer(self.rank + 1), group=self.group,
-                                              tag=BACKWARD_TAG))
+            self.grad_works.append(
+                dist.irecv(self.grad_received, self._peer(self.rank + 1), group=self.group, tag=BACKWARD_TAG)
+            )
 
     def wait_grad(self) -> torch.Tensor | None:
         for work in self.grad_works:
@@ -119,8 +123,8 @@ class _TailGrad(Function):
         received = halo.wait_grad()
         if received is not None:
             grad_k, grad_v = grad_k.clone(), grad_v.clone()
-            grad_k[:, :, -halo.halo:] += received[0]
-            grad_v[:, :, -halo.halo:] += received[1]
+            grad_k[:, :, -halo.halo :] += received[0]
+            grad_v[:, :, -halo.halo :] += received[1]
         return grad_k, grad_v, None
 
 
@@ -157,12 +161,16 @@ class ContextParallel:
         """Attention of the local queries over the whole sequence's keys within the window."""
         s = q.shape[2]
         if window is None:
-            raise ConfigError("parallel.cp > 1 needs sliding-window attention (model.window): ring attention "
-                              "for full causal attention is not implemented yet")
+            raise ConfigError(
+                "parallel.cp > 1 needs sliding-window attention (model.window): ring attention "
+                "for full causal attention is not implemented yet"
+            )
         h = window - 1
         if h > s:
-            raise ConfigError(f"model.window {window} reaches beyond the previous rank's {s} positions "
-                              f"(seq_len / parallel.cp); the halo exchange needs model.window <= {s + 1}")
+            raise ConfigError(
+                f"model.window {window} reaches beyond the previous rank's {s} positions "
+                f"(seq_len / parallel.cp); the halo exchange needs model.window <= {s + 1}"
+            )
         if h == 0 or self.size == 1:
             return sliding_window_attention(q, k, v, window)
         halo = _Halo(self.group, self.rank, self.size, h)

@@ -72,8 +72,11 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     materialize(runner.chunks, values, device)  # only what this rank kept
     # ZeRO-2 per chunk; at dp = 1 a group of one, still the home of the fp32 masters
     # (with expert parallelism: the experts' ZeRO over the ranks holding the same experts)
-    runner.grad_sync = (ExpertGradSync(runner.chunks, cfg, mesh) if distributed and mesh.ep_size > 1
-                        else ZeroGradSync(runner.chunks, cfg, mesh))
+    runner.grad_sync = (
+        ExpertGradSync(runner.chunks, cfg, mesh)
+        if distributed and mesh.ep_size > 1
+        else ZeroGradSync(runner.chunks, cfg, mesh)
+    )
     return runner
 
 

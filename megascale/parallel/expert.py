@@ -100,7 +100,8 @@ def chunk_rows(counts: torch.Tensor, chunks: int) -> tuple[list[torch.Tensor], t
     for c in range(chunks):
         first = torch.repeat_interleave(starts + bounds[c], sizes[c])
         offset = torch.arange(first.numel(), device=counts.device) - torch.repeat_interleave(
-            sizes[c].cumsum(0) - sizes[c], sizes[c])
+            sizes[c].cumsum(0) - sizes[c], sizes[c]
+        )
         parts.append(first + offset)
     return parts, sizes
 
@@ -224,8 +225,16 @@ def balance_reducer(mesh, sequence_parallel: bool):
                 stats = stats.to(mesh.device)
                 dist.all_reduce(stats, group=group)
         return stats
+
     return reduce
 
 
-__all__ = ["ExpertGradSync", "ExpertParallelDispatch", "MoE", "apply_expert_parallel", "balance_reducer",
-           "chunk_rows", "expert_major"]
+__all__ = [
+    "ExpertGradSync",
+    "ExpertParallelDispatch",
+    "MoE",
+    "apply_expert_parallel",
+    "balance_reducer",
+    "chunk_rows",
+    "expert_major",
+]

@@ -168,9 +168,17 @@ class ParallelMesh:
             twins: dict[Dim, ProcessGroup | None] = {}
             for dim in DIMS:  # one global order; every rank has as many groups before each
                 members = self.grid.group_of(self.rank, dim)
-                twins[dim] = None if len(members) == 1 else dist.new_group(
-                    members, timeout=self._timeout, backend="gloo", use_local_synchronization=True,
-                    group_desc=f"{name}-{dim}")
+                twins[dim] = (
+                    None
+                    if len(members) == 1
+                    else dist.new_group(
+                        members,
+                        timeout=self._timeout,
+                        backend="gloo",
+                        use_local_synchronization=True,
+                        group_desc=f"{name}-{dim}",
+                    )
+                )
             self._side_groups[name] = twins
         return self._side_groups[name]
 
@@ -231,8 +239,11 @@ def init_mesh(cfg: ParallelConfig, device: str = "auto") -> ParallelMesh:
     groups, created = create_groups(grid, rank, timeout)
     if grid.ep > 1:  # after the dimensions' groups, in the same order on every rank
         for key, members in zip(("ep", "edp"), grid.expert_groups_of(rank), strict=True):
-            groups[key] = None if len(members) == 1 else dist.new_group(
-                members, timeout=timeout, use_local_synchronization=True, group_desc=key)
+            groups[key] = (
+                None
+                if len(members) == 1
+                else dist.new_group(members, timeout=timeout, use_local_synchronization=True, group_desc=key)
+            )
             created += len(members) > 1
     stats = StartupStats(
         store=cfg.store,
@@ -276,9 +287,7 @@ def create_groups(
         elif len(members) == grid.world_size:
             groups[dim] = dist.group.WORLD
         else:
-            groups[dim] = dist.new_group(
-                members, timeout=timeout, use_local_synchronization=True, group_desc=dim
-            )
+            groups[dim] = dist.new_group(members, timeout=timeout, use_local_synchronization=True, group_desc=dim)
             created += 1
     return groups, created
 

@@ -203,8 +203,12 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
     if not agent_hosts:
         tcp.add(address.prefix + JOINED_KEY, 1)
     if listener is not None:
-        threading.Thread(target=seal_when_joined, args=(listener, address, world_size, timeout.total_seconds()),
-                         name="store-seal", daemon=True).start()
+        threading.Thread(
+            target=seal_when_joined,
+            args=(listener, address, world_size, timeout.total_seconds()),
+            name="store-seal",
+            daemon=True,
+        ).start()
     return dist.PrefixStore(address.prefix, tcp)
 
 
@@ -215,8 +219,14 @@ def seal_when_joined(listener: socket.socket, address: StoreAddress, world_size:
     one) but given a socket filter that drops every packet, so a new connection never forms."""
     key, deadline = address.prefix + JOINED_KEY, time.monotonic() + timeout_s
     try:
-        probe = dist.TCPStore(address.host, address.port, world_size, is_master=False,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        probe = dist.TCPStore(
+            address.host,
+            address.port,
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         while probe.add(key, 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.05)
         del probe

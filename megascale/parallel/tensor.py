@@ -145,8 +145,14 @@ class TPHead(nn.Module):
     def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.vocab_parallel:
             weight = self.out.weight
-            return chunked_cross_entropy(self._whole_sequence(h).flatten(0, 1), weight, labels.flatten(),
-                                         self.loss_chunk, self.tp.rank * weight.shape[0], vocab_combine(self.tp))
+            return chunked_cross_entropy(
+                self._whole_sequence(h).flatten(0, 1),
+                weight,
+                labels.flatten(),
+                self.loss_chunk,
+                self.tp.rank * weight.shape[0],
+                vocab_combine(self.tp),
+            )
         if self.tp.sequence_parallel:
             labels = split_along(labels, 1, self.tp)
         loss = chunked_cross_entropy(self.norm(h).flatten(0, 1), self.out.weight, labels.flatten(), self.loss_chunk)
@@ -229,8 +235,7 @@ def apply_tensor_parallel(model: GPT, p: ParallelConfig, mesh) -> None:
     check_tensor_parallel(model.cfg, mesh.tp_size, p.sequence_parallel)
     if mesh.tp_size == 1:
         return
-    tp = TPContext(mesh.tp_group, mesh.tp_rank, mesh.tp_size, p.sequence_parallel,
-                   p.tp_overlap, p.tp_overlap_chunks)
+    tp = TPContext(mesh.tp_group, mesh.tp_rank, mesh.tp_size, p.sequence_parallel, p.tp_overlap, p.tp_overlap_chunks)
     parallelize(model, tp)
 
 
@@ -260,5 +265,5 @@ def sync_sequence_parallel_grads(tensors: Iterable[torch.Tensor], tp_group: dist
         dist.all_reduce(flat, group=tp_group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()

@@ -44,8 +44,7 @@ class TPContext:
         """[start, end) of the full sequence that this rank holds under SP."""
         if seq_len % self.size:
             raise ValueError(
-                f"sequence parallelism needs the sequence length {seq_len} to be divisible by "
-                f"tp={self.size}"
+                f"sequence parallelism needs the sequence length {seq_len} to be divisible by tp={self.size}"
             )
         local = seq_len // self.size
         return self.rank * local, (self.rank + 1) * local
@@ -87,8 +86,7 @@ def start_reduce_scatter(x: torch.Tensor, tp: TPContext) -> Pending:
     return Pending(work, "tp.reduce_scatter", out)
 
 
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None,
-               op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce over the tp `group` (no autograd), timed as communication."""
     if group is not None:
         Pending(dist.all_reduce(x, op=op, group=group, async_op=True), "tp.all_reduce", x).wait()

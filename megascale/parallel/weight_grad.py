@@ -63,8 +63,10 @@ def active() -> bool:
 def defer(closure: WeightWork) -> None:
     """Called from a split Function's backward."""
     if _work is None:
-        raise RuntimeError("a split-backward layer ran its backward outside weight_grad.deferring(); "
-                           "the pipeline runtime's B action sets it")
+        raise RuntimeError(
+            "a split-backward layer ran its backward outside weight_grad.deferring(); "
+            "the pipeline runtime's B action sets it"
+        )
     _work.append(closure)
 
 
@@ -92,11 +94,13 @@ class Target:
 
     @staticmethod
     def of(weight: torch.Tensor, bias: torch.Tensor | None) -> Target:
-        return Target(weight if weight.requires_grad else None,
-                      bias if bias is not None and bias.requires_grad else None)
+        return Target(
+            weight if weight.requires_grad else None, bias if bias is not None and bias.requires_grad else None
+        )
 
-    def pairs(self, grad_w: Callable[[], torch.Tensor], grad_b: Callable[[], torch.Tensor] | None
-              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def pairs(
+        self, grad_w: Callable[[], torch.Tensor], grad_b: Callable[[], torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         out_t, out_g = [], []
         if self.weight is not None:
             out_t.append(self.weight)
@@ -136,8 +140,7 @@ class _SplitLinear(Function):
     """y = x W^T + b; backward gives dx, W later gives dW = g^T x and db = sum(g)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                target: Target) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: Target) -> torch.Tensor:
         ctx.x_dtype = x.dtype
         x, weight, bias = compute_dtype(x, weight, bias)
         with torch.autocast(x.device.type, enabled=False):
@@ -159,8 +162,9 @@ class _SplitAffine(Function):
     """y = xhat * w (+ b) of a norm; backward gives dxhat = g * w, W later dw and db."""
 
     @staticmethod
-    def forward(ctx, xhat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                target: Target) -> torch.Tensor:
+    def forward(
+        ctx, xhat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: Target
+    ) -> torch.Tensor:
         ctx.target = target
         ctx.save_for_backward(xhat, weight)
         return xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
@@ -231,8 +235,12 @@ class SplitEmbedding(nn.Embedding):
         return embedding(tokens, self.weight)
 
 
-_SPLIT: dict[type, type] = {Linear: SplitLinear, nn.LayerNorm: SplitLayerNorm,
-                            nn.RMSNorm: SplitRMSNorm, nn.Embedding: SplitEmbedding}
+_SPLIT: dict[type, type] = {
+    Linear: SplitLinear,
+    nn.LayerNorm: SplitLayerNorm,
+    nn.RMSNorm: SplitRMSNorm,
+    nn.Embedding: SplitEmbedding,
+}
 
 
 def split_backward(module: nn.Module) -> None:
@@ -240,9 +248,11 @@ def split_backward(module: nn.Module) -> None:
     swap: parameters, hooks and shard specs stay). Tensor-parallel layers have it already."""
     for m in module.modules():
         kind = _SPLIT.get(type(m))
-        if kind is SplitEmbedding and (m.padding_idx is not None or m.max_norm is not None
-                                       or m.scale_grad_by_freq or m.sparse):
-            raise ValueError("split backward supports plain embeddings only (no padding_idx, "
-                             "max_norm, scale_grad_by_freq or sparse)")
+        if kind is SplitEmbedding and (
+            m.padding_idx is not None or m.max_norm is not None or m.scale_grad_by_freq or m.sparse
+        ):
+            raise ValueError(
+                "split backward supports plain embeddings only (no padding_idx, max_norm, scale_grad_by_freq or sparse)"
+            )
         if kind is not None:
             m.__class__ = kind

@@ -98,8 +98,14 @@ class _Chunk:
 class ZeroGradSync:
     """The `grad_sync` hooks of a runner: ZeRO-2 sharding of gradients and optimizer state."""
 
-    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh=None,
-                 select: Callable[[str], bool] | None = None, over: tuple | None = None):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        cfg: JobConfig,
+        mesh=None,
+        select: Callable[[str], bool] | None = None,
+        over: tuple | None = None,
+    ):
         """`mesh` None (or dp = 1): the group of one, with no collective. `select`: the
         parameters (by name) this instance holds, default all; `over`: (group, size, rank) to
         shard over instead of the mesh's dp (expert parameters: their expert-data group)."""
@@ -131,8 +137,11 @@ class ZeroGradSync:
         if self.overlap:
             for bucket in buckets:
                 for slot in bucket.slots:
-                    chunk.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                        lambda _p, b=bucket, s=slot: self._grad_ready(b, s)))
+                    chunk.hooks.append(
+                        slot.param.register_post_accumulate_grad_hook(
+                            lambda _p, b=bucket, s=slot: self._grad_ready(b, s)
+                        )
+                    )
         return chunk
 
     def _build_bucket(self, slots: list[_Slot], region: int) -> _Bucket:
@@ -149,7 +158,7 @@ class ZeroGradSync:
         bucket = _Bucket(slots, region, shard, grad, send, recv, gathered, low)
         for slot in slots:
             p = slot.param
-            piece = shard[slot.offset: slot.offset + slot.piece]
+            piece = shard[slot.offset : slot.offset + slot.piece]
             with torch.no_grad():
                 piece.copy_(self._pieces(p.detach().reshape(-1), slot.piece)[self.dp_rank])
             if self.dp == 1:  # the whole (tp slice of the) parameter, shaped like it
@@ -196,18 +205,16 @@ class ZeroGradSync:
                 if not bucket.launched and self.dp == 1:
                     self._launch_reduce_scatter(bucket)  # a copy into fp32, no collective
                 elif not bucket.launched:
-                    with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
-                                     group="dp"):
+                    with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter", group="dp"):
                         self._launch_reduce_scatter(bucket)
                 if bucket.work is not None:
-                    with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter",
-                                     group="dp"):
+                    with timers.span("dp.reduce_scatter", kind="comm", op="reduce_scatter", group="dp"):
                         bucket.work.wait()
                 if bucket.recv is not bucket.grad:
                     bucket.grad.copy_(bucket.recv)  # the fp32 shard gradient the optimizer reads
                 bucket.work, bucket.launched, bucket.ready = None, False, 0
                 for slot in bucket.slots:
-                    slot.shard.grad = bucket.grad[slot.offset: slot.offset + slot.piece].view_as(slot.shard)
+                    slot.shard.grad = bucket.grad[slot.offset : slot.offset + slot.piece].view_as(slot.shard)
                     slot.hook_calls = 0
 
     def after_step(self) -> None:
@@ -239,7 +246,8 @@ class ZeroGradSync:
         if bucket.launched:
             raise RuntimeError(
                 f"ZeRO: gradient of {slot.name} accumulated after its bucket was reduce-scattered "
-                f"(more than {self.expected_backwards} backward passes per step?)")
+                f"(more than {self.expected_backwards} backward passes per step?)"
+            )
         slot.hook_calls += 1
         if slot.hook_calls == self.expected_backwards:
             bucket.ready += 1
@@ -252,7 +260,7 @@ class ZeroGradSync:
             return
         rows = bucket.send.view(self.dp, bucket.region)
         for slot in bucket.slots:
-            dest = rows[:, slot.offset: slot.offset + slot.piece]
+            dest = rows[:, slot.offset : slot.offset + slot.piece]
             grad = slot.param.grad
             if grad is None:  # unused this step: contributes zero
                 dest.zero_()
@@ -291,6 +299,6 @@ class ZeroGradSync:
             rows = bucket.gathered.view(self.dp, bucket.region)
             for slot in bucket.slots:
                 p = slot.param
-                values = rows[:, slot.offset: slot.offset + slot.piece].reshape(-1)
+                values = rows[:, slot.offset : slot.offset + slot.piece].reshape(-1)
                 p.copy_(values[: p.numel()].view_as(p))
         chunk.gather, chunk.fresh = None, True

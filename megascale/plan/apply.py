@@ -55,28 +55,28 @@ def parse_scontrol_topology(text: str) -> list[Host]:
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
         if "SwitchName" in fields:
             switches.append(fields)
-    parent = {child: i for i, s in enumerate(switches) if "Switches" in s
-              for child in expand_hostlist(s["Switches"])}
+    parent = {child: i for i, s in enumerate(switches) if "Switches" in s for child in expand_hostlist(s["Switches"])}
     hosts = []
     for tor, s in enumerate(switches):
         for name in expand_hostlist(s.get("Nodes", "")) if s.get("Level", "0") == "0" else []:
             hosts.append(Host(name, tor, parent.get(s["SwitchName"], 0)))
     if not hosts:
-        raise ConfigError("scontrol show topology lists no level-0 switch with Nodes=; "
-                          "is topology/tree configured in slurm.conf?")
+        raise ConfigError(
+            "scontrol show topology lists no level-0 switch with Nodes=; is topology/tree configured in slurm.conf?"
+        )
     return hosts
 
 
-def parse_k8s_nodes(doc: dict, tor_label: str = K8S_TOR_LABEL,
-                    pod_label: str = K8S_POD_LABEL) -> list[Host]:
+def parse_k8s_nodes(doc: dict, tor_label: str = K8S_TOR_LABEL, pod_label: str = K8S_POD_LABEL) -> list[Host]:
     ids: dict[str, int] = {}
     hosts = []
     for item in doc.get("items", []):
         meta = item.get("metadata", {})
         labels = meta.get("labels", {})
         if tor_label not in labels:
-            raise ConfigError(f"k8s node {meta.get('name')!r} has no label {tor_label!r}; "
-                              "name the ToR label with k8s:PATH#tor=LABEL")
+            raise ConfigError(
+                f"k8s node {meta.get('name')!r} has no label {tor_label!r}; name the ToR label with k8s:PATH#tor=LABEL"
+            )
         tor = ids.setdefault("tor:" + labels[tor_label], len(ids))
         pod = ids.setdefault("pod:" + labels.get(pod_label, ""), len(ids))
         hosts.append(Host(str(meta.get("name")), tor, pod))
@@ -88,8 +88,11 @@ def read_topology(source: str) -> list[Host]:
     if kind == "file":
         return read_hosts(rest)
     if kind == "slurm":
-        text = Path(rest).read_text() if rest else subprocess.run(
-            ["scontrol", "show", "topology"], capture_output=True, text=True, check=True).stdout
+        text = (
+            Path(rest).read_text()
+            if rest
+            else subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, check=True).stdout
+        )
         return parse_scontrol_topology(text)
     if kind == "k8s":
         path, _, options = rest.partition("#")
@@ -108,8 +111,9 @@ class NodeOrder:
     reason: str
 
 
-def plan_node_order(source: str | None, nodes: Sequence[tuple[str, ...]], layout: Layout,
-                    ranks_per_node: int) -> NodeOrder:
+def plan_node_order(
+    source: str | None, nodes: Sequence[tuple[str, ...]], layout: Layout, ranks_per_node: int
+) -> NodeOrder:
     """The planner's order of `nodes` (each given by its names: id, host, address...)."""
     identity = list(range(len(nodes)))
     if not source:
@@ -125,17 +129,17 @@ def plan_node_order(source: str | None, nodes: Sequence[tuple[str, ...]], layout
         return NodeOrder(identity, f"registration order ({exc})")
     index = {h.name: i for i, h in enumerate(found) if h is not None}
     order = [index[h.name] for h in placed.hosts]
-    return NodeOrder(order + [i for i in identity if i not in order],
-                     f"planner placement over {len({h.tor for h in placed.hosts})} ToR(s) "
-                     f"from {source}")
+    return NodeOrder(
+        order + [i for i in identity if i not in order],
+        f"planner placement over {len({h.tor for h in placed.hosts})} ToR(s) from {source}",
+    )
 
 
 def describe(order: NodeOrder, names: list[str]) -> str:
     return f"node order ({order.reason}): {', '.join(names[i] for i in order.order)}"
 
 
-def order_nodes(source: str, nodes: list, layout: dict[str, int],
-                ranks_per_node: int) -> tuple[list, str]:
+def order_nodes(source: str, nodes: list, layout: dict[str, int], ranks_per_node: int) -> tuple[list, str]:
     """The driver's active nodes (with node_id, host, address) in the planner's order, and the
     line to log; a topology that cannot be used leaves the order as it is, and says why."""
     names = [(n.node_id, n.host, n.address) for n in nodes]

@@ -89,9 +89,7 @@ class ClusterSpec:
 
     def nodes_for(self, gpus: int) -> int:
         if gpus % self.node.gpus and gpus > self.node.gpus:
-            raise ConfigError(
-                f"--gpus={gpus} is not a whole number of {self.node.gpus}-GPU nodes of {self.name}"
-            )
+            raise ConfigError(f"--gpus={gpus} is not a whole number of {self.node.gpus}-GPU nodes of {self.name}")
         return max(1, gpus // self.node.gpus)
 
     def with_network(self, **changes: Any) -> ClusterSpec:
@@ -115,8 +113,7 @@ def find_preset(name_or_path: str, preset_dir: Path, kind: str) -> Path:
         path = preset_dir / f"{name_or_path}.toml"
     if not path.is_file():
         presets = sorted(p.stem for p in preset_dir.glob("*.toml"))
-        raise ConfigError(f"{kind} {name_or_path!r} is neither a file nor a preset; "
-                          f"presets: {presets}")
+        raise ConfigError(f"{kind} {name_or_path!r} is neither a file nor a preset; presets: {presets}")
     return path
 
 
@@ -132,8 +129,7 @@ def read_preset(path: Path, preset_dir: Path, depth: int = 0) -> dict[str, Any]:
         return raw
     base_path = preset_dir / f"{base_name}.toml"
     if depth > 4 or not base_path.is_file():
-        raise ConfigError(f"{path}: extends={base_name!r} is not a preset in {preset_dir} "
-                          "(or extends too deep)")
+        raise ConfigError(f"{path}: extends={base_name!r} is not a preset in {preset_dir} (or extends too deep)")
     merged = read_preset(base_path, preset_dir, depth + 1)
     merged.pop("notes", None)
     for key, value in raw.items():
@@ -189,13 +185,19 @@ def cluster_from_dict(raw: dict[str, Any], default_name: str = "cluster") -> Clu
     if network.flows_per_connection < 1:
         raise ConfigError("network.flows_per_connection must be >= 1")
     fleet = raw.get("fleet", {})
-    slow = SlowHosts(fraction=float(fleet.get("slow_host_fraction", 0.0)),
-                     slowdown=float(fleet.get("slow_host_slowdown", 0.0)))
+    slow = SlowHosts(
+        fraction=float(fleet.get("slow_host_fraction", 0.0)), slowdown=float(fleet.get("slow_host_slowdown", 0.0))
+    )
     if not (0 <= slow.fraction <= 1 and slow.slowdown >= 0):
-        raise ConfigError("fleet.slow_host_fraction must be in [0, 1] and "
-                          "fleet.slow_host_slowdown >= 0")
-    return ClusterSpec(name=str(raw.get("name", default_name)), gpu=gpu, node=node,
-                       network=network, notes=str(raw.get("notes", "")), slow_hosts=slow)
+        raise ConfigError("fleet.slow_host_fraction must be in [0, 1] and fleet.slow_host_slowdown >= 0")
+    return ClusterSpec(
+        name=str(raw.get("name", default_name)),
+        gpu=gpu,
+        node=node,
+        network=network,
+        notes=str(raw.get("notes", "")),
+        slow_hosts=slow,
+    )
 
 
 def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:

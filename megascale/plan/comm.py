@@ -54,12 +54,18 @@ def group_span(cluster: ClusterSpec, size: int, stride: int) -> GroupSpan:
         return max(1, min(size, gpus // stride))
 
     per_node, per_tor, per_pod = per(cluster.gpus_per_node), per(gpus_per_tor), per(gpus_per_pod)
-    return GroupSpan(size=size, per_node=per_node, per_tor=per_tor, per_pod=per_pod,
-                     nodes=-(-size // per_node), tors=-(-size // per_tor), pods=-(-size // per_pod))
+    return GroupSpan(
+        size=size,
+        per_node=per_node,
+        per_tor=per_tor,
+        per_pod=per_pod,
+        nodes=-(-size // per_node),
+        tors=-(-size // per_tor),
+        pods=-(-size // per_pod),
+    )
 
 
-def group_link(cluster: ClusterSpec, size: int, stride: int,
-               network_slowdown: float = 1.0) -> Link:
+def group_link(cluster: ClusterSpec, size: int, stride: int, network_slowdown: float = 1.0) -> Link:
     """Bus bandwidth of a ring over the group, limited by NVLink, NICs and oversubscribed uplinks.
 
     A ring crosses each node boundary once, so its k members on a node share k NICs. Crossing a

@@ -45,8 +45,9 @@ class Traffic:
     def slowdown(self) -> float:
         if self.flows_per_switch == 0 or self.switches == 0:
             return 1.0
-        return collision_slowdown(self.flows_per_switch, self.uplinks, self.capacity,
-                                  2 * self.switches)  # uplinks out, downlinks in
+        return collision_slowdown(
+            self.flows_per_switch, self.uplinks, self.capacity, 2 * self.switches
+        )  # uplinks out, downlinks in
 
 
 def _poisson_pmf(lam: float, kmax: int) -> np.ndarray:

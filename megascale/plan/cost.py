@@ -25,8 +25,21 @@ from megascale.plan.flops import CONVENTIONS, training_flops_per_token
 from megascale.plan.layout import Features, Layout, Workload
 from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split
 
-TERMS = ("compute", "recompute", "tp_exposed", "launch_gaps", "interleave", "bubble",
-         "pp_exposed", "dp_exposed", "contention", "stragglers", "optimizer", "other", "host")
+TERMS = (
+    "compute",
+    "recompute",
+    "tp_exposed",
+    "launch_gaps",
+    "interleave",
+    "bubble",
+    "pp_exposed",
+    "dp_exposed",
+    "contention",
+    "stragglers",
+    "optimizer",
+    "other",
+    "host",
+)
 
 
 @dataclass(frozen=True)
@@ -89,8 +102,7 @@ class StepEstimate:
         return {**self.terms, "compute": self.terms["compute"] - self.terms["recompute"]}
 
 
-def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
-                      features: Features) -> MicroBatchTimes:
+def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features) -> MicroBatchTimes:
     """Compute and TP communication of one micro-batch through the slowest stage."""
     m, gpu = work.model, cluster.gpu
     dt, ab, t = work.dtype, work.act_bytes, layout.tp
@@ -104,8 +116,7 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
     if m.block == "parallel" and m.parallel_norms == 1:
         pairs = [((tokens, (qkv + up) / t, h), (tokens, h, (h + f) / t))]
     else:
-        pairs = [((tokens, qkv / t, h), (tokens, h, h / t)),
-                 ((tokens, up / t, h), (tokens, h, f / t))]
+        pairs = [((tokens, qkv / t, h), (tokens, h, h / t)), ((tokens, up / t, h), (tokens, h, f / t))]
 
     def gemm(shape: tuple[float, float, float], rows: float = 1.0) -> float:
         return eff.gemm_time(gpu, dt, shape[0] * rows, shape[1], shape[2], ab)
@@ -113,11 +124,11 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
     gemm_fwd = sum(gemm(col) + gemm(row) for col, row in pairs)
     span = mean_attention_span(m.seq_len, m.window)
     if features.attention == "unfused":
-        attn_fwd, attn_bwd = eff.unfused_attention_time(gpu, dt, layout.micro_batch, m.seq_len,
-                                                        m.heads / t, m.head_dim, ab)
+        attn_fwd, attn_bwd = eff.unfused_attention_time(
+            gpu, dt, layout.micro_batch, m.seq_len, m.heads / t, m.head_dim, ab
+        )
     else:
-        attn_fwd, attn_bwd = eff.attention_time(gpu, dt, attention_flops(span, h) * tokens / t, span,
-                                                m.head_dim)
+        attn_fwd, attn_bwd = eff.attention_time(gpu, dt, attention_flops(span, h) * tokens / t, span, m.head_dim)
         if features.attention == "flash1":
             attn_fwd, attn_bwd = (x / eff.FLASH1_RELATIVE_SPEED for x in (attn_fwd, attn_bwd))
     unfused = 1 if features.fused_elementwise else eff.UNFUSED_ELEMENTWISE_FACTOR
@@ -172,14 +183,21 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec,
         tp_exposed=layers * (tp_fwd_exposed + tp_bwd_exposed) + head_tp,
         launch=layers * kernels * passes * gap,
         chunk=2 * layout.v * chunk,
-        detail={"layer_fwd": layer_fwd, "layer_bwd": layer_bwd, "gemm_fwd": gemm_fwd,
-                "attention_fwd": attn_fwd, "elementwise_fwd": elem_fwd, "tp_collective": coll,
-                "head_fwd": head_fwd, "layers_per_stage": layers, "kernels_per_layer": kernels},
+        detail={
+            "layer_fwd": layer_fwd,
+            "layer_bwd": layer_bwd,
+            "gemm_fwd": gemm_fwd,
+            "attention_fwd": attn_fwd,
+            "elementwise_fwd": elem_fwd,
+            "tp_collective": coll,
+            "head_fwd": head_fwd,
+            "layers_per_stage": layers,
+            "kernels_per_layer": kernels,
+        },
     )
 
 
-def estimate(work: Workload, layout: Layout, cluster: ClusterSpec,
-             features: Features | None = None) -> StepEstimate:
+def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features | None = None) -> StepEstimate:
     """Predict one optimizer step of `work` under `layout` on `cluster`."""
     features = features or Features()
     layout.check(work, cluster.gpus_per_node if layout.world > 1 else None)
@@ -195,15 +213,13 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec,
         traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp, p)
         slowdown = traffic.slowdown if effects.collisions else 1.0
         link = comm.p2p_link(cluster, layout.tp * layout.dp, slowdown)
-        hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes
-                            / layout.tp, link)
+        hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes / layout.tp, link)
         pp_total = (micro + (p - 1) / v) * 2 * v * hop
         # decoupled sends: only the fill and drain hops are on the critical path
         pp_exposed = 2 * (p - 1) * hop if features.pp_overlap else pp_total
         inputs["collisions_pp"] = _traffic_text(traffic, slowdown)
 
-    dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro,
-                                                     inputs)
+    dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro, inputs)
     split = param_split(work)
     psi = split.stage(m.layers, p) / layout.tp
     shard = psi / layout.dp if layout.zero >= 1 else psi
@@ -214,49 +230,70 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec,
     if world > 1:  # global grad norm (and LAMB's norms batched with it)
         other = 2 * math.ceil(math.log2(world)) * cluster.network.hop_latency_s
 
-    terms = {"compute": micro * (mb.fwd + mb.bwd + mb.recompute), "recompute": micro * mb.recompute,
-             "tp_exposed": micro * mb.tp_exposed, "launch_gaps": micro * mb.launch,
-             "interleave": micro * mb.chunk, "bubble": (p - 1) / v * mb.busy,
-             "pp_exposed": pp_exposed, "dp_exposed": dp_exposed}
+    terms = {
+        "compute": micro * (mb.fwd + mb.bwd + mb.recompute),
+        "recompute": micro * mb.recompute,
+        "tp_exposed": micro * mb.tp_exposed,
+        "launch_gaps": micro * mb.launch,
+        "interleave": micro * mb.chunk,
+        "bubble": (p - 1) / v * mb.busy,
+        "pp_exposed": pp_exposed,
+        "dp_exposed": dp_exposed,
+    }
     hidden = micro * (mb.tp_total - mb.tp_exposed) + (pp_total - pp_exposed) + (dp_total - dp_exposed)
     terms["contention"] = impl.overlap_contention * hidden if effects.contention else 0.0
-    busy = (terms["compute"] + terms["tp_exposed"] + terms["launch_gaps"] + terms["interleave"]
-            + terms["contention"])
+    busy = terms["compute"] + terms["tp_exposed"] + terms["launch_gaps"] + terms["interleave"] + terms["contention"]
     hosts = max(1, world // cluster.gpus_per_node)
     slow = cluster.slow_hosts
     slowest = impl.jitter.expected_max(world, hosts, slow) if effects.stragglers else 1.0
     terms["stragglers"] = (slowest - 1.0) * busy
-    inputs["stragglers"] = (f"{impl.jitter.describe()}; slow hosts {slow.fraction:.2%} at "
-                            f"+{slow.slowdown:.0%}; E[max of {world} ranks on {hosts} hosts] = "
-                            f"{slowest:.4f}")
-    inputs["contention"] = (f"{impl.overlap_contention:.3f} x {hidden:.4f} s of hidden "
-                            "communication")
-    terms |= {"optimizer": optimizer, "other": other,
-              "host": impl.host_overhead_s if effects.host else 0.0}
+    inputs["stragglers"] = (
+        f"{impl.jitter.describe()}; slow hosts {slow.fraction:.2%} at "
+        f"+{slow.slowdown:.0%}; E[max of {world} ranks on {hosts} hosts] = "
+        f"{slowest:.4f}"
+    )
+    inputs["contention"] = f"{impl.overlap_contention:.3f} x {hidden:.4f} s of hidden communication"
+    terms |= {"optimizer": optimizer, "other": other, "host": impl.host_overhead_s if effects.host else 0.0}
 
     tokens = work.tokens_per_step
     return StepEstimate(
-        layout=layout, features=features, micro_batches=micro, terms=terms,
+        layout=layout,
+        features=features,
+        micro_batches=micro,
+        terms=terms,
         tokens_per_step=tokens,
-        flops_per_step={c: tokens * training_flops_per_token(m, c, layout.recompute)
-                        for c in CONVENTIONS},
+        flops_per_step={c: tokens * training_flops_per_token(m, c, layout.recompute) for c in CONVENTIONS},
         peak_flops_total=cluster.gpu.peak(work.dtype) * world,
         memory=memory_per_gpu(work, layout, cluster.gpu, features.attention),
         totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total},
-        detail={**mb.detail, **dp_detail, "fwd_mb": mb.fwd, "bwd_mb": mb.bwd,
-                "busy_mb": mb.busy, "straggler_factor": slowest},
+        detail={
+            **mb.detail,
+            **dp_detail,
+            "fwd_mb": mb.fwd,
+            "bwd_mb": mb.bwd,
+            "busy_mb": mb.busy,
+            "straggler_factor": slowest,
+        },
         inputs=inputs,
     )
 
 
 def _traffic_text(traffic: congestion.Traffic, slowdown: float) -> str:
-    return (f"{traffic.flows_per_switch} flows out of each of {traffic.switches} ToR switches, "
-            f"{traffic.uplinks} uplinks of {traffic.capacity} flows: slowdown {slowdown:.3f}x")
+    return (
+        f"{traffic.flows_per_switch} flows out of each of {traffic.switches} ToR switches, "
+        f"{traffic.uplinks} uplinks of {traffic.capacity} flows: slowdown {slowdown:.3f}x"
+    )
 
 
-def _data_parallel(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features,
-                   mb: MicroBatchTimes, micro: int,
-                   inputs: dict[str, str]) -> tuple[float, float, dict[str, float]]:
+def _data_parallel(
+    work: Workload,
+    layout: Layout,
+    cluster: ClusterSpec,
+    features: Features,
+    mb: MicroBatchTimes,
+    micro: int,
+    inputs: dict[str, str],
+) -> tuple[float, float, dict[str, float]]:
     """(issued, exposed, detail) seconds of ZeRO data-parallel communication per step.
 
     Units are transformer layers (FSDP wraps each block), plus the embedding/head unit.
@@ -271,16 +308,14 @@ def _data_parallel(work: Workload, layout: Layout, cluster: ClusterSpec, feature
     split = param_split(work)
     t, v = layout.tp, layout.v
     traffic = congestion.dp_traffic(cluster, n, t, layout.pp)
-    slowdown = features.network_slowdown or (
-        traffic.slowdown if features.effects.collisions else 1.0)
+    slowdown = features.network_slowdown or (traffic.slowdown if features.effects.collisions else 1.0)
     inputs["collisions_dp"] = _traffic_text(traffic, slowdown)
     link = comm.group_link(cluster, n, t, slowdown)
     nbytes = work.act_bytes  # bf16 parameters on the wire (fp32 on CPU)
     grad_bytes = features.impl.grad_wire_bytes or nbytes
     layers = work.model.layers // layout.pp
     unit, grad_unit = split.layer / t * nbytes, split.layer / t * grad_bytes
-    ends_params = (split.embedding + split.head if layout.pp == 1
-                   else max(split.embedding, split.head)) / t
+    ends_params = (split.embedding + split.head if layout.pp == 1 else max(split.embedding, split.head)) / t
     ends, grad_ends = ends_params * nbytes, ends_params * grad_bytes
     detail = {"dp_link_gbps": link.bytes_per_s / 1e9, "dp_scope_" + link.scope: 1.0}
 

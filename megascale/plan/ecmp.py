@@ -66,11 +66,10 @@ def pp_flows(placement: Placement) -> list[tuple[int, int]]:
     return [(g[i], g[i + 1]) for g in mesh_groups(placement.layout)["pp"] for i in range(len(g) - 1)]
 
 
-def simulate(placement: Placement, fabric: Fabric, trials: int = 20, seed: int = 0,
-             kind: str = "dp") -> EcmpResult:
+def simulate(placement: Placement, fabric: Fabric, trials: int = 20, seed: int = 0, kind: str = "dp") -> EcmpResult:
     flows = []
     gpn = placement.gpus_per_node
-    for src, dst in (dp_flows(placement) if kind == "dp" else pp_flows(placement)):
+    for src, dst in dp_flows(placement) if kind == "dp" else pp_flows(placement):
         a, b = placement.host_of(src), placement.host_of(dst)
         if a.name != b.name:
             rail = placement.local_gpu(src) * fabric.rails // gpn
@@ -90,13 +89,20 @@ def simulate(placement: Placement, fabric: Fabric, trials: int = 20, seed: int =
                 links.append(("tor_down", switch_b, up))
             else:
                 core = rng.randrange(fabric.uplinks)
-                links += [("agg_up", a.pod, switch_a[1], up, core),
-                          ("agg_down", b.pod, switch_b[1], up, core), ("tor_down", switch_b, up)]
+                links += [
+                    ("agg_up", a.pod, switch_a[1], up, core),
+                    ("agg_down", b.pod, switch_b[1], up, core),
+                    ("tor_down", switch_b, up),
+                ]
             paths.append(links)
             load.update(links)
         rates = [min(1.0, min(fabric.capacity / load[link] for link in links)) for links in paths]
         slowdowns.append(1.0 / min(rates))
         collided.append(sum(r < 1.0 for r in rates) / len(flows))
-    return EcmpResult(slowdown=sum(slowdowns) / trials, worst_slowdown=max(slowdowns),
-                      collided_flows=sum(collided) / trials, cross_tor_flows=len(cross),
-                      network_flows=len(flows))
+    return EcmpResult(
+        slowdown=sum(slowdowns) / trials,
+        worst_slowdown=max(slowdowns),
+        collided_flows=sum(collided) / trials,
+        cross_tor_flows=len(cross),
+        network_flows=len(flows),
+    )

@@ -76,15 +76,15 @@ def attention_efficiency(gpu: GPUSpec, span: float, head_dim: int) -> float:
     return gpu.attention_efficiency * span_factor * min(1.0, dim_factor)
 
 
-def attention_time(gpu: GPUSpec, dtype: str, fwd_flops: float, span: float,
-                   head_dim: int) -> tuple[float, float]:
+def attention_time(gpu: GPUSpec, dtype: str, fwd_flops: float, span: float, head_dim: int) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention with `fwd_flops` forward FLOPs."""
     rate = gpu.peak(dtype) * attention_efficiency(gpu, span, head_dim)
     return fwd_flops / rate, ATTN_BWD_FLOPS_RATIO * fwd_flops / rate
 
 
-def unfused_attention_time(gpu: GPUSpec, dtype: str, sequences: float, seq: int, heads: float,
-                           head_dim: int, elem_bytes: int) -> tuple[float, float]:
+def unfused_attention_time(
+    gpu: GPUSpec, dtype: str, sequences: float, seq: int, heads: float, head_dim: int, elem_bytes: int
+) -> tuple[float, float]:
     """(forward, backward) seconds of attention that materialises the s x s scores per head."""
     batch = sequences * heads  # independent (s x d) @ (d x s) and (s x s) @ (s x d) products
     rate = gpu.peak(dtype) * gemm_efficiency(gpu, seq, seq, head_dim)

@@ -32,8 +32,12 @@ class Workload:
 
     @classmethod
     def from_job(cls, cfg: JobConfig, global_batch: int | None = None) -> Workload:
-        return cls(model=cfg.model, global_batch=global_batch or cfg.train.global_batch,
-                   dtype=cfg.train.dtype, optimizer=cfg.optim.name)
+        return cls(
+            model=cfg.model,
+            global_batch=global_batch or cfg.train.global_batch,
+            dtype=cfg.train.dtype,
+            optimizer=cfg.optim.name,
+        )
 
     @property
     def mixed_precision(self) -> bool:
@@ -70,14 +74,21 @@ class Layout:
         return global_batch // (self.dp * self.micro_batch)
 
     def label(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
-                f"zero={self.zero} rc={self.recompute}")
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
+            f"zero={self.zero} rc={self.recompute}"
+        )
 
     def overrides(self) -> list[str]:
         """The `--section.key=value` overrides that run this layout with `megascale train`."""
-        return [f"--parallel.dp={self.dp}", f"--parallel.tp={self.tp}",
-                f"--parallel.pp={self.pp}", f"--parallel.vpp={self.v}",
-                f"--train.micro_batch={self.micro_batch}", f"--train.recompute={self.recompute}"]
+        return [
+            f"--parallel.dp={self.dp}",
+            f"--parallel.tp={self.tp}",
+            f"--parallel.pp={self.pp}",
+            f"--parallel.vpp={self.v}",
+            f"--train.micro_batch={self.micro_batch}",
+            f"--train.recompute={self.recompute}",
+        ]
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
         """Raise ConfigError (naming the key) if the trainer could not run this layout."""
@@ -92,8 +103,7 @@ class Layout:
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
             parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v),
-            train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch,
-                              recompute=self.recompute),
+            train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()
 

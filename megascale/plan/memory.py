@@ -41,7 +41,8 @@ def param_split(work: Workload) -> ParamSplit:
     no_layers = parameter_count(replace(m, layers=0))
     layer = parameter_count(replace(m, layers=1)) - no_layers
     untied_head = parameter_count(replace(m, layers=0, tie_embeddings=False)) - parameter_count(
-        replace(m, layers=0, tie_embeddings=True))
+        replace(m, layers=0, tie_embeddings=True)
+    )
     head = (0 if m.tie_embeddings else untied_head) + norm_parameters(m)  # + final norm
     return ParamSplit(layer=layer, embedding=no_layers - head, head=head)
 
@@ -86,21 +87,26 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.activations + self.buffers
-                + self.reserved)
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserved
 
     @property
     def fits(self) -> bool:
         return self.total <= self.capacity
 
     def as_dict(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "buffers": self.buffers,
-                "reserved": self.reserved, "total": self.total, "capacity": self.capacity}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "reserved": self.reserved,
+            "total": self.total,
+            "capacity": self.capacity,
+        }
 
 
-def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec,
-                   attention: str = "flash2") -> MemoryEstimate:
+def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec, attention: str = "flash2") -> MemoryEstimate:
     m = work.model
     t, dp = layout.tp, layout.dp
     psi = stage_params_per_gpu(work, layout)
@@ -133,18 +139,39 @@ def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec,
     if layout.pp > 1:
         buffers += 4 * full_act / t  # send and receive buffers, both directions
     buffers += tokens * m.vocab_size / t * (ab + 4)  # logits and their fp32 softmax/gradient
-    return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                          buffers=buffers, reserved=gpu.reserved_bytes, capacity=gpu.memory_bytes)
+    return MemoryEstimate(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        buffers=buffers,
+        reserved=gpu.reserved_bytes,
+        capacity=gpu.memory_bytes,
+    )
 
 
 def job_memory_estimate(cfg: JobConfig, device: str) -> MemoryEstimate:
     """The estimate for one rank of a job as configured, with nothing reserved for the device
     context: what the trainer prints beside the memory it measures after its first step."""
     p = cfg.parallel
-    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, v=p.vpp, micro_batch=cfg.train.micro_batch,
-                    zero=2 if p.dp > 1 else 0, recompute=cfg.train.recompute)
+    layout = Layout(
+        dp=p.dp,
+        tp=p.tp,
+        pp=p.pp,
+        v=p.vpp,
+        micro_batch=cfg.train.micro_batch,
+        zero=2 if p.dp > 1 else 0,
+        recompute=cfg.train.recompute,
+    )
     # CPU attention with a sliding window is SDPA with a band mask: the scores are materialized
     attention = "unfused" if device != "cuda" and cfg.model.window is not None else "flash2"
-    device_spec = GPUSpec(name=device, peak_flops={}, memory_bytes=float("inf"), hbm_bytes_per_s=0.0,
-                          gemm_efficiency=1.0, attention_efficiency=1.0, reserved_bytes=0.0)
+    device_spec = GPUSpec(
+        name=device,
+        peak_flops={},
+        memory_bytes=float("inf"),
+        hbm_bytes_per_s=0.0,
+        gemm_efficiency=1.0,
+        attention_efficiency=1.0,
+        reserved_bytes=0.0,
+    )
     return memory_per_gpu(Workload.from_job(cfg), layout, device_spec, attention)

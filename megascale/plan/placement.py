@@ -58,8 +58,7 @@ def synthetic_hosts(cluster: ClusterSpec, nodes: int) -> list[Host]:
     hosts = []
     for i in range(nodes):
         tor = i // net.nodes_per_tor
-        hosts.append(Host(f"pod{tor // net.tors_per_pod}-tor{tor}-node{i}", tor,
-                          tor // net.tors_per_pod))
+        hosts.append(Host(f"pod{tor // net.tors_per_pod}-tor{tor}-node{i}", tor, tor // net.tors_per_pod))
     return hosts
 
 
@@ -109,8 +108,7 @@ def place(layout: Layout, hosts: list[Host], gpus_per_node: int) -> Placement:
             for t, hs in free.items():
                 pods[pod_of[t]] += len(hs)
             pod = max(pods, key=lambda p: (pods[p] >= need, p == last_pod, pods[p], -p))
-            tors = sorted((t for t in free if free[t]),
-                          key=lambda t: (pod_of[t] != pod, -len(free[t]), t))
+            tors = sorted((t for t in free if free[t]), key=lambda t: (pod_of[t] != pod, -len(free[t]), t))
             taken = []
             for tor in tors:
                 while free[tor] and len(taken) < need:
@@ -123,8 +121,7 @@ def place(layout: Layout, hosts: list[Host], gpus_per_node: int) -> Placement:
     return Placement(layout, gpus_per_node, tuple(order))
 
 
-def scheduler_order(layout: Layout, hosts: list[Host], gpus_per_node: int,
-                    seed: int = 0) -> Placement:
+def scheduler_order(layout: Layout, hosts: list[Host], gpus_per_node: int, seed: int = 0) -> Placement:
     """The baseline: hosts in whatever order the scheduler handed them out (here: shuffled)."""
     nodes = _check(layout, hosts, gpus_per_node)
     shuffled = list(hosts)
@@ -149,6 +146,9 @@ def describe(placement: Placement) -> dict[str, float]:
     dp_tors = [placement.group_tors(g) for g in groups["dp"]]
     tp_nodes = [len({placement.host_of(r).name for r in g}) for g in groups["tp"]]
     pp_tors = [placement.group_tors(g) for g in groups["pp"]]
-    return {"dp_group_tors_mean": sum(dp_tors) / len(dp_tors), "dp_group_tors_max": max(dp_tors),
-            "tp_group_nodes_max": max(tp_nodes),
-            "pp_group_tors_mean": sum(pp_tors) / len(pp_tors)}
+    return {
+        "dp_group_tors_mean": sum(dp_tors) / len(dp_tors),
+        "dp_group_tors_max": max(dp_tors),
+        "tp_group_nodes_max": max(tp_nodes),
+        "pp_group_tors_mean": sum(pp_tors) / len(pp_tors),
+    }

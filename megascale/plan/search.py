@@ -40,8 +40,9 @@ def _allowed(values: list[int], only: tuple[int, ...] | None) -> list[int]:
     return values if only is None else [x for x in values if x in only]
 
 
-def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
-                      space: SearchSpace | None = None) -> list[Layout]:
+def candidate_layouts(
+    work: Workload, gpus: int, cluster: ClusterSpec, space: SearchSpace | None = None
+) -> list[Layout]:
     """Every layout of `gpus` ranks the trainer accepts (before the memory check)."""
     space = space or SearchSpace()
     m = work.model
@@ -57,12 +58,10 @@ def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
             for mb in space.micro_batches:
                 if work.global_batch % (dp * mb):
                     continue
-                virtuals = [1] if pp == 1 else [v for v in _divisors(m.layers // pp)
-                                                 if v <= space.max_virtual]
+                virtuals = [1] if pp == 1 else [v for v in _divisors(m.layers // pp) if v <= space.max_virtual]
                 for v in _allowed(virtuals, space.virtuals):
                     for zero in space.zero_stages:
-                        layout = Layout(dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb,
-                                        zero=zero if dp > 1 else 0)
+                        layout = Layout(dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0)
                         try:
                             layout.check(work, cluster.gpus_per_node if gpus > 1 else None)
                         except ConfigError:
@@ -71,8 +70,13 @@ def candidate_layouts(work: Workload, gpus: int, cluster: ClusterSpec,
     return sorted(set(out), key=Layout.label)
 
 
-def cheapest_fitting(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features,
-                     order: tuple[Recompute, ...] = RECOMPUTE_ORDER) -> StepEstimate | None:
+def cheapest_fitting(
+    work: Workload,
+    layout: Layout,
+    cluster: ClusterSpec,
+    features: Features,
+    order: tuple[Recompute, ...] = RECOMPUTE_ORDER,
+) -> StepEstimate | None:
     """The layout with the least recomputation that fits in memory, or None."""
     for recompute in order:
         est = estimate(work, replace(layout, recompute=recompute), cluster, features)
@@ -81,8 +85,9 @@ def cheapest_fitting(work: Workload, layout: Layout, cluster: ClusterSpec, featu
     return None
 
 
-def search(work: Workload, gpus: int, cluster: ClusterSpec, features: Features | None = None,
-           space: SearchSpace | None = None) -> list[StepEstimate]:
+def search(
+    work: Workload, gpus: int, cluster: ClusterSpec, features: Features | None = None, space: SearchSpace | None = None
+) -> list[StepEstimate]:
     """Fitting layouts, fastest first. Empty when nothing fits (more GPUs or a smaller model)."""
     features = features or Features()
     space = space or SearchSpace()
@@ -102,9 +107,16 @@ class AblationRow:
     alone: StepEstimate  # only this optimisation on, over the baseline
 
 
-def ablate(work: Workload, gpus: int, cluster: ClusterSpec, base: SystemSpec, target: SystemSpec,
-           lamb_scale: int = 4, layout: Layout | None = None,
-           space: SearchSpace | None = None) -> list[AblationRow]:
+def ablate(
+    work: Workload,
+    gpus: int,
+    cluster: ClusterSpec,
+    base: SystemSpec,
+    target: SystemSpec,
+    lamb_scale: int = 4,
+    layout: Layout | None = None,
+    space: SearchSpace | None = None,
+) -> list[AblationRow]:
     """MFU with each optimisation of `target` switched on over `base` in turn (MegaScale's
     Table 3), on one fixed layout, so every difference comes from the optimisation.
 
@@ -113,14 +125,12 @@ def ablate(work: Workload, gpus: int, cluster: ClusterSpec, base: SystemSpec, ta
     `target` at the baseline batch.
     """
     if work.global_batch % lamb_scale:
-        raise ConfigError(
-            f"--batch={work.global_batch} must be a multiple of --lamb-scale={lamb_scale}")
+        raise ConfigError(f"--batch={work.global_batch} must be a multiple of --lamb-scale={lamb_scale}")
     small = replace(work, global_batch=work.global_batch // lamb_scale)
     if layout is None:
         best = search(target.apply(small), gpus, cluster, target.features, space)
         if not best:
-            raise ConfigError(
-                f"no layout of {gpus} GPUs fits {cluster.name} at batch {small.global_batch}")
+            raise ConfigError(f"no layout of {gpus} GPUs fits {cluster.name} at batch {small.global_batch}")
         layout = best[0].layout
     adam = replace(base, optimizer="adamw")
 
@@ -134,6 +144,7 @@ def ablate(work: Workload, gpus: int, cluster: ClusterSpec, base: SystemSpec, ta
         rows.append(AblationRow(name, run(current), run(switch_on(adam, target, name))))
     lamb = replace(current, optimizer="lamb")
     large = replace(small, global_batch=small.global_batch * lamb_scale)
-    rows.append(AblationRow(f"LAMB, batch x{lamb_scale}", run(lamb, large),
-                            run(replace(adam, optimizer="lamb"), large)))
+    rows.append(
+        AblationRow(f"LAMB, batch x{lamb_scale}", run(lamb, large), run(replace(adam, optimizer="lamb"), large))
+    )
     return rows

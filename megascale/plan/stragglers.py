@@ -99,8 +99,7 @@ def jitter_from_run(db_path: str | Path, warmup_steps: int = 1) -> Jitter:
         raise ConfigError(f"{path}: no timer database (run `megascale report RUN_DIR` first)")
     conn = sqlite3.connect(path)
     try:
-        rows = conn.execute("SELECT step, pp, compute FROM rank_steps WHERE compute > 0 "
-                            "ORDER BY step").fetchall()
+        rows = conn.execute("SELECT step, pp, compute FROM rank_steps WHERE compute > 0 ORDER BY step").fetchall()
     except sqlite3.Error as exc:
         raise ConfigError(f"{path}: not a megascale timer database ({exc})") from exc
     finally:
@@ -112,6 +111,7 @@ def jitter_from_run(db_path: str | Path, warmup_steps: int = 1) -> Jitter:
             groups.setdefault((step, pp), []).append(compute)
     ratios = [c / (sum(g) / len(g)) for g in groups.values() if len(g) > 1 for c in g]
     if not ratios:
-        raise ConfigError(f"{path}: needs >= 2 ranks per stage and >= {warmup_steps + 1} steps "
-                          "of compute spans to measure jitter")
+        raise ConfigError(
+            f"{path}: needs >= 2 ranks per stage and >= {warmup_steps + 1} steps of compute spans to measure jitter"
+        )
     return Jitter(samples=tuple(ratios), source=str(path))

@@ -58,27 +58,27 @@ def load_system(name_or_path: str) -> SystemSpec:
 
 
 def system_from_dict(raw: dict[str, Any], default_name: str = "system") -> SystemSpec:
-    model, optim, par, ops, impl = (raw.get(k, {}) for k in
-                                     ("model", "optim", "parallel", "operators", "implementation"))
-    known = {"model": {"block", "window"}, "optim": {"name", "lamb_scale"},
-             "parallel": {"zero", "tp_overlap", "tp_chunks", "pp_overlap", "dp_overlap",
-                          "data_overlap"},
-             "operators": {"attention", "fused_elementwise"},
-             "implementation": {f for f in Implementation.__dataclass_fields__ if f != "jitter"}
-             | {"jitter_cv"}}
+    model, optim, par, ops, impl = (
+        raw.get(k, {}) for k in ("model", "optim", "parallel", "operators", "implementation")
+    )
+    known = {
+        "model": {"block", "window"},
+        "optim": {"name", "lamb_scale"},
+        "parallel": {"zero", "tp_overlap", "tp_chunks", "pp_overlap", "dp_overlap", "data_overlap"},
+        "operators": {"attention", "fused_elementwise"},
+        "implementation": {f for f in Implementation.__dataclass_fields__ if f != "jitter"} | {"jitter_cv"},
+    }
     for section, table in zip(known, (model, optim, par, ops, impl), strict=True):
         extra = sorted(set(table) - known[section])
         if extra:
-            raise ConfigError(f"system [{section}] has unknown key(s) {extra}; "
-                              f"known: {sorted(known[section])}")
+            raise ConfigError(f"system [{section}] has unknown key(s) {extra}; known: {sorted(known[section])}")
     block = model.get("block", "parallel")
     if block not in ("parallel", "serial"):
         raise ConfigError(f"system model.block must be 'parallel' or 'serial', got {block!r}")
     window = int(model.get("window", 0)) or None
     attention = ops.get("attention", "flash2")
     if attention not in ATTENTION_KERNELS:
-        raise ConfigError(f"system operators.attention must be one of {ATTENTION_KERNELS}, "
-                          f"got {attention!r}")
+        raise ConfigError(f"system operators.attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     optimizer = optim.get("name", "lamb")
     if optimizer not in ("lamb", "adamw"):
         raise ConfigError(f"system optim.name must be 'lamb' or 'adamw', got {optimizer!r}")
@@ -89,16 +89,30 @@ def system_from_dict(raw: dict[str, Any], default_name: str = "system") -> Syste
     if any(v < 0 for v in values.values()) or float(impl.get("jitter_cv", 0)) < 0:
         raise ConfigError("system [implementation] values must be >= 0")
     implementation = Implementation(
-        **values, grad_wire_bytes=int(impl.get("grad_wire_bytes", 0)),
-        jitter=Jitter(cv=float(impl.get("jitter_cv", 0.0)), source="preset"))
+        **values,
+        grad_wire_bytes=int(impl.get("grad_wire_bytes", 0)),
+        jitter=Jitter(cv=float(impl.get("jitter_cv", 0.0)), source="preset"),
+    )
     features = Features(
-        tp_overlap=bool(par.get("tp_overlap", True)), tp_chunks=int(par.get("tp_chunks", 2)),
-        pp_overlap=bool(par.get("pp_overlap", True)), dp_overlap=bool(par.get("dp_overlap", True)),
-        data_overlap=bool(par.get("data_overlap", True)), attention=attention,
-        fused_elementwise=bool(ops.get("fused_elementwise", True)), impl=implementation)
-    return SystemSpec(name=str(raw.get("name", default_name)), block=block, window=window,
-                      optimizer=optimizer, lamb_scale=int(optim.get("lamb_scale", 1)), zero=zero,
-                      features=features, notes=str(raw.get("notes", "")))
+        tp_overlap=bool(par.get("tp_overlap", True)),
+        tp_chunks=int(par.get("tp_chunks", 2)),
+        pp_overlap=bool(par.get("pp_overlap", True)),
+        dp_overlap=bool(par.get("dp_overlap", True)),
+        data_overlap=bool(par.get("data_overlap", True)),
+        attention=attention,
+        fused_elementwise=bool(ops.get("fused_elementwise", True)),
+        impl=implementation,
+    )
+    return SystemSpec(
+        name=str(raw.get("name", default_name)),
+        block=block,
+        window=window,
+        optimizer=optimizer,
+        lamb_scale=int(optim.get("lamb_scale", 1)),
+        zero=zero,
+        features=features,
+        notes=str(raw.get("notes", "")),
+    )
 
 
 # Each optimisation as (name, what it changes): model fields, Features fields, Implementation
@@ -117,10 +131,8 @@ ABLATION = (
 def switch_on(current: SystemSpec, target: SystemSpec, step: str) -> SystemSpec:
     """`current` with the switches and constants of one ABLATION step taken from `target`."""
     model_keys, feature_keys, impl_keys = next(a[1:] for a in ABLATION if a[0] == step)
-    impl = replace(current.features.impl,
-                   **{k: getattr(target.features.impl, k) for k in impl_keys})
-    features = replace(current.features, impl=impl,
-                       **{k: getattr(target.features, k) for k in feature_keys})
+    impl = replace(current.features.impl, **{k: getattr(target.features.impl, k) for k in impl_keys})
+    features = replace(current.features, impl=impl, **{k: getattr(target.features, k) for k in feature_keys})
     return replace(current, features=features, **{k: getattr(target, k) for k in model_keys})
 
 

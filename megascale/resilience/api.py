@@ -100,9 +100,11 @@ class ApiClient:
                 conn.connect()
             except ssl.SSLError as exc:  # a wrong certificate, or not TLS at all
                 conn.close()
-                raise UntrustedDriver(f"{self.url} is not the job's driver (TLS with the pinned certificate "
-                                      f"failed: {getattr(exc, 'verify_message', None) or exc.reason}); "
-                                      f"nothing was sent to it") from None
+                raise UntrustedDriver(
+                    f"{self.url} is not the job's driver (TLS with the pinned certificate "
+                    f"failed: {getattr(exc, 'verify_message', None) or exc.reason}); "
+                    f"nothing was sent to it"
+                ) from None
             if conn.sock.getpeercert(binary_form=True) != self._pin:
                 conn.close()
                 raise UntrustedDriver(f"{self.url} presented another certificate than the job's; nothing was sent")

@@ -89,9 +89,15 @@ def connection_cap(wanted: int) -> int:
 class ApiServer:
     """Serves `routes` ((method, path) -> Route) over TLS to callers `authenticate` knows."""
 
-    def __init__(self, host: str, port: int, authenticate: Callable[[bytes], Principal | None],
-                 routes: dict[tuple[str, str], Route], ssl_context: ssl.SSLContext,
-                 limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        authenticate: Callable[[bytes], Principal | None],
+        routes: dict[tuple[str, str], Route],
+        ssl_context: ssl.SSLContext,
+        limits: Limits | None = None,
+    ) -> None:
         limits = limits or Limits()
         self.authenticate, self.routes, self.ctx, self.limits = authenticate, routes, ssl_context, limits
         self.paths = {path for _, path in routes}
@@ -164,8 +170,12 @@ class ApiServer:
                 continue
             if len(self.unauthenticated) >= self.limits.max_unauthenticated:
                 oldest = self._most_unauthenticated()
-                self.at_cap.note("api: %d connections without a token yet: closed the oldest, from %s "
-                                 "(the address holding the most)", len(self.unauthenticated), oldest.peer)
+                self.at_cap.note(
+                    "api: %d connections without a token yet: closed the oldest, from %s "
+                    "(the address holding the most)",
+                    len(self.unauthenticated),
+                    oldest.peer,
+                )
                 oldest.abort()
             conn = _Connection(self, sock, _peer(peer), ip)
             self.conns[conn] = None
@@ -183,14 +193,16 @@ class ApiServer:
         """Make room at the cap: the oldest connection without a token, else the oldest idle one."""
         victim = next(iter(self.unauthenticated), None) or next((c for c in self.conns if not c.busy), None)
         if victim is not None:
-            self.at_cap.note("api: at the cap of %d connections: closed the oldest idle one, from %s",
-                               self.cap, victim.peer)
+            self.at_cap.note(
+                "api: at the cap of %d connections: closed the oldest idle one, from %s", self.cap, victim.peer
+            )
             victim.abort()
         return victim is not None
 
     # ------------------------------------------------------------------ requests
-    def check(self, method: str, path: str, headers: list[tuple[bytes, bytes]],
-              ip: str = "") -> tuple[int, str] | Principal:
+    def check(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]], ip: str = ""
+    ) -> tuple[int, str] | Principal:
         """The refusal (status, reason) of a request head, before its body is read; else who calls.
         A request within its caller's budget only (`api_budget.py`; `ip` names callers without
         a node credential)."""
@@ -213,8 +225,9 @@ class ApiServer:
             return 429, f"over this caller's request budget; retry in {max(wait, 0.1):.1f} s"
         return dataclasses.replace(who, address=ip)
 
-    def call(self, method: str, path: str, body: bytes, who: Principal,
-             queued: float = 0.0) -> tuple[int, dict[str, Any]]:
+    def call(
+        self, method: str, path: str, body: bytes, who: Principal, queued: float = 0.0
+    ) -> tuple[int, dict[str, Any]]:
         """Validate and handle one request (in a pool thread); never raises."""
         if queued and time.monotonic() - queued > self.limits.request_timeout_s:
             self.shed += 1  # its client has given up on it: an answer now would only cost the others
@@ -274,8 +287,12 @@ class _Connection(asyncio.Protocol):
 
     async def handshake(self) -> None:
         try:
-            await self.loop.connect_accepted_socket(lambda: self, self.sock, ssl=self.server.ctx,
-                                                    ssl_handshake_timeout=self.server.limits.handshake_timeout_s)
+            await self.loop.connect_accepted_socket(
+                lambda: self,
+                self.sock,
+                ssl=self.server.ctx,
+                ssl_handshake_timeout=self.server.limits.handshake_timeout_s,
+            )
         except Exception as exc:  # a client that is not one: bad TLS, silence, a reset
             log.debug("api: handshake with %s failed: %s", self.peer, exc)
             self.closed = True
@@ -338,8 +355,10 @@ class _Connection(asyncio.Protocol):
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return
             if isinstance(event, h11.Request):
-                self.request = (event.method.decode(errors="replace"),
-                                event.target.decode(errors="replace").split("?")[0])
+                self.request = (
+                    event.method.decode(errors="replace"),
+                    event.target.decode(errors="replace").split("?")[0],
+                )
                 checked = self.server.check(*self.request, list(event.headers), self.ip)
                 if isinstance(checked, Principal) or checked[0] != 401:
                     self.server.unauthenticated.pop(self, None)  # it holds a credential
@@ -364,8 +383,9 @@ class _Connection(asyncio.Protocol):
         if future == 503:
             return self._refuse(503, f"{self.server.limits.max_pending} requests queued already; retry")
         if future == 429:
-            return self._refuse(429, f"this caller has {self.server.limits.budget.max_pending} requests queued "
-                                     "already; retry")
+            return self._refuse(
+                429, f"this caller has {self.server.limits.budget.max_pending} requests queued already; retry"
+            )
         assert isinstance(future, Future)
         self.future = future
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._reply, f))
@@ -409,8 +429,9 @@ class _Connection(asyncio.Protocol):
         if close:
             headers.append(("connection", "close"))
         try:
-            out = self.h11.send(h11.Response(status_code=status, headers=headers,
-                                             reason=http.HTTPStatus(status).phrase.encode()))
+            out = self.h11.send(
+                h11.Response(status_code=status, headers=headers, reason=http.HTTPStatus(status).phrase.encode())
+            )
             out += self.h11.send(h11.Data(data=raw)) + self.h11.send(h11.EndOfMessage())
         except h11.LocalProtocolError:  # nothing may be sent on this connection any more
             return self._close()

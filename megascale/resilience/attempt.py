@@ -44,7 +44,8 @@ class AttemptWatch:
             alive = all(r.get("alive") for r in ranks)
             (self.not_alive.discard if alive else self.not_alive.add)(node)
             done = len(ranks) >= self.ranks_per_node and not any(
-                r.get("alive") or (r.get("step") or 0) < self.steps for r in ranks)
+                r.get("alive") or (r.get("step") or 0) < self.steps for r in ranks
+            )
             (self.finished.add if done else self.finished.discard)(node)
         self.fresh = set()
         return out

@@ -64,19 +64,19 @@ def attribute(faults: list[Finding], reports: dict[str, dict[str, Any]], waited_
     lost = {f.node for f in faults if f.kind == "heartbeat_lost"}
     if known and not waited_enough:
         earliest = min(known)
-        if any(node not in lost and report.get("time", -math.inf) < earliest
-               for node, report in reports.items()):
+        if any(node not in lost and report.get("time", -math.inf) < earliest for node, report in reports.items()):
             return None
-    order = sorted(range(len(faults)), key=lambda i: (
-        math.inf if times[i] is None else times[i], not killed_by_signal(faults[i], reports), i))
+    order = sorted(
+        range(len(faults)),
+        key=lambda i: (math.inf if times[i] is None else times[i], not killed_by_signal(faults[i], reports), i),
+    )
     blamed, blamed_time = faults[order[0]], times[order[0]]
     also, collateral = [], []
     for i in order[1:]:
         finding = faults[i]
         same_rank = finding.node == blamed.node and finding.rank == blamed.rank
         after = times[i] is None or blamed_time is None or times[i] >= blamed_time
-        if (finding.kind in RANK_FINDINGS and not same_rank and after
-                and not killed_by_signal(finding, reports)):
+        if finding.kind in RANK_FINDINGS and not same_rank and after and not killed_by_signal(finding, reports):
             collateral.append(finding)
         else:
             also.append(finding)

@@ -48,13 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes the job trains on")
     parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--spares", type=int, default=None, help="spare nodes (default resilience.spares)")
-    parser.add_argument("--external", action="store_true",
-                        help="cluster mode: do not start executors; wait for them to register")
-    parser.add_argument("--netns", action="store_true",
-                        help="local mode: each simulated node in its own network namespace (root)")
-    parser.add_argument("--topology", metavar="SOURCE",
-                        help="order the nodes by the planner's placement: file:HOSTS (name tor [pod]),"
-                             " slurm[:FILE] (scontrol show topology) or k8s:NODES.json[#tor=LABEL]")
+    parser.add_argument(
+        "--external", action="store_true", help="cluster mode: do not start executors; wait for them to register"
+    )
+    parser.add_argument(
+        "--netns", action="store_true", help="local mode: each simulated node in its own network namespace (root)"
+    )
+    parser.add_argument(
+        "--topology",
+        metavar="SOURCE",
+        help="order the nodes by the planner's placement: file:HOSTS (name tor [pod]),"
+        " slurm[:FILE] (scontrol show topology) or k8s:NODES.json[#tor=LABEL]",
+    )
     parser.epilog = "Training options as --section.key=value, e.g. --model.layers=2 --train.steps=100"
 
 
@@ -62,8 +67,9 @@ def check_before_start(cfg: JobConfig, nodes: int, ranks_per_node: int) -> None:
     """Everything that would make every rank fail, found before any rank starts."""
     ck = cfg.checkpoint
     if ck.dir and "://" not in ck.dir and not Path(ck.dir).is_dir():
-        raise ConfigError(f"checkpoint.dir={ck.dir!r} does not exist; create it or leave it empty "
-                          f"(<run_dir>/checkpoints)")
+        raise ConfigError(
+            f"checkpoint.dir={ck.dir!r} does not exist; create it or leave it empty (<run_dir>/checkpoints)"
+        )
     if ck.resume not in ("auto", "none") and "://" not in ck.resume and not Path(ck.resume).exists():
         raise ConfigError(f"checkpoint.resume={ck.resume!r}: no such checkpoint")
     if nodes < 1 or ranks_per_node < 1:
@@ -105,18 +111,30 @@ def run(args: argparse.Namespace) -> int:
     store = JobStore(state_dir / "driver.sqlite")
     state = store.load()
     if state is not None and state.phase in FINISHED:
-        print(f"megascale launch: the job in {run_dir} already ended ({state.phase}: {state.reason}); "
-              "use another train.run_dir", file=sys.stderr)
+        print(
+            f"megascale launch: the job in {run_dir} already ended ({state.phase}: {state.reason}); "
+            "use another train.run_dir",
+            file=sys.stderr,
+        )
         return 2
     continuing = state is not None
     spares = rcfg.spares if args.spares is None else args.spares
     if state is None:
-        state = JobState(job_id=secrets.token_hex(4), nodes_wanted=args.nodes,
-                         ranks_per_node=args.ranks_per_node,
-                         layout=layout_for(cfg, args.nodes, args.ranks_per_node), train_config=config_text(cfg),
-                         run_dir=str(run_dir), restart_budget=rcfg.restart_budget)
-        state.api = {"netns": args.netns, "local": not args.external, "count": args.nodes + spares,
-                     "topology": args.topology}
+        state = JobState(
+            job_id=secrets.token_hex(4),
+            nodes_wanted=args.nodes,
+            ranks_per_node=args.ranks_per_node,
+            layout=layout_for(cfg, args.nodes, args.ranks_per_node),
+            train_config=config_text(cfg),
+            run_dir=str(run_dir),
+            restart_budget=rcfg.restart_budget,
+        )
+        state.api = {
+            "netns": args.netns,
+            "local": not args.external,
+            "count": args.nodes + spares,
+            "topology": args.topology,
+        }
         if not args.external:  # local executors are node0...: no other id is one of the job's
             state.api["roster"] = [f"node{i}" for i in range(args.nodes + spares)]
     netns = Netns(state.job_id[:4]) if state.api.get("netns") else None
@@ -137,18 +155,34 @@ def run(args: argparse.Namespace) -> int:
     # every node of the job may connect at once (a registration storm): the cap on connections
     # without a token yet is twice that, and never below the default
     nodes = state.nodes_wanted + spares
-    limits = Limits(request_timeout_s=rcfg.api_request_timeout_s, handshake_timeout_s=rcfg.api_request_timeout_s,
-                    max_unauthenticated=max(Limits.max_unauthenticated, 2 * nodes))
+    limits = Limits(
+        request_timeout_s=rcfg.api_request_timeout_s,
+        handshake_timeout_s=rcfg.api_request_timeout_s,
+        max_unauthenticated=max(Limits.max_unauthenticated, 2 * nodes),
+    )
     identities = Identities(secret, state.job_id)
-    server = ApiServer(host, state.api.get("port") or rcfg.api_port, identities.authenticate,
-                       _routes(driver, identities), server_context(secret), limits).start()
+    server = ApiServer(
+        host,
+        state.api.get("port") or rcfg.api_port,
+        identities.authenticate,
+        _routes(driver, identities),
+        server_context(secret),
+        limits,
+    ).start()
     url = server.url
     state.api.update(host=server.host, port=server.port, url=url, driver_pid=os.getpid())
     store.save(state)
-    write_private(state_dir / "driver.json", json.dumps({"url": url, "pid": os.getpid(),
-                                                         "secret_dir": str(secret.directory)}))
-    log.info("%s job %s: driver at %s (secret in %s; at most %d connections)",
-             "continuing" if continuing else "starting", state.job_id, url, secret.directory, server.cap)
+    write_private(
+        state_dir / "driver.json", json.dumps({"url": url, "pid": os.getpid(), "secret_dir": str(secret.directory)})
+    )
+    log.info(
+        "%s job %s: driver at %s (secret in %s; at most %d connections)",
+        "continuing" if continuing else "starting",
+        state.job_id,
+        url,
+        secret.directory,
+        server.cap,
+    )
     executors = []
     if state.api.get("local"):
         executors = _start_local_executors(state, url, secret.directory, run_dir, netns)
@@ -178,13 +212,17 @@ def run(args: argparse.Namespace) -> int:
 def _routes(driver: Driver, identities: Identities) -> dict[tuple[str, str], Route]:
     """The API: each route's handler, the schema its body must pass first, and who may call it."""
     node, operator = frozenset({NODE}), frozenset({OPERATOR})
-    return {("POST", "/v1/register"): Route(registration(driver.on_register, identities,
-                                                         driver.rcfg.peer_address_check),
-                                            protocol.Register, frozenset({JOIN, NODE})),
-            ("POST", "/v1/heartbeat"): Route(for_node(driver.on_heartbeat), protocol.Heartbeat, node),
-            ("GET", "/v1/status"): Route(for_operator(driver.on_status), None, operator),
-            ("POST", "/v1/evict"): Route(for_operator(driver.on_evict), protocol.Evict, operator),
-            ("POST", "/v1/stop"): Route(for_operator(driver.on_stop), protocol.Stop, operator)}
+    return {
+        ("POST", "/v1/register"): Route(
+            registration(driver.on_register, identities, driver.rcfg.peer_address_check),
+            protocol.Register,
+            frozenset({JOIN, NODE}),
+        ),
+        ("POST", "/v1/heartbeat"): Route(for_node(driver.on_heartbeat), protocol.Heartbeat, node),
+        ("GET", "/v1/status"): Route(for_operator(driver.on_status), None, operator),
+        ("POST", "/v1/evict"): Route(for_operator(driver.on_evict), protocol.Evict, operator),
+        ("POST", "/v1/stop"): Route(for_operator(driver.on_stop), protocol.Stop, operator),
+    }
 
 
 def _job_secret(directory: Path, host: str) -> JobSecret:
@@ -216,8 +254,7 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool, state_dir: Pat
     return server
 
 
-def _start_local_executors(state: JobState, url: str, secret_dir: Path, run_dir: Path,
-                           netns: Netns | None) -> list:
+def _start_local_executors(state: JobState, url: str, secret_dir: Path, run_dir: Path, netns: Netns | None) -> list:
     """One executor per simulated node, except those still alive from a previous driver."""
     procs = []
     pids = state.api.setdefault("executor_pids", {})
@@ -225,8 +262,7 @@ def _start_local_executors(state: JobState, url: str, secret_dir: Path, run_dir:
         pid = pids.get(str(i))
         if pid and _alive(pid):
             continue
-        proc = spawn_executor(i, url, secret_dir, run_dir / "executors", netns,
-                              run_dir / "executors" / f"node{i}.log")
+        proc = spawn_executor(i, url, secret_dir, run_dir / "executors", netns, run_dir / "executors" / f"node{i}.log")
         pids[str(i)] = proc.pid
         procs.append(proc)
     return procs

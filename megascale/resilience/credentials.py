@@ -95,24 +95,35 @@ def load_secret(directory: str | Path, need_key: bool, operator: bool = False) -
     if b"BEGIN CERTIFICATE" not in cert:
         raise SecretError(f"{directory / CERT} is not a PEM certificate")
     if admin and hmac.compare_digest(admin, token):
-        raise SecretError(f"{directory / OPERATOR} equals {directory / TOKEN}: executors would hold the operator's "
-                          f"power; remove {directory / OPERATOR} and run `megascale secret {directory}`")
-    secret = JobSecret(directory, token, cert, admin, hashlib.sha256(b"megascale node credentials\0" + key).digest()
-                       if need_key else b"")
+        raise SecretError(
+            f"{directory / OPERATOR} equals {directory / TOKEN}: executors would hold the operator's "
+            f"power; remove {directory / OPERATOR} and run `megascale secret {directory}`"
+        )
+    secret = JobSecret(
+        directory,
+        token,
+        cert,
+        admin,
+        hashlib.sha256(b"megascale node credentials\0" + key).digest() if need_key else b"",
+    )
     if need_key:
         try:
             server_context(secret)
         except ssl.SSLError as exc:
-            raise SecretError(f"{directory / KEY} does not match {directory / CERT} ({exc.reason or exc}): they "
-                              f"are not one pair; remove both and run `megascale secret {directory}`") from None
+            raise SecretError(
+                f"{directory / KEY} does not match {directory / CERT} ({exc.reason or exc}): they "
+                f"are not one pair; remove both and run `megascale secret {directory}`"
+            ) from None
     return secret
 
 
 def _token(path: Path, what: str) -> str:
     token = read_secret(path, what).decode(errors="replace").strip()
     if len(token) < MIN_TOKEN_CHARS:
-        raise SecretError(f"{what} in {path} has {len(token)} characters; at least {MIN_TOKEN_CHARS} are needed "
-                          "(`megascale secret DIR` makes one)")
+        raise SecretError(
+            f"{what} in {path} has {len(token)} characters; at least {MIN_TOKEN_CHARS} are needed "
+            "(`megascale secret DIR` makes one)"
+        )
     return token
 
 
@@ -150,23 +161,33 @@ def self_signed_certificate(names: list[str] = ()) -> tuple[bytes, bytes]:
         except ValueError:
             alt.append(x509.DNSName(name))
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=3650))
-            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
 # ---------------------------------------------------------------------- `megascale secret`
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="where to write token, operator, tls.crt and tls.key (mode 0600)")
-    parser.add_argument("--name", action="append", default=[],
-                        help="a name or address the driver is reached by (repeatable), e.g. megascale-driver")
+    parser.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        help="a name or address the driver is reached by (repeatable), e.g. megascale-driver",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         os.umask(old)
-    print(f"{directory}: {TOKEN}, {OPERATOR}, {CERT}, {KEY}\n"
-          f"Kubernetes: kubectl create secret generic megascale-secret --from-file={directory}")
+    print(
+        f"{directory}: {TOKEN}, {OPERATOR}, {CERT}, {KEY}\n"
+        f"Kubernetes: kubectl create secret generic megascale-secret --from-file={directory}"
+    )
     return 0

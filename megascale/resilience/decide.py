@@ -22,13 +22,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 IN_PLACE, RESTART = "in_place", "restart"
-NODE_KINDS = {"heartbeat_lost": "the node stopped sending heartbeats",
-              "traffic_zero": "the node's network traffic stopped"}
+NODE_KINDS = {
+    "heartbeat_lost": "the node stopped sending heartbeats",
+    "traffic_zero": "the node's network traffic stopped",
+}
 # error lines that name the transport or the device rather than the program
 HARDWARE_PATTERN = re.compile(
     r"NCCL error|nccl(Internal|System|Remote)Error|CUDA error|uncorrectable ECC|illegal memory access"
     r"|Xid|NVLink|gloo/transport|Connection reset by peer|No route to host|Network is unreachable",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 # faults whose node leaves and is evicted without a self-check (the evidence is already in)
 EVICTING_KINDS = ("manual_evict", "straggler")
 # process states (psutil) that blame a hang on the process itself, not the machine
@@ -52,21 +55,29 @@ class CheckDecision:
 def selfcheck_decision(fault: dict[str, Any], node_faults: int, max_node_faults: int) -> CheckDecision:
     """Whether the blamed fault (and the findings listed with it) warrant a self-check."""
     findings = [fault, *fault.get("also", [])]
-    inputs = {"kind": fault.get("kind"), "node": fault.get("node"), "rank": fault.get("rank"),
-              "node_faults": node_faults}
+    inputs = {
+        "kind": fault.get("kind"),
+        "node": fault.get("node"),
+        "rank": fault.get("rank"),
+        "node_faults": node_faults,
+    }
     for finding in findings:
         if finding.get("kind") in NODE_KINDS:
             return CheckDecision(True, NODE_KINDS[finding["kind"]], {**inputs, "finding": finding["kind"]})
     for finding in findings:
         match = HARDWARE_PATTERN.search(finding.get("detail") or "")
         if finding.get("kind") == "error_keyword" and match:
-            return CheckDecision(True, "an error line names the transport or the device",
-                                 {**inputs, "matched": match.group(0)})
+            return CheckDecision(
+                True, "an error line names the transport or the device", {**inputs, "matched": match.group(0)}
+            )
     if fault.get("kind") == "hang":
         culprits = fault.get("culprits", [])
         if culprits:
-            return CheckDecision(False, "a hang whose rank's process is stopped or gone: the process, "
-                                        "not the machine", {**inputs, "culprits": culprits})
+            return CheckDecision(
+                False,
+                "a hang whose rank's process is stopped or gone: the process, not the machine",
+                {**inputs, "culprits": culprits},
+            )
         return CheckDecision(True, "a hang with no process to blame may be the network", inputs)
     if fault.get("kind") == "straggler":
         return CheckDecision(False, "a straggler is replaced on its peers' evidence: nothing to find out", inputs)
@@ -79,9 +90,12 @@ def selfcheck_decision(fault: dict[str, Any], node_faults: int, max_node_faults:
 
 def hang_culprits(reports: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Ranks whose process cannot be taking part in a collective: stopped, a zombie, gone."""
-    return [{"node": node, "rank": r["rank"], "state": r.get("state")}
-            for node, report in sorted(reports.items()) for r in report.get("ranks", [])
-            if r.get("state") in PROCESS_STATES]
+    return [
+        {"node": node, "rank": r["rank"], "state": r.get("state")}
+        for node, report in sorted(reports.items())
+        for r in report.get("ranks", [])
+        if r.get("state") in PROCESS_STATES
+    ]
 
 
 @dataclass(frozen=True)
@@ -96,9 +110,18 @@ class PathDecision:
         return {**asdict(self), "replaced": {str(k): v for k, v in self.replaced.items()}}
 
 
-def recovery_path(*, enabled: bool, fault: dict[str, Any], check: CheckDecision,
-                  slots: dict[str, int], spares: list[str], ranks_per_node: int, node_faults: dict[str, int],
-                  max_node_faults: int, live: set[str]) -> PathDecision:
+def recovery_path(
+    *,
+    enabled: bool,
+    fault: dict[str, Any],
+    check: CheckDecision,
+    slots: dict[str, int],
+    spares: list[str],
+    ranks_per_node: int,
+    node_faults: dict[str, int],
+    max_node_faults: int,
+    live: set[str],
+) -> PathDecision:
     """The path for a blamed fault. `slots`: active node -> slot; `live`: nodes heard from lately.
 
     Ranks replaced: the blamed rank (and any rank listed as also failed) on its own node; every
@@ -109,9 +132,15 @@ def recovery_path(*, enabled: bool, fault: dict[str, Any], check: CheckDecision,
     failed_nodes = {f["node"] for f in [*findings, *fault.get("culprits", [])] if f.get("node") in slots}
     if not failed_nodes:
         return PathDecision(RESTART, f"no node is blamed for the {fault.get('kind')} (no rank to replace)")
-    leaving = sorted(n for n in failed_nodes
-                     if n not in live or (check.run and n == fault.get("node")) or fault.get("kind") in EVICTING_KINDS
-                     or node_faults.get(n, 0) >= max_node_faults or fault.get("kind") in NODE_KINDS)
+    leaving = sorted(
+        n
+        for n in failed_nodes
+        if n not in live
+        or (check.run and n == fault.get("node"))
+        or fault.get("kind") in EVICTING_KINDS
+        or node_faults.get(n, 0) >= max_node_faults
+        or fault.get("kind") in NODE_KINDS
+    )
     survivors = [n for n in slots if n not in leaving]
     if not survivors:
         return PathDecision(RESTART, "no node survives the fault")
@@ -119,8 +148,9 @@ def recovery_path(*, enabled: bool, fault: dict[str, Any], check: CheckDecision,
         return PathDecision(RESTART, f"nodes {sorted(n for n in survivors if n not in live)} are not reporting")
     usable = [s for s in spares if s in live]
     if len(usable) < len(leaving):
-        return PathDecision(RESTART, f"{len(leaving)} node(s) leave and {len(usable)} spare(s) can take over: "
-                                     "the layout would change")
+        return PathDecision(
+            RESTART, f"{len(leaving)} node(s) leave and {len(usable)} spare(s) can take over: the layout would change"
+        )
     replaced: dict[int, str] = {}
     spares_in = usable[: len(leaving)]
     for node, spare in zip(leaving, spares_in, strict=True):

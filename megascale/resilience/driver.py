@@ -117,8 +117,10 @@ class Driver(RecoveryPaths):
         if state.phase in (STOPPING, CHECKING, RECOVERING):  # redo the interrupted recovery from the start
             self.current_fault = (store.events("fault") or [None])[-1]
             if state.phase == RECOVERING and self.current_fault is not None:
-                self.current_fault["path_reason"] = ("the driver restarted during the fast recovery: the paused "
-                                                     "ranks' state is unknown, every rank restarts")
+                self.current_fault["path_reason"] = (
+                    "the driver restarted during the fast recovery: the paused "
+                    "ranks' state is unknown, every rank restarts"
+                )
                 log.warning("%s", self.current_fault["path_reason"])
             state.phase, self.phase_deadline = STOPPING, now
         for node in state.role(SUSPECT):  # its self-check's result went with the old driver
@@ -149,8 +151,12 @@ class Driver(RecoveryPaths):
             known.address, known.host, known.pid = address, body["host"], body["pid"]
             self.last_seen[node_id] = now
             row, seq = json.dumps(asdict(known)), self.store.sequence()
-            reply = {"role": known.role, "keywords": self.rcfg.error_keywords,
-                     "heartbeat_s": self.rcfg.heartbeat_s, "standby": self._standby_for(known)}
+            reply = {
+                "role": known.role,
+                "keywords": self.rcfg.error_keywords,
+                "heartbeat_s": self.rcfg.heartbeat_s,
+                "standby": self._standby_for(known),
+            }
         self.store.save_node(row, node_id, seq)
         self.store.event("register", {"node": node_id, "address": address, "role": reply["role"]}, now)
         log.info("node %s registered from %s as %s", node_id, address, reply["role"])
@@ -183,8 +189,12 @@ class Driver(RecoveryPaths):
             commands = self.outbox[node_id]
             # `exit` is never acknowledged (the executor is gone): delivered once is enough
             self.outbox[node_id] = [c for c in commands if c["kind"] != "exit"]
-            return 200, {"commands": commands, "ack": list(body.get("done", {})), "standby": self._standby_for(node),
-                         "heartbeat_s": self._heartbeat_for()}
+            return 200, {
+                "commands": commands,
+                "ack": list(body.get("done", {})),
+                "standby": self._standby_for(node),
+                "heartbeat_s": self._heartbeat_for(),
+            }
 
     def _standby_for(self, node: Node) -> int:
         """Warm rank processes a node keeps: an active node one per rank before the first start
@@ -207,21 +217,40 @@ class Driver(RecoveryPaths):
         with self.lock:
             s = self.state
             now = time.time()
-            head = {"job_id": s.job_id, "phase": s.phase, "attempt": s.attempt, "restarts": s.restarts,
-                    "restart_budget": s.restart_budget, "layout": dict(s.layout), "reason": s.reason,
-                    "blocked": list(s.blocked), "step": self.hang.last_step, "master": dict(s.master),
-                    "silence": {"correlated": self.silence.correlated, "episodes": self.silence.episodes}}
+            head = {
+                "job_id": s.job_id,
+                "phase": s.phase,
+                "attempt": s.attempt,
+                "restarts": s.restarts,
+                "restart_budget": s.restart_budget,
+                "layout": dict(s.layout),
+                "reason": s.reason,
+                "blocked": list(s.blocked),
+                "step": self.hang.last_step,
+                "master": dict(s.master),
+                "silence": {"correlated": self.silence.correlated, "episodes": self.silence.episodes},
+            }
             nodes = [(n.node_id, n.role, n.slot, n.address, n.host, n.faults, n.pid) for n in s.nodes.values()]
             seen, reports = dict(self.last_seen), dict(self.reports)
         events = self.store.events(STATUS_EVENTS)
         return 200, {
             **head,
-            "nodes": {node: {"role": role, "slot": slot, "address": address, "host": host, "faults": faults,
-                             "pid": pid, "last_seen_s": round(now - seen.get(node, 0), 1),
-                             "attempt": reports.get(node, {}).get("attempt"),
-                             "ranks": [{k: v for k, v in r.items() if k != "recent"}
-                                       for r in reports.get(node, {}).get("ranks", [])]}
-                      for node, role, slot, address, host, faults, pid in nodes},
+            "nodes": {
+                node: {
+                    "role": role,
+                    "slot": slot,
+                    "address": address,
+                    "host": host,
+                    "faults": faults,
+                    "pid": pid,
+                    "last_seen_s": round(now - seen.get(node, 0), 1),
+                    "attempt": reports.get(node, {}).get("attempt"),
+                    "ranks": [
+                        {k: v for k, v in r.items() if k != "recent"} for r in reports.get(node, {}).get("ranks", [])
+                    ],
+                }
+                for node, role, slot, address, host, faults, pid in nodes
+            },
             "evicted": [node for node, role, *_ in nodes if role == EVICTED],
             "faults": [{**f, **recovery_phases(f, events)} for f in events if f["event"] == "fault"],
             "alerts": [e for e in events if e["event"] == "alert"],
@@ -250,15 +279,18 @@ class Driver(RecoveryPaths):
             self.hang.observe(max(steps), recent, now)
             if self.resumed_pending is not None and self.hang.last_step > before:
                 ranks = [r for n in self.state.role(ACTIVE) for r in self.reports.get(n.node_id, {}).get("ranks", [])]
-                self.store.event("resumed", {**self.resumed_pending, "step": self.hang.last_step,
-                                             "resumed": now, **start_marks(ranks)})
+                self.store.event(
+                    "resumed",
+                    {**self.resumed_pending, "step": self.hang.last_step, "resumed": now, **start_marks(ranks)},
+                )
                 self.resumed_pending = None
         for step, seconds in recent:
             self.slow.observe(step, seconds)
         for r in ranks:
             self.straggler.observe(r["rank"], r.get("compute", []))
-        rule = self.traffic.setdefault(node_id, TrafficRule(node_id, self.rcfg.traffic_window_s,
-                                                            self.rcfg.traffic_fall_ratio))
+        rule = self.traffic.setdefault(
+            node_id, TrafficRule(node_id, self.rcfg.traffic_window_s, self.rcfg.traffic_fall_ratio)
+        )
         total = interface_bytes(body.get("net", {}), self.rcfg.traffic_interfaces)
         running = bool(ranks) and all(r.get("alive") for r in ranks)
         if total is not None and not body.get("net_shared"):
@@ -308,8 +340,11 @@ class Driver(RecoveryPaths):
         if self.active_count >= self.state.nodes_wanted:
             self._start_attempt(now)
         elif now - self.registering_since > self.rcfg.startup_timeout_s:
-            self._finish(FAILED, f"only {self.active_count} of {self.state.nodes_wanted} nodes registered: "
-                                 f"none for {self.rcfg.startup_timeout_s:.0f} s (resilience.startup_timeout_s)")
+            self._finish(
+                FAILED,
+                f"only {self.active_count} of {self.state.nodes_wanted} nodes registered: "
+                f"none for {self.rcfg.startup_timeout_s:.0f} s (resilience.startup_timeout_s)",
+            )
 
     def _tick_running(self, now: float) -> None:
         for node_id, reason in list(self.manual_evictions.items()):
@@ -332,15 +367,16 @@ class Driver(RecoveryPaths):
         if faults:
             verdict = self._attribute(faults, now)
             if verdict is not None:
-                return self._begin_recovery(verdict.blamed, now, others=verdict.also,
-                                            collateral=verdict.collateral)
+                return self._begin_recovery(verdict.blamed, now, others=verdict.also, collateral=verdict.collateral)
             return None
         if self._complete():
             self._finish(COMPLETE, "training complete")
 
     def _findings(self, now: float) -> list[Finding]:
-        out = [Finding("heartbeat_lost", "fault", f"no heartbeat from {node} for {now - t:.1f} s", node)
-               for node, t in self._lost(now)]
+        out = [
+            Finding("heartbeat_lost", "fault", f"no heartbeat from {node} for {now - t:.1f} s", node)
+            for node, t in self._lost(now)
+        ]
         out += self.attempt_watch.judge(self.reports, self.state.attempt)
         all_alive = self.attempt_watch.all_alive
         out += self.errors
@@ -352,8 +388,15 @@ class Driver(RecoveryPaths):
         if slow is not None:
             out.append(slow)
         if self.rcfg.straggler_action != "off":
-            out += straggler_findings(self.straggler, self.rcfg, self.store, len(self.state.role(SPARE)),
-                                      self.state.attempt, self.hang.last_step, now)
+            out += straggler_findings(
+                self.straggler,
+                self.rcfg,
+                self.store,
+                len(self.state.role(SPARE)),
+                self.state.attempt,
+                self.hang.last_step,
+                now,
+            )
         return out
 
     def _lost(self, now: float) -> list[tuple[str, float]]:
@@ -370,9 +413,15 @@ class Driver(RecoveryPaths):
         ranks = [r for n in self.attempt_watch.nodes for r in self.reports.get(n, {}).get("ranks", [])]
         for r in ranks:
             if r.get("exitcode") != 0:
-                self.store.event("alert", {"kind": "exit_after_last_step", "severity": "alert",
-                                           "detail": f"rank {r['rank']} exited with {r['exitcode']} "
-                                                     "after the last step (teardown)", "rank": r["rank"]})
+                self.store.event(
+                    "alert",
+                    {
+                        "kind": "exit_after_last_step",
+                        "severity": "alert",
+                        "detail": f"rank {r['rank']} exited with {r['exitcode']} after the last step (teardown)",
+                        "rank": r["rank"],
+                    },
+                )
         return True
 
     def _alert(self, finding: Finding, now: float) -> None:
@@ -380,11 +429,26 @@ class Driver(RecoveryPaths):
         if finding.kind != "slow":
             return self.store.event("alert", finding.to_dict(), now)
         run_dir = self.state.run_dir
-        if not self._in_background("stragglers", lambda: self.store.event("alert", {
-                **finding.to_dict(), "stragglers": evidence.straggler_evidence(
-                    run_dir, Path(run_dir) / "config.toml")}, now)):
-            self.store.event("alert", {**finding.to_dict(), "stragglers": None,
-                                       "evidence": "skipped: straggler evidence was taken moments ago"}, now)
+        if not self._in_background(
+            "stragglers",
+            lambda: self.store.event(
+                "alert",
+                {
+                    **finding.to_dict(),
+                    "stragglers": evidence.straggler_evidence(run_dir, Path(run_dir) / "config.toml"),
+                },
+                now,
+            ),
+        ):
+            self.store.event(
+                "alert",
+                {
+                    **finding.to_dict(),
+                    "stragglers": None,
+                    "evidence": "skipped: straggler evidence was taken moments ago",
+                },
+                now,
+            )
 
     def _in_background(self, kind: str, work, limited: bool = True) -> bool:
         """Evidence reads files and imports the diagnostics (and torch): seconds that must not
@@ -418,13 +482,25 @@ class Driver(RecoveryPaths):
             return self._finish(FAILED, str(exc))
         active = self._in_planned_order(active)
         s.master = {"addr": active[0].address, "port": rendezvous_port(self.rcfg.rendezvous_port, s.attempt)}
-        env = {"WORLD_SIZE": str(len(active) * s.ranks_per_node), "MASTER_ADDR": s.master["addr"],
-               "MASTER_PORT": str(s.master["port"]), "MEGASCALE_JOB_ID": s.job_id,
-               "MEGASCALE_RESTART_ATTEMPT": str(s.attempt)}
+        env = {
+            "WORLD_SIZE": str(len(active) * s.ranks_per_node),
+            "MASTER_ADDR": s.master["addr"],
+            "MASTER_PORT": str(s.master["port"]),
+            "MEGASCALE_JOB_ID": s.job_id,
+            "MEGASCALE_RESTART_ATTEMPT": str(s.attempt),
+        }
         for node in active:
-            self._send(node.node_id, "start", attempt=s.attempt, ranks=slot_ranks(node.slot, s.ranks_per_node),
-                       env=env, plan_env=self.plan_env, config=config, redis_password=password,
-                       keep=(keep or {}).get(node.node_id, []))
+            self._send(
+                node.node_id,
+                "start",
+                attempt=s.attempt,
+                ranks=slot_ranks(node.slot, s.ranks_per_node),
+                env=env,
+                plan_env=self.plan_env,
+                config=config,
+                redis_password=password,
+                keep=(keep or {}).get(node.node_id, []),
+            )
         s.phase, s.attempt_started = RUNNING, now
         self.attempt_watch.watch([n.node_id for n in active])
         self.hang.reset(now)
@@ -441,11 +517,20 @@ class Driver(RecoveryPaths):
             previous = s.attempt - 1  # bound now: the thread may run after a further restart
             if not self._in_background("rendezvous", lambda: self._clear_rendezvous(previous), limited=False):
                 log.warning("attempt %d's rendezvous keys left in Redis: the background queue is full", previous)
-        self.store.event("attempt", {"attempt": s.attempt, "layout": s.layout, "master": s.master,
-                                     "nodes": [n.node_id for n in active]}, now)
-        log.info("attempt %d: %s on %s (rendezvous %s:%d); %s", s.attempt, s.layout,
-                 ", ".join(n.node_id for n in active), s.master["addr"], s.master["port"],
-                 format_applied(self.plan_env))
+        self.store.event(
+            "attempt",
+            {"attempt": s.attempt, "layout": s.layout, "master": s.master, "nodes": [n.node_id for n in active]},
+            now,
+        )
+        log.info(
+            "attempt %d: %s on %s (rendezvous %s:%d); %s",
+            s.attempt,
+            s.layout,
+            ", ".join(n.node_id for n in active),
+            s.master["addr"],
+            s.master["port"],
+            format_applied(self.plan_env),
+        )
         self._save()
 
     def _in_planned_order(self, active: list[Node]) -> list[Node]:
@@ -500,8 +585,13 @@ class Driver(RecoveryPaths):
         self.store.event("finish", summary)
         (Path(s.run_dir) / "resilience").mkdir(parents=True, exist_ok=True)
         (Path(s.run_dir) / "resilience" / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        log.log(logging.INFO if s.phase == COMPLETE else logging.ERROR, "job %s: %s (ETTR %.3f)",
-                s.phase, s.reason, summary["ettr"]["ettr"])
+        log.log(
+            logging.INFO if s.phase == COMPLETE else logging.ERROR,
+            "job %s: %s (ETTR %.3f)",
+            s.phase,
+            s.reason,
+            summary["ettr"]["ettr"],
+        )
         return summary
 
     def _drain_exits(self, now: float) -> None:
@@ -513,4 +603,3 @@ class Driver(RecoveryPaths):
 
     def _save(self) -> None:
         self.store.save(self.state)
-

@@ -42,8 +42,13 @@ def ettr(metrics_path: str | Path, wall_s: float, up_to_step: int | None = None)
     if path.is_file():
         executed = sum(1 for line in path.read_text().splitlines() if '"step"' in line)
     useful = sum(float(records[s].get("step_time", 0.0)) for s in steps)
-    return {"steps": len(steps), "steps_executed": executed, "train_s": useful, "wall_s": wall_s,
-            "ettr": useful / wall_s if wall_s > 0 else 0.0}
+    return {
+        "steps": len(steps),
+        "steps_executed": executed,
+        "train_s": useful,
+        "wall_s": wall_s,
+        "ettr": useful / wall_s if wall_s > 0 else 0.0,
+    }
 
 
 def job_summary(s: JobState, store: JobStore, steps: int) -> dict[str, Any]:
@@ -52,13 +57,30 @@ def job_summary(s: JobState, store: JobStore, steps: int) -> dict[str, Any]:
     hangs = {e["detected"]: e["analysis"] for e in events if e["event"] == "hang_analysis"}
     matrix = []
     for f in (e for e in events if e["event"] == "fault"):
-        matrix.append({"kind": f["kind"], "node": f.get("node"), "rank": f.get("rank"), "detail": f["detail"],
-                       "collateral": f.get("collateral", []), "also": f.get("also", []),
-                       "detected": f["detected"], "last_progress": f.get("last_progress"),
-                       **recovery_phases(f, events),
-                       **({"hang_analysis": hangs[f["detected"]]} if f["detected"] in hangs else {})})
-    return {"job_id": s.job_id, "phase": s.phase, "reason": s.reason, "restarts": s.restarts,
-            "attempts": s.attempt + 1, "evicted": s.evicted, "layout": s.layout,
-            "faults": matrix, "alerts": [e for e in events if e["event"] == "alert"],
-            "stragglers": [e for e in events if e["event"] == "straggler"],
-            "ettr": ettr(Path(s.run_dir) / "metrics.jsonl", wall, steps)}
+        matrix.append(
+            {
+                "kind": f["kind"],
+                "node": f.get("node"),
+                "rank": f.get("rank"),
+                "detail": f["detail"],
+                "collateral": f.get("collateral", []),
+                "also": f.get("also", []),
+                "detected": f["detected"],
+                "last_progress": f.get("last_progress"),
+                **recovery_phases(f, events),
+                **({"hang_analysis": hangs[f["detected"]]} if f["detected"] in hangs else {}),
+            }
+        )
+    return {
+        "job_id": s.job_id,
+        "phase": s.phase,
+        "reason": s.reason,
+        "restarts": s.restarts,
+        "attempts": s.attempt + 1,
+        "evicted": s.evicted,
+        "layout": s.layout,
+        "faults": matrix,
+        "alerts": [e for e in events if e["event"] == "alert"],
+        "stragglers": [e for e in events if e["event"] == "straggler"],
+        "ettr": ettr(Path(s.run_dir) / "metrics.jsonl", wall, steps),
+    }

@@ -89,8 +89,12 @@ def straggler_evidence(run_dir: str | Path, config_path: str | Path) -> list[dic
 
 def _child(args: list[str]) -> Any:
     try:
-        out = subprocess.run([sys.executable, "-m", "megascale.resilience.evidence", *args],
-                             capture_output=True, text=True, timeout=TIMEOUT_S)
+        out = subprocess.run(
+            [sys.executable, "-m", "megascale.resilience.evidence", *args],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
         log.warning("%s evidence unavailable: %s", args[0], exc)
@@ -114,8 +118,9 @@ def _stragglers(run_dir: str, config_path: str) -> list[dict[str, Any]]:
     collector = Collector(run_dir, Path(run_dir) / "resilience" / "diagnostics.sqlite")
     try:
         collector.poll()
-        found = find_stragglers(collector.conn, d.straggler_threshold, d.straggler_min_fraction,
-                                warmup_steps=d.straggler_warmup_steps)
+        found = find_stragglers(
+            collector.conn, d.straggler_threshold, d.straggler_min_fraction, warmup_steps=d.straggler_warmup_steps
+        )
     finally:
         collector.close()
     return [dict(s.to_dict(), description=s.describe()) for s in found]

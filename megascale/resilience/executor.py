@@ -81,8 +81,15 @@ class Attempt:
 
 
 class Executor:
-    def __init__(self, client: ApiClient, node_id: str, address: str, workdir: Path,
-                 heartbeat_s: float = 1.0, shared_network: bool = False) -> None:
+    def __init__(
+        self,
+        client: ApiClient,
+        node_id: str,
+        address: str,
+        workdir: Path,
+        heartbeat_s: float = 1.0,
+        shared_network: bool = False,
+    ) -> None:
         self.client, self.node_id, self.address = client, node_id, address
         self.join_token = client.token
         self.workdir = private_dir(workdir)
@@ -115,9 +122,11 @@ class Executor:
             self.client.token = read_secret(kept, "the node's credential").decode().strip()
         while True:
             try:
-                reply = self.client.call("POST", "/v1/register", {
-                    "node_id": self.node_id, "address": self.address, "host": self.host,
-                    "pid": os.getpid()})
+                reply = self.client.call(
+                    "POST",
+                    "/v1/register",
+                    {"node_id": self.node_id, "address": self.address, "host": self.host, "pid": os.getpid()},
+                )
                 reply = RegisterReply.model_validate(reply)
                 break
             except ApiError as exc:
@@ -196,28 +205,53 @@ class Executor:
             ranks, errors = ([], []) if attempt is None else self._rank_reports(attempt)
             done, busy = dict(self.done), self.busy
         return {
-            "node_id": self.node_id, "seq": self._seq, "time": time.time(),
-            "address": self.address, "host": self.host,
-            "hardware": {"cpus": psutil.cpu_count(), "cpu_percent": psutil.cpu_percent(None),
-                         "mem_total": mem.total, "mem_used": mem.used, "gpus": self._gpus},
-            "attempt": attempt.number if attempt else None, "ranks": ranks, "errors": errors,
-            "net": {n[:64]: [c.bytes_sent, c.bytes_recv]
-                    for n, c in list(psutil.net_io_counters(pernic=True).items())[:512]},
-            "net_shared": self.shared_network, "done": done, "busy": busy,
+            "node_id": self.node_id,
+            "seq": self._seq,
+            "time": time.time(),
+            "address": self.address,
+            "host": self.host,
+            "hardware": {
+                "cpus": psutil.cpu_count(),
+                "cpu_percent": psutil.cpu_percent(None),
+                "mem_total": mem.total,
+                "mem_used": mem.used,
+                "gpus": self._gpus,
+            },
+            "attempt": attempt.number if attempt else None,
+            "ranks": ranks,
+            "errors": errors,
+            "net": {
+                n[:64]: [c.bytes_sent, c.bytes_recv] for n, c in list(psutil.net_io_counters(pernic=True).items())[:512]
+            },
+            "net_shared": self.shared_network,
+            "done": done,
+            "busy": busy,
         }
 
     def _rank_reports(self, attempt: Attempt) -> tuple[list[dict], list[dict]]:
         ranks, errors = [], []
         for rp in attempt.ranks:
             ended = rp.exited_at is not None  # an exit is reported with its time or not yet
-            process = {"rank": rp.rank, "local_rank": rp.local_rank, "pid": rp.proc.pid, "alive": not ended,
-                       "exitcode": rp.proc.returncode if ended else None, "exited_at": rp.exited_at,
-                       "state": None if ended else _process_state(rp.proc.pid)}
+            process = {
+                "rank": rp.rank,
+                "local_rank": rp.local_rank,
+                "pid": rp.proc.pid,
+                "alive": not ended,
+                "exitcode": rp.proc.returncode if ended else None,
+                "exited_at": rp.exited_at,
+                "state": None if ended else _process_state(rp.proc.pid),
+            }
             status = read_status(attempt.status_dir, rp.rank) or {}
-            report = {**process, "step": status.get("step"), "step_time": status.get("step_time"),
-                      "recent": status.get("recent", []),
-                      "compute": status.get("compute", []), "status_time": status.get("time"),
-                      "start": status.get("start"), "phase": status.get("phase")}
+            report = {
+                **process,
+                "step": status.get("step"),
+                "step_time": status.get("step_time"),
+                "recent": status.get("recent", []),
+                "compute": status.get("compute", []),
+                "status_time": status.get("time"),
+                "start": status.get("start"),
+                "phase": status.get("phase"),
+            }
             try:  # what the driver will accept; a garbled status file costs the progress, not the node
                 RankReport.model_validate_json(json.dumps(report))
             except (ValidationError, TypeError, ValueError):
@@ -264,8 +298,13 @@ class Executor:
         """One long-lived thread runs the commands in order and keeps the standbys topped up: the
         processes it starts are tied to it (PR_SET_PDEATHSIG fires when the forking *thread*
         ends), and heartbeats go on meanwhile."""
-        handlers = {"start": self._start, "pause": self._pause, "stop": self._stop,
-                    "selfcheck": self._selfcheck, "exit": self._exit}
+        handlers = {
+            "start": self._start,
+            "pause": self._pause,
+            "stop": self._stop,
+            "selfcheck": self._selfcheck,
+            "exit": self._exit,
+        }
         while True:
             try:
                 command = self._commands.get(timeout=0.5)
@@ -305,8 +344,11 @@ class Executor:
         their rank (a new process when no standby is ready)."""
         with self._lock:
             previous = self.attempt
-        kept = {rp.rank: rp for rp in (previous.ranks if previous else [])
-                if rp.rank in command.keep and rp.exited_at is None}
+        kept = {
+            rp.rank: rp
+            for rp in (previous.ranks if previous else [])
+            if rp.rank in command.keep and rp.exited_at is None
+        }
         self.stop_ranks(spare=set(kept))
         base = private_dir(self.workdir / f"attempt{command.attempt}")
         attempt = Attempt(command.attempt, private_dir(base / "status"))
@@ -338,9 +380,15 @@ class Executor:
         """What a rank adds to the environment it was started with (the executor's, less secrets):
         the attempt's variables, the planner's where the node sets none, its place, its files."""
         own = rank_environment()
-        return {**{k: v for k, v in command.plan_env.items() if k not in own}, **command.env, **secret_env,
-                "RANK": str(command.ranks[local]), "LOCAL_RANK": str(local),
-                "LOCAL_WORLD_SIZE": str(len(command.ranks)), STATUS_DIR_ENV: str(status_dir)}
+        return {
+            **{k: v for k, v in command.plan_env.items() if k not in own},
+            **command.env,
+            **secret_env,
+            "RANK": str(command.ranks[local]),
+            "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(len(command.ranks)),
+            STATUS_DIR_ENV: str(status_dir),
+        }
 
     def _pause(self, command: PauseCommand) -> dict[str, Any]:
         """The fast path's stop: kill the failed ranks, tell the others to drop their process
@@ -358,8 +406,11 @@ class Executor:
         deadline = time.monotonic() + command.timeout_s
         waiting = [rp for rp in attempt.ranks if rp.rank not in command.kill]
         while waiting and time.monotonic() < deadline:
-            waiting = [rp for rp in waiting if rp.proc.poll() is None
-                       and (read_status(attempt.status_dir, rp.rank) or {}).get("phase") != "paused"]
+            waiting = [
+                rp
+                for rp in waiting
+                if rp.proc.poll() is None and (read_status(attempt.status_dir, rp.rank) or {}).get("phase") != "paused"
+            ]
             time.sleep(0.02)
         for rp in waiting:
             log.error("rank %d did not pause within %.0f s: killing it", rp.rank, command.timeout_s)
@@ -381,10 +432,26 @@ class Executor:
 
     def _selfcheck(self, command: SelfcheckCommand) -> dict[str, Any]:
         self.stop_ranks()
-        argv = [sys.executable, "-m", "megascale.cli", "selfcheck", "--json", "--node-id", self.node_id,
-                "--address", self.address, "--plan", command.plan.model_dump_json()]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=command.timeout_s,
-                             env={**rank_environment(), "OMP_NUM_THREADS": "1"})
+        argv = [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "selfcheck",
+            "--json",
+            "--node-id",
+            self.node_id,
+            "--address",
+            self.address,
+            "--plan",
+            command.plan.model_dump_json(),
+        ]
+        out = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=command.timeout_s,
+            env={**rank_environment(), "OMP_NUM_THREADS": "1"},
+        )
         try:
             return {"ok": True, "report": json.loads(out.stdout.strip().splitlines()[-1])}
         except (ValueError, IndexError):
@@ -429,6 +496,7 @@ def _gpu_inventory() -> list[dict[str, Any]]:
 
     if not torch.cuda.is_available():
         return []
-    return [{"index": i, "name": torch.cuda.get_device_name(i),
-             "memory": torch.cuda.get_device_properties(i).total_memory}
-            for i in range(torch.cuda.device_count())]
+    return [
+        {"index": i, "name": torch.cuda.get_device_name(i), "memory": torch.cuda.get_device_properties(i).total_memory}
+        for i in range(torch.cuda.device_count())
+    ]

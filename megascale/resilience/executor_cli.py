@@ -27,17 +27,26 @@ from megascale.resilience.executor import REQUEST_TIMEOUT_S, Executor
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--driver", required=True, help="driver URL, e.g. https://10.0.0.1:29400")
-    parser.add_argument("--secret-dir", required=True,
-                        help="directory with the job's token and tls.crt (a mounted Secret, mode 0600 files)")
+    parser.add_argument(
+        "--secret-dir",
+        required=True,
+        help="directory with the job's token and tls.crt (a mounted Secret, mode 0600 files)",
+    )
     parser.add_argument("--node-id", default=os.environ.get("POD_NAME") or socket.gethostname())
-    parser.add_argument("--address", help="this node's address for the rendezvous "
-                                          "(default: the one that routes to the driver)")
-    parser.add_argument("--workdir", default="", help="per-node files (default: $XDG_RUNTIME_DIR/megascale/NODE, "
-                                                      "else a new private temporary directory)")
+    parser.add_argument(
+        "--address", help="this node's address for the rendezvous (default: the one that routes to the driver)"
+    )
+    parser.add_argument(
+        "--workdir",
+        default="",
+        help="per-node files (default: $XDG_RUNTIME_DIR/megascale/NODE, else a new private temporary directory)",
+    )
     parser.add_argument("--register-timeout", type=float, default=300.0)
-    parser.add_argument("--shared-network", action="store_true",
-                        help="this node shares its interfaces with others (local mode): "
-                             "the traffic rules cannot judge it")
+    parser.add_argument(
+        "--shared-network",
+        action="store_true",
+        help="this node shares its interfaces with others (local mode): the traffic rules cannot judge it",
+    )
 
 
 def route_address(driver_url: str) -> str:

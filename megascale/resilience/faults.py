@@ -121,8 +121,7 @@ class StepHook:
 
 
 def inject(fault: Fault, facts: RankFacts | None = None) -> None:
-    sys.stderr.write(f"megascale: injecting fault {fault.kind} on rank {fault.rank} "
-                     f"after step {fault.step}\n")
+    sys.stderr.write(f"megascale: injecting fault {fault.kind} on rank {fault.rank} after step {fault.step}\n")
     sys.stderr.flush()
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -141,9 +140,18 @@ def inject(fault: Fault, facts: RankFacts | None = None) -> None:
             if held.data:
                 held.data[len(held.data) // 2] ^= 0x01
     elif fault.kind == "throttle":
-        subprocess.Popen([sys.executable, "-m", "megascale.resilience.faults", "throttle",
-                          str(os.getpid()), str(fault.params.get("stop", 0.2)),
-                          str(fault.params.get("period", 0.3))], start_new_session=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "megascale.resilience.faults",
+                "throttle",
+                str(os.getpid()),
+                str(fault.params.get("stop", 0.2)),
+                str(fault.params.get("period", 0.3)),
+            ],
+            start_new_session=True,
+        )
 
 
 def throttle(pid: int, stop_s: float, period_s: float) -> None:

@@ -86,51 +86,66 @@ def admission(state: JobState, node_id: str, address: str, proven: bool, spare_p
     known = state.nodes.get(node_id)
     if known is not None and known.role != EVICTED:
         if not proven:
-            return 403, {"error": f"node {node_id} is registered; only it may register again, with the "
-                                  "credential the driver gave it"}
+            return 403, {
+                "error": f"node {node_id} is registered; only it may register again, with the "
+                "credential the driver gave it"
+            }
         if address != known.address:
-            return 409, {"error": f"node {node_id} registered from {known.address}; another address ({address}) "
-                                  "is refused: evict the node first"}
+            return 409, {
+                "error": f"node {node_id} registered from {known.address}; another address ({address}) "
+                "is refused: evict the node first"
+            }
         return None
     if known is not None:
         return None  # the caller refuses an evicted node with its own message
     roster = state.api.get("roster")
     if roster is not None and node_id not in roster:
-        return 403, {"error": f"node {node_id} is not a node of this job (expected: {', '.join(roster[:8])}"
-                              f"{', ...' if len(roster) > 8 else ''})"}
+        return 403, {
+            "error": f"node {node_id} is not a node of this job (expected: {', '.join(roster[:8])}"
+            f"{', ...' if len(roster) > 8 else ''})"
+        }
     limit = int(state.api.get("count", state.nodes_wanted)) + spare_pool
     if len(state.nodes) >= limit:
-        return 403, {"error": f"node {node_id} refused: {len(state.nodes)} node ids have registered, the most "
-                              f"this job admits (nodes + spares + resilience.spare_pool = {limit})"}
+        return 403, {
+            "error": f"node {node_id} refused: {len(state.nodes)} node ids have registered, the most "
+            f"this job admits (nodes + spares + resilience.spare_pool = {limit})"
+        }
     return None
 
 
 # ---------------------------------------------------------------------- route adapters
 def for_node(handler: Callable[[dict[str, Any]], Reply]) -> Callable[[dict[str, Any], Principal], Reply]:
     """A node route: the body's node_id must be the node the credential speaks for."""
+
     def call(body: dict[str, Any], who: Principal) -> Reply:
         if who.role != NODE or who.node != body["node_id"]:
             return 403, {"error": f"this credential speaks for {who.node or 'no node'}, not for {body['node_id']}"}
         return handler(body)
+
     return call
 
 
-def registration(handler: Callable[[dict[str, Any], bool], Reply], identities: Identities,
-                 peer_check: bool = True) -> Callable[[dict[str, Any], Principal], Reply]:
+def registration(
+    handler: Callable[[dict[str, Any], bool], Reply], identities: Identities, peer_check: bool = True
+) -> Callable[[dict[str, Any], Principal], Reply]:
     """The register route: with the join token (a new node) or the node's own credential; the
     reply carries the node's credential. `peer_check`: the address registered (every attempt's
     rendezvous is an active node's) must be the one the request comes from."""
+
     def call(body: dict[str, Any], who: Principal) -> Reply:
         if who.role == NODE and who.node != body["node_id"]:
             return 403, {"error": f"this credential speaks for {who.node}, not for {body['node_id']}"}
         if peer_check and who.address and _canonical(who.address) not in _addresses(body["address"]):
-            return 403, {"error": f"node {body['node_id']} registers address {body['address']} but connects from "
-                                  f"{who.address}; register the address the driver sees (behind NAT, set "
-                                  "resilience.peer_address_check=false)"}
+            return 403, {
+                "error": f"node {body['node_id']} registers address {body['address']} but connects from "
+                f"{who.address}; register the address the driver sees (behind NAT, set "
+                "resilience.peer_address_check=false)"
+            }
         status, reply = handler(body, who.role == NODE)
         if status == 200:
             reply = {**reply, "credential": identities.credential_for(body["node_id"])}
         return status, reply
+
     return call
 
 

@@ -92,11 +92,24 @@ def cut_link(spec: Netns, i: int, up: bool = False) -> None:
     _ip("link", "set", "eth0", "up" if up else "down", ns=spec.name(i))
 
 
-def spawn_executor(index: int, driver_url: str, secret_dir: Path, workdir: Path,
-                   netns: Netns | None, log_path: Path) -> subprocess.Popen:
+def spawn_executor(
+    index: int, driver_url: str, secret_dir: Path, workdir: Path, netns: Netns | None, log_path: Path
+) -> subprocess.Popen:
     node_id = f"node{index}"
-    cmd = [sys.executable, "-m", "megascale.cli", "executor", "--driver", driver_url,
-           "--secret-dir", str(secret_dir), "--node-id", node_id, "--workdir", str(workdir / node_id)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megascale.cli",
+        "executor",
+        "--driver",
+        driver_url,
+        "--secret-dir",
+        str(secret_dir),
+        "--node-id",
+        node_id,
+        "--workdir",
+        str(workdir / node_id),
+    ]
     env = {k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV}  # it comes with `start`
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns.name(index), *cmd, "--address", netns.address(index)]
@@ -106,8 +119,9 @@ def spawn_executor(index: int, driver_url: str, secret_dir: Path, workdir: Path,
         env["GLOO_SOCKET_IFNAME"] = "lo"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -51,17 +51,30 @@ REPROBES = 3  # a stop that reached no node is sent again this often (each after
 class RecoveryPaths:
     """Mixed into the `Driver`: it owns the state, the outbox and the events these methods use."""
 
-    def _begin_recovery(self, finding: Finding, now: float, others: list[Finding] = (),
-                        collateral: list[Finding] = ()) -> None:
-        record = {**finding.to_dict(), "attempt": self.state.attempt, "detected": now,
-                  "last_progress": self.hang.last_progress, "step": self.hang.last_step,
-                  "also": [f.to_dict() for f in others], "collateral": [f.to_dict() for f in collateral]}
+    def _begin_recovery(
+        self, finding: Finding, now: float, others: list[Finding] = (), collateral: list[Finding] = ()
+    ) -> None:
+        record = {
+            **finding.to_dict(),
+            "attempt": self.state.attempt,
+            "detected": now,
+            "last_progress": self.hang.last_progress,
+            "step": self.hang.last_step,
+            "also": [f.to_dict() for f in others],
+            "collateral": [f.to_dict() for f in collateral],
+        }
         if finding.kind == "hang":
-            record["culprits"] = hang_culprits({n.node_id: self.reports.get(n.node_id, {})
-                                                for n in self.state.role(ACTIVE)})
+            record["culprits"] = hang_culprits(
+                {n.node_id: self.reports.get(n.node_id, {}) for n in self.state.role(ACTIVE)}
+            )
             run_dir, layout = self.state.run_dir, dict(self.state.layout)
-            self._in_background("hang", lambda: self.store.event("hang_analysis", {
-                "detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}), limited=False)
+            self._in_background(
+                "hang",
+                lambda: self.store.event(
+                    "hang_analysis", {"detected": now, "analysis": evidence.hang_evidence(run_dir, layout)}
+                ),
+                limited=False,
+            )
         if finding.node in self.state.nodes:
             self.state.nodes[finding.node].faults += 1
         if finding.kind == "manual_evict":
@@ -71,11 +84,16 @@ class RecoveryPaths:
         node = self.state.nodes.get(finding.node or "")
         check = selfcheck_decision(record, node.faults if node else 0, self.rcfg.max_node_faults)
         path = recovery_path(
-            enabled=self.rcfg.in_place, fault=record, check=check,
+            enabled=self.rcfg.in_place,
+            fault=record,
+            check=check,
             slots={n.node_id: n.slot for n in self.state.role(ACTIVE)},
-            spares=[n.node_id for n in self.state.role(SPARE)], ranks_per_node=self.state.ranks_per_node,
+            spares=[n.node_id for n in self.state.role(SPARE)],
+            ranks_per_node=self.state.ranks_per_node,
             node_faults={n.node_id: n.faults for n in self.state.nodes.values()},
-            max_node_faults=self.rcfg.max_node_faults, live={n.node_id for n in self._live_nodes(now)})
+            max_node_faults=self.rcfg.max_node_faults,
+            live={n.node_id for n in self._live_nodes(now)},
+        )
         record.update(selfcheck=check.to_dict(), path=path.path, path_reason=path.reason, plan=path.to_dict())
         log.error("FAULT %s: %s -- stopping attempt %d", finding.kind, finding.detail, self.state.attempt)
         log.info("%s; recovery path: %s (%s)", check.describe(), path.path, path.reason)
@@ -88,11 +106,15 @@ class RecoveryPaths:
         self._broadcast_phase_command("stop", self._live_nodes(now), now, self.rcfg.stop_timeout_s)
 
     def _live_nodes(self, now: float) -> list[Node]:
-        return [n for n in self.state.nodes.values() if n.role != EVICTED
-                and now - self.last_seen.get(n.node_id, 0) <= self.rcfg.heartbeat_timeout_s]
+        return [
+            n
+            for n in self.state.nodes.values()
+            if n.role != EVICTED and now - self.last_seen.get(n.node_id, 0) <= self.rcfg.heartbeat_timeout_s
+        ]
 
-    def _broadcast_phase_command(self, kind: str, nodes: list[Node], now: float, timeout_s: float,
-                                 extra: dict[str, dict[str, Any]] | None = None) -> None:
+    def _broadcast_phase_command(
+        self, kind: str, nodes: list[Node], now: float, timeout_s: float, extra: dict[str, dict[str, Any]] | None = None
+    ) -> None:
         self.waiting_for = {}
         for node in nodes:
             self.waiting_for[node.node_id] = self._send(node.node_id, kind, **(extra or {}).get(node.node_id, {}))
@@ -132,17 +154,20 @@ class RecoveryPaths:
         self.check_ring = [n.node_id for n in active + spares]
         self.state.phase = CHECKING
         self._save()
-        self._broadcast_phase_command("selfcheck", live, now, self.rcfg.selfcheck_timeout_s,
-                                      {n: {"plan": p, "timeout_s": self.rcfg.selfcheck_timeout_s}
-                                       for n, p in plan.items()})
+        self._broadcast_phase_command(
+            "selfcheck",
+            live,
+            now,
+            self.rcfg.selfcheck_timeout_s,
+            {n: {"plan": p, "timeout_s": self.rcfg.selfcheck_timeout_s} for n, p in plan.items()},
+        )
 
     def _tick_checking(self, now: float) -> None:
         if not self._phase_done(now):
             return
         reports = {n: self.results.get(self.waiting_for.get(n, "")) for n in self.check_ring}
         verdict = selfcheck_plan.judge(reports, self.rcfg.selfcheck_min_ratio)
-        self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
-                                       "reports": reports}, now)
+        self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict, "reports": reports}, now)
         self._evict_failed(verdict["failed"], reports, now)
         self._restart(now, (self.current_fault or {}).get("selfcheck"))
 
@@ -167,8 +192,9 @@ class RecoveryPaths:
 
     def _evict(self, node: Node, why: str, save: bool = True) -> None:
         log.error("evicting %s (%s): %s", node.node_id, node.address, why)
-        shared = any(n.address == node.address and n.role != EVICTED and n is not node
-                     for n in self.state.nodes.values())
+        shared = any(
+            n.address == node.address and n.role != EVICTED and n is not node for n in self.state.nodes.values()
+        )
         # a spare's address is only its claim (it never trained there): blocking it would let a
         # join-token holder block a real spare's address in advance by registering it and going silent
         claimed = node.role == SPARE
@@ -213,11 +239,28 @@ class RecoveryPaths:
         self.state.phase = RECOVERING
         self._save()
         nodes = [n for n in self._live_nodes(now) if n.role == ACTIVE]
-        kill = {n.node_id: [r for r in slot_ranks(n.slot, self.state.ranks_per_node)
-                            if n.node_id in path.leaving or r in path.replaced] for n in nodes}
-        self._broadcast_phase_command("pause", nodes, now, self.rcfg.stop_timeout_s + 1, {
-            n.node_id: {"attempt": self.state.attempt, "kill": kill[n.node_id],
-                        "timeout_s": self.rcfg.stop_timeout_s} for n in nodes})
+        kill = {
+            n.node_id: [
+                r
+                for r in slot_ranks(n.slot, self.state.ranks_per_node)
+                if n.node_id in path.leaving or r in path.replaced
+            ]
+            for n in nodes
+        }
+        self._broadcast_phase_command(
+            "pause",
+            nodes,
+            now,
+            self.rcfg.stop_timeout_s + 1,
+            {
+                n.node_id: {
+                    "attempt": self.state.attempt,
+                    "kill": kill[n.node_id],
+                    "timeout_s": self.rcfg.stop_timeout_s,
+                }
+                for n in nodes
+            },
+        )
 
     def _tick_recovering(self, now: float) -> None:
         if not self._phase_done(now):
@@ -237,8 +280,15 @@ class RecoveryPaths:
             if node_id not in plan["leaving"]:
                 for rank in result.get("dead") or []:
                     replaced.setdefault(rank, node_id)
-        self.store.event("stopped", {"attempt": self.state.attempt, "nodes": sorted(results),
-                                     "paused": {n: r.get("paused") for n, r in results.items() if r}}, now)
+        self.store.event(
+            "stopped",
+            {
+                "attempt": self.state.attempt,
+                "nodes": sorted(results),
+                "paused": {n: r.get("paused") for n, r in results.items() if r},
+            },
+            now,
+        )
         s = self.state
         if s.restarts >= s.restart_budget:
             return self._finish(FAILED, f"restart budget of {s.restart_budget} used up")
@@ -247,13 +297,27 @@ class RecoveryPaths:
             incoming.role, incoming.slot = ACTIVE, node.slot
             self._leave(node, fault, now)
             self.store.event("replace", {"node": spare, "for": leaving, "attempt": s.attempt + 1})
-        keep = {n.node_id: [r for r in slot_ranks(n.slot, s.ranks_per_node) if r not in replaced]
-                for n in s.role(ACTIVE)}
-        self.store.event("decide", {"attempt": s.attempt, "path": IN_PLACE, "reason": fault["path_reason"],
-                                    "selfcheck": fault["selfcheck"], "kept": keep,
-                                    "replaced": {str(r): n for r, n in replaced.items()}}, now)
-        log.info("recovery path: %s; ranks %s replaced, %d kept", IN_PLACE, sorted(replaced),
-                 sum(len(k) for k in keep.values()))
+        keep = {
+            n.node_id: [r for r in slot_ranks(n.slot, s.ranks_per_node) if r not in replaced] for n in s.role(ACTIVE)
+        }
+        self.store.event(
+            "decide",
+            {
+                "attempt": s.attempt,
+                "path": IN_PLACE,
+                "reason": fault["path_reason"],
+                "selfcheck": fault["selfcheck"],
+                "kept": keep,
+                "replaced": {str(r): n for r, n in replaced.items()},
+            },
+            now,
+        )
+        log.info(
+            "recovery path: %s; ranks %s replaced, %d kept",
+            IN_PLACE,
+            sorted(replaced),
+            sum(len(k) for k in keep.values()),
+        )
         s.restarts += 1
         s.attempt += 1
         self._start_attempt(now, keep)
@@ -270,9 +334,10 @@ class RecoveryPaths:
             return self._evict(node, "lost: no heartbeat" if lost else fault["detail"])
         node.role, node.slot = SUSPECT, -1
         plan = selfcheck_plan.build([node], self.state.ranks_per_node, self.rcfg)[node.node_id]
-        self.background_checks[node.node_id] = (self._send(node.node_id, "selfcheck", plan=plan,
-                                                           timeout_s=self.rcfg.selfcheck_timeout_s),
-                                                now + self.rcfg.selfcheck_timeout_s + self.rcfg.heartbeat_timeout_s)
+        self.background_checks[node.node_id] = (
+            self._send(node.node_id, "selfcheck", plan=plan, timeout_s=self.rcfg.selfcheck_timeout_s),
+            now + self.rcfg.selfcheck_timeout_s + self.rcfg.heartbeat_timeout_s,
+        )
         log.info("%s runs its self-check while the job goes on without it", node.node_id)
 
     def _judge_background_checks(self, now: float) -> None:
@@ -284,8 +349,16 @@ class RecoveryPaths:
             if node.role != SUSPECT:
                 continue
             verdict = selfcheck_plan.judge({node_id: self.results.get(command)}, self.rcfg.selfcheck_min_ratio)
-            self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict,
-                                           "reports": {node_id: self.results.get(command)}, "background": True}, now)
+            self.store.event(
+                "selfcheck",
+                {
+                    "attempt": self.state.attempt,
+                    "verdict": verdict,
+                    "reports": {node_id: self.results.get(command)},
+                    "background": True,
+                },
+                now,
+            )
             if node_id in verdict["failed"]:
                 self._evict(node, verdict["failed"][node_id])
             else:

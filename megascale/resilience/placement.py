@@ -20,12 +20,15 @@ def layout_for(cfg: JobConfig, nodes: int, ranks_per_node: int) -> dict[str, int
     world = nodes * ranks_per_node
     model_ranks = p.tp * p.pp
     if world % model_ranks:
-        raise PlacementError(f"{nodes} node(s) x {ranks_per_node} ranks = {world} ranks is not a "
-                             f"multiple of tp*pp = {model_ranks}")
+        raise PlacementError(
+            f"{nodes} node(s) x {ranks_per_node} ranks = {world} ranks is not a multiple of tp*pp = {model_ranks}"
+        )
     dp = world // model_ranks
     if t.global_batch % (t.micro_batch * dp):
-        raise PlacementError(f"dp={dp} on {nodes} node(s): train.global_batch={t.global_batch} is not "
-                             f"a multiple of micro_batch*dp = {t.micro_batch * dp}")
+        raise PlacementError(
+            f"dp={dp} on {nodes} node(s): train.global_batch={t.global_batch} is not "
+            f"a multiple of micro_batch*dp = {t.micro_batch * dp}"
+        )
     return {"dp": dp, "tp": p.tp, "pp": p.pp}
 
 

@@ -66,8 +66,10 @@ class ProgressCheck:
             return f"rank {rank} at step {step} after step {before} in the same attempt"
         allowed = self.max_step_rate * max(1.0, now - since)
         if step - before > allowed:
-            return (f"rank {rank} jumped from step {before} to {step} in {now - since:.1f} s (at most "
-                    f"{allowed:.0f} at resilience.max_step_rate={self.max_step_rate:g} a second)")
+            return (
+                f"rank {rank} jumped from step {before} to {step} in {now - since:.1f} s (at most "
+                f"{allowed:.0f} at resilience.max_step_rate={self.max_step_rate:g} a second)"
+            )
         if any(s > step for s, _ in r.get("recent", [])):
             return f"rank {rank} reports a step time for a step after its step {step}"
         return None

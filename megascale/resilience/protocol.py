@@ -130,8 +130,9 @@ class Heartbeat(Message):
     attempt: Count | None = None
     ranks: Annotated[list[RankReport], Field(max_length=1024)] = []
     errors: Annotated[list[ErrorLine], Field(max_length=MAX_ERROR_LINES)] = []
-    net: Annotated[dict[Annotated[str, StringConstraints(max_length=64)], tuple[Count, Count]],
-                   Field(max_length=512)] = {}
+    net: Annotated[
+        dict[Annotated[str, StringConstraints(max_length=64)], tuple[Count, Count]], Field(max_length=512)
+    ] = {}
     net_shared: bool = False
     done: Annotated[dict[CommandId, CommandResult], Field(max_length=64)] = {}
     busy: CommandId | None = None

@@ -32,7 +32,8 @@ from megascale.resilience.protocol import RANK_MESSAGE, Assign, Rejoin, first_er
 # what a collective raises when a peer is gone (gloo, NCCL, the stores, the node's data ring)
 PEER_FAILURE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|Socket Timeout|timed out|Timed out|NCCL communicator was aborted"
-    r"|ProcessGroup.*(aborted|destroyed)|data reader \(pid \d+\) died|local rank reading shared batches .* died")
+    r"|ProcessGroup.*(aborted|destroyed)|data reader \(pid \d+\) died|local rank reading shared batches .* died"
+)
 
 
 class RankControl:
@@ -64,8 +65,11 @@ class RankControl:
             try:
                 message = RANK_MESSAGE.validate_json(line)
             except ValidationError as exc:
-                print(f"megascale: refused a malformed message from the executor: {first_error(exc)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"megascale: refused a malformed message from the executor: {first_error(exc)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             if message.kind == "abort":
                 self.aborted.set()

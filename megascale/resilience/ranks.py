@@ -53,6 +53,7 @@ class RankProcess:
     def watch_exit(self) -> None:
         """The moment the rank ends (heartbeats see it up to a second later): the driver blames
         the first rank to die, and peers die within milliseconds of it."""
+
         def wait() -> None:
             self.proc.wait()
             self.exited_at = time.time()
@@ -86,10 +87,18 @@ class StandbyPool:
         env = rank_environment()
         env.setdefault("OMP_NUM_THREADS", "1")
         try:
-            return subprocess.Popen(STANDBY_ARGV, env=env, stdin=subprocess.PIPE, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+            return subprocess.Popen(
+                STANDBY_ARGV,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         finally:
             os.close(out)
+
 
 def rank_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}

@@ -34,17 +34,26 @@ class StatusWriter:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, step: int, step_time: float, start: dict[str, Any] | None = None,
-              compute_s: float | None = None) -> None:
+    def write(
+        self, step: int, step_time: float, start: dict[str, Any] | None = None, compute_s: float | None = None
+    ) -> None:
         """`start`: when this rank joined its mesh and had its state back (the driver's recovery phases);
         `compute_s`: the step's compute + optimizer self time from the timers (collective waits apart)."""
         if self.path is None:
             return
-        self.recent = [*self.recent[-(RECENT - 1):], [step, step_time]]
+        self.recent = [*self.recent[-(RECENT - 1) :], [step, step_time]]
         if compute_s is not None:
-            self.compute = [*self.compute[-(RECENT - 1):], [step, compute_s]]
-        self.last = {"rank": self.rank, "pid": os.getpid(), "step": step, "step_time": step_time,
-                     "recent": self.recent, "compute": self.compute, "start": start, "phase": "training"}
+            self.compute = [*self.compute[-(RECENT - 1) :], [step, compute_s]]
+        self.last = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "step": step,
+            "step_time": step_time,
+            "recent": self.recent,
+            "compute": self.compute,
+            "start": start,
+            "phase": "training",
+        }
         self._replace({**self.last, "time": time.time()})
 
     def paused(self) -> None:

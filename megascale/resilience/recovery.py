@@ -40,8 +40,15 @@ def recovery_phases(fault: dict[str, Any], events: list[dict[str, Any]]) -> dict
     resumed = last("resumed", fault_detected=fault["detected"])
     joined = resumed.get("joined") if resumed else None
     restored = resumed.get("restored") if resumed else None
-    marks = [fault.get("last_progress"), fault["detected"], stopped and stopped["time"],
-             decided and decided["time"], joined, restored, resumed and resumed["resumed"]]
+    marks = [
+        fault.get("last_progress"),
+        fault["detected"],
+        stopped and stopped["time"],
+        decided and decided["time"],
+        joined,
+        restored,
+        resumed and resumed["resumed"],
+    ]
     spans = {f"{name}_s": _span(a, b) for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)}
     if joined is None and resumed:  # ranks that did not say when they joined: replace and restore as one
         spans["replace_s"] = _span(marks[3], restored)
@@ -66,5 +73,9 @@ def start_marks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     restored = [s["restored_at"] for s in starts if s.get("restored_at") is not None]
     sources = sorted({s["source"] for s in starts if s.get("source")})
     steps = sorted({s["step"] for s in starts if s.get("step") is not None})
-    return {"joined": max(joined) if joined else None, "restored": max(restored) if restored else None,
-            "source": "+".join(sources) or None, "restore_step": steps[0] if len(steps) == 1 else steps or None}
+    return {
+        "joined": max(joined) if joined else None,
+        "restored": max(restored) if restored else None,
+        "source": "+".join(sources) or None,
+        "restore_step": steps[0] if len(steps) == 1 else steps or None,
+    }

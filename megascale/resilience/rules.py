@@ -34,8 +34,7 @@ def abnormal_exits(node: str, ranks: Iterable[dict[str, Any]]) -> list[Finding]:
         code = r.get("exitcode")
         if code not in (None, 0):
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            out.append(Finding("abnormal_exit", "fault", f"rank {r['rank']} on {node}: {how}",
-                               node, r["rank"]))
+            out.append(Finding("abnormal_exit", "fault", f"rank {r['rank']} on {node}: {how}", node, r["rank"]))
     return out
 
 
@@ -45,9 +44,15 @@ def error_lines(node: str, lines: Iterable[dict[str, Any]], keywords: list[str])
     for line in lines:
         hit = next((k for k in keywords if k in line.get("text", "")), None)
         if hit:
-            out.append(Finding("error_keyword", "fault",
-                               f"rank {line.get('rank')} on {node} logged {hit!r}: {line['text'][:200]}",
-                               node, line.get("rank")))
+            out.append(
+                Finding(
+                    "error_keyword",
+                    "fault",
+                    f"rank {line.get('rank')} on {node} logged {hit!r}: {line['text'][:200]}",
+                    node,
+                    line.get("rank"),
+                )
+            )
     return out
 
 
@@ -96,8 +101,7 @@ class HangRule:
         if not all_alive or stalled <= self.window_s:
             return None
         where = f"after step {self.last_step}" if self.last_step >= 0 else "before the first step"
-        return Finding("hang", "fault",
-                       f"no step progress for {stalled:.1f} s {where} (window {self.window_s:.1f} s)")
+        return Finding("hang", "fault", f"no step progress for {stalled:.1f} s {where} (window {self.window_s:.1f} s)")
 
 
 @dataclass
@@ -150,9 +154,11 @@ class SlowRule:
         self.alerted = slow
         if not fire:
             return None
-        return Finding("slow", "alert",
-                       f"steps {recent[0]}-{recent[-1]} take {now:.3f} s, {now / base:.1f}x the "
-                       f"baseline {base:.3f} s")
+        return Finding(
+            "slow",
+            "alert",
+            f"steps {recent[0]}-{recent[-1]} take {now:.3f} s, {now / base:.1f}x the baseline {base:.3f} s",
+        )
 
 
 def _keep(kept: dict[int, float], step: int, seconds: float, size: int, largest: bool) -> None:
@@ -198,17 +204,24 @@ class TrafficRule:
         if rate == 0.0:
             self.zero_since = self.zero_since if self.zero_since is not None else prev[0]
             if now - self.zero_since >= self.window_s:
-                return Finding("traffic_zero", "fault",
-                               f"no traffic on {self.node} for {now - self.zero_since:.1f} s "
-                               f"(baseline {self.baseline / 1e3:.1f} kB/s)", self.node)
+                return Finding(
+                    "traffic_zero",
+                    "fault",
+                    f"no traffic on {self.node} for {now - self.zero_since:.1f} s "
+                    f"(baseline {self.baseline / 1e3:.1f} kB/s)",
+                    self.node,
+                )
             return None
         self.zero_since = None
         if rate < self.fall_ratio * self.baseline:
             fire, self.alerted = not self.alerted, True
             if fire:
-                return Finding("traffic_fall", "alert",
-                               f"traffic on {self.node} fell to {rate / 1e3:.1f} kB/s from "
-                               f"{self.baseline / 1e3:.1f} kB/s", self.node)
+                return Finding(
+                    "traffic_fall",
+                    "alert",
+                    f"traffic on {self.node} fell to {rate / 1e3:.1f} kB/s from {self.baseline / 1e3:.1f} kB/s",
+                    self.node,
+                )
             return None
         self.alerted = False
         self.baseline = 0.8 * self.baseline + 0.2 * rate
@@ -223,8 +236,7 @@ def interface_bytes(counters: dict[str, list[int]], watched: list[str]) -> int |
 
 
 def hang_rule(cfg: ResilienceConfig, total_steps: int) -> HangRule:
-    return HangRule(cfg.startup_timeout_s, cfg.hang_floor_s, cfg.hang_factor, cfg.warmup_steps,
-                    total_steps=total_steps)
+    return HangRule(cfg.startup_timeout_s, cfg.hang_floor_s, cfg.hang_factor, cfg.warmup_steps, total_steps=total_steps)
 
 
 def slow_rule(cfg: ResilienceConfig) -> SlowRule:

@@ -34,10 +34,22 @@ from megascale.config.operations import ResilienceConfig
 
 # Floors a working node of any kind clears even on a machine loaded 10x over its cores (a
 # loopback test measured 5.5 MB/s at load 25 here); they catch dead or broken nodes only.
-DEFAULT_EXPECTED = {"memory_bandwidth": 0.05, "loopback_bandwidth": 1.0, "gemm": 0.05,
-                    "all_to_all": 0.2, "p2p_bandwidth": 0.2, "all_reduce": 0.1}
-UNITS = {"memory_bandwidth": "GB/s", "loopback_bandwidth": "MB/s", "gemm": "GFLOP/s",
-         "all_to_all": "MB/s", "p2p_bandwidth": "MB/s", "all_reduce": "MB/s"}
+DEFAULT_EXPECTED = {
+    "memory_bandwidth": 0.05,
+    "loopback_bandwidth": 1.0,
+    "gemm": 0.05,
+    "all_to_all": 0.2,
+    "p2p_bandwidth": 0.2,
+    "all_reduce": 0.1,
+}
+UNITS = {
+    "memory_bandwidth": "GB/s",
+    "loopback_bandwidth": "MB/s",
+    "gemm": "GFLOP/s",
+    "all_to_all": "MB/s",
+    "p2p_bandwidth": "MB/s",
+    "all_reduce": "MB/s",
+}
 MIN_S, REPEATS = 0.1, 5  # each timed repeat runs at least MIN_S; the best of REPEATS counts
 
 
@@ -49,8 +61,11 @@ def hardware_type() -> str:
         return f"cuda:{torch.cuda.get_device_name(0)}"
     model = platform.machine()
     with contextlib.suppress(OSError, StopIteration):
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     return f"cpu:{model} x{os.cpu_count()}"
 
 
@@ -75,7 +90,8 @@ def record_baseline(path: str | Path, report: dict[str, Any]) -> dict[str, Any]:
     if "baseline" not in data and "floors" not in data:
         data = {"floors": data} if data else {}
     data.setdefault("baseline", {})[report["hardware"]] = {
-        t["name"]: round(t["value"], 4) for t in report["tests"] if "error" not in t and "peer" not in t}
+        t["name"]: round(t["value"], 4) for t in report["tests"] if "error" not in t and "peer" not in t
+    }
     path.write_text(json.dumps(data, indent=2) + "\n")
     return data
 
@@ -120,6 +136,7 @@ def loopback_bandwidth(mb: int = 4) -> float:
         thread = threading.Thread(target=sink, daemon=True)
         thread.start()
         with socket.create_connection(("127.0.0.1", port)) as client:
+
             def send() -> float:
                 for _ in range(mb):
                     client.sendall(payload)
@@ -197,12 +214,17 @@ def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, m
     backend, device = pair_backend()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
-        store = dist.TCPStore(master, port, 2, is_master=role == 0, timeout=timedelta(seconds=timeout_s),
-                              **(bound_listener(master, port) if role == 0 else {}))
+        store = dist.TCPStore(
+            master,
+            port,
+            2,
+            is_master=role == 0,
+            timeout=timedelta(seconds=timeout_s),
+            **(bound_listener(master, port) if role == 0 else {}),
+        )
         if device == "cuda":
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, store=store, rank=role, world_size=2,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=role, world_size=2, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # the peer or the link is down: both pair tests fail
         error = f"cannot reach {peer}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return [{"name": n, "peer": peer, "error": error} for n in ("p2p_bandwidth", "all_reduce")]
@@ -220,13 +242,25 @@ def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, m
             return 2 * x.numel() * 4 / (time.perf_counter() - start) / 1e6
 
         exchange()  # warm-up: connections, buffers
-        tests.append({"name": "p2p_bandwidth", "peer": peer, "backend": backend,
-                      "value": max(exchange() for _ in range(REPEATS))})
+        tests.append(
+            {
+                "name": "p2p_bandwidth",
+                "peer": peer,
+                "backend": backend,
+                "value": max(exchange() for _ in range(REPEATS)),
+            }
+        )
         start = time.perf_counter()
         dist.all_reduce(x)
         sync()
-        tests.append({"name": "all_reduce", "peer": peer, "backend": backend,
-                      "value": x.numel() * 4 / (time.perf_counter() - start) / 1e6})
+        tests.append(
+            {
+                "name": "all_reduce",
+                "peer": peer,
+                "backend": backend,
+                "value": x.numel() * 4 / (time.perf_counter() - start) / 1e6,
+            }
+        )
     except Exception as exc:
         tests.append({"name": "all_reduce", "peer": peer, "error": f"{type(exc).__name__}: {exc}"[:300]})
     finally:
@@ -243,15 +277,13 @@ def run_checks(node_id: str, plan: dict[str, Any]) -> dict[str, Any]:
     baseline = baselines.get(hardware, {})
     ratio = plan.get("min_ratio", ResilienceConfig().selfcheck_min_ratio)
     tests: list[dict[str, Any]] = []
-    local = [("memory_bandwidth", memory_bandwidth), ("loopback_bandwidth", loopback_bandwidth),
-             ("gemm", gemm)]
+    local = [("memory_bandwidth", memory_bandwidth), ("loopback_bandwidth", loopback_bandwidth), ("gemm", gemm)]
     if plan.get("ranks", 1) > 1:
         local.append(("all_to_all", lambda: all_to_all(plan["ranks"])))
     for name, fn in local:
         tests.append(_measured(name, fn))
     for pair in plan.get("pairs", []):
-        tests += pair_tests(pair["peer"], pair["role"], pair["master"], pair["port"],
-                            plan.get("pair_timeout_s", 15.0))
+        tests += pair_tests(pair["peer"], pair["role"], pair["master"], pair["port"], plan.get("pair_timeout_s", 15.0))
     for test in tests:
         test.setdefault("value", 0.0)
         test["unit"] = UNITS[test["name"]]
@@ -261,9 +293,15 @@ def run_checks(node_id: str, plan: dict[str, Any]) -> dict[str, Any]:
             test["baseline"] = baseline[test["name"]]
         test["passed"] = "error" not in test and test["value"] >= test["expected"]
     failed = [t for t in tests if not t["passed"]]
-    return {"node": node_id, "host": socket.gethostname(), "pid": os.getpid(), "hardware": hardware,
-            "passed": not failed, "failed": [f"{node_id}: {t['name']}" + (f" with {t['peer']}" if "peer" in t else "")
-                                             for t in failed], "tests": tests}
+    return {
+        "node": node_id,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "hardware": hardware,
+        "passed": not failed,
+        "failed": [f"{node_id}: {t['name']}" + (f" with {t['peer']}" if "peer" in t else "") for t in failed],
+        "tests": tests,
+    }
 
 
 def _measured(name: str, fn) -> dict[str, Any]:

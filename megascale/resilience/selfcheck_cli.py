@@ -34,8 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", help="the driver's plan as JSON (overrides the options above)")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--measure", help="record the figures measured here as this hardware's baseline in FILE")
-    parser.add_argument("--min-ratio", type=float, default=ResilienceConfig().selfcheck_min_ratio,
-                        help="a figure below this share of its peers' median (or its baseline) fails")
+    parser.add_argument(
+        "--min-ratio",
+        type=float,
+        default=ResilienceConfig().selfcheck_min_ratio,
+        help="a figure below this share of its peers' median (or its baseline) fails",
+    )
     parser.add_argument("--judge", nargs="+", metavar="REPORT", help="compare nodes' JSON reports with each other")
 
 
@@ -45,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:
         plan = json.loads(args.plan)
     else:
-        pairs = ([{"peer": args.peer, "role": args.role, "master": args.master, "port": args.port}]
-                 if args.peer else [])
+        pairs = [{"peer": args.peer, "role": args.role, "master": args.master, "port": args.port}] if args.peer else []
         plan = {"ranks": args.ranks, "expected_file": args.expected, "pairs": pairs, "min_ratio": args.min_ratio}
     report = run_checks(args.node_id, plan)
     if args.measure:

@@ -31,24 +31,31 @@ def ring_rounds(n: int) -> list[list[tuple[int, int]]]:
     if n == 2:
         return [[(0, 1)]]
     edges = [(i, (i + 1) % n) for i in range(n)]
-    rounds = [[e for e in edges[: n - (n % 2)] if e[0] % 2 == 0],
-              [e for e in edges[: n - (n % 2)] if e[0] % 2 == 1]]
+    rounds = [[e for e in edges[: n - (n % 2)] if e[0] % 2 == 0], [e for e in edges[: n - (n % 2)] if e[0] % 2 == 1]]
     if n % 2:
         rounds.append([edges[-1]])
     return [r for r in rounds if r]
 
 
 def build(nodes: list[Node], ranks_per_node: int, cfg: ResilienceConfig) -> dict[str, dict[str, Any]]:
-    plans = {n.node_id: {"ranks": ranks_per_node, "expected_file": cfg.selfcheck_expected,
-                         "min_ratio": cfg.selfcheck_min_ratio,
-                         "pair_timeout_s": PAIR_TIMEOUT_S, "pairs": []} for n in nodes}
+    plans = {
+        n.node_id: {
+            "ranks": ranks_per_node,
+            "expected_file": cfg.selfcheck_expected,
+            "min_ratio": cfg.selfcheck_min_ratio,
+            "pair_timeout_s": PAIR_TIMEOUT_S,
+            "pairs": [],
+        }
+        for n in nodes
+    }
     for index, pairs in enumerate(ring_rounds(len(nodes))):
         for a, b in pairs:
             port = rendezvous_port(cfg.rendezvous_port, index, offset=500 + a)
             first, second = nodes[a], nodes[b]
             for role, me, peer in ((0, first, second), (1, second, first)):
-                plans[me.node_id]["pairs"].append({"round": index, "peer": peer.node_id, "role": role,
-                                                   "master": first.address, "port": port})
+                plans[me.node_id]["pairs"].append(
+                    {"round": index, "peer": peer.node_id, "role": role, "master": first.address, "port": port}
+                )
     for plan in plans.values():
         plan["pairs"].sort(key=lambda p: p["round"])
     return plans
@@ -110,8 +117,10 @@ def relative(results: dict[str, dict[str, Any] | None], min_ratio: float) -> dic
                     continue
                 median = statistics.median(fleet)
                 if value < min_ratio * median and node not in slow:
-                    slow[node] = (f"{name}: {value:.3g} is {value / median:.0%} of the median {median:.3g} of "
-                                  f"the {len(nodes)} nodes checked together (min {min_ratio:.0%})")
+                    slow[node] = (
+                        f"{name}: {value:.3g} is {value / median:.0%} of the median {median:.3g} of "
+                        f"the {len(nodes)} nodes checked together (min {min_ratio:.0%})"
+                    )
     return slow
 
 

@@ -79,16 +79,25 @@ class SilenceWatch:
                 first = next(iter(self.last_seen.values()))
                 self.since, self.episodes, self._logged = first, self.episodes + 1, 0.0
             if now - self._logged >= LOG_EVERY_S:
-                log.warning("%d of %d nodes silent at once for %.1f s: suspecting the driver or the network, "
-                            "not the nodes; waiting for their heartbeats (nobody is evicted on this)",
-                            len(silent), watched, now - self.since)
+                log.warning(
+                    "%d of %d nodes silent at once for %.1f s: suspecting the driver or the network, "
+                    "not the nodes; waiting for their heartbeats (nobody is evicted on this)",
+                    len(silent),
+                    watched,
+                    now - self.since,
+                )
                 self._logged = now
             return [], 0.0
         gap = 0.0
         if self.since is not None:
             gap, self.since, self.judged_from = now - self.since, None, now
-            log.warning("heartbeats are back from %d of %d nodes after a silence of %.1f s; a node "
-                        "still silent is judged from now", watched - len(silent), watched, gap)
+            log.warning(
+                "heartbeats are back from %d of %d nodes after a silence of %.1f s; a node "
+                "still silent is judged from now",
+                watched - len(silent),
+                watched,
+                gap,
+            )
         return [(n, t) for n, t in silent if now - max(t, self.judged_from) > self.timeout_s], gap
 
     @property

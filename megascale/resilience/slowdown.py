@@ -127,5 +127,18 @@ def slow_link(spec: Netns, i: int, mbit: float | None) -> None:
                 _tc("qdisc", "del", "dev", dev, "root", ns=ns)
         else:
             burst = max(int(mbit * 1e6 / 8 / 250), 16 * 1024)  # ~4 ms of traffic, at least 16 KiB
-            _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
-                "latency", "200ms", ns=ns)
+            _tc(
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{mbit}mbit",
+                "burst",
+                str(burst),
+                "latency",
+                "200ms",
+                ns=ns,
+            )

@@ -43,8 +43,10 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_kind ON events (kind, id);
 """
-UPSERT_NODE = ("INSERT INTO nodes (id, seq, data) VALUES (?, ?, ?) ON CONFLICT (id) DO UPDATE "
-               "SET seq = excluded.seq, data = excluded.data WHERE excluded.seq > nodes.seq")
+UPSERT_NODE = (
+    "INSERT INTO nodes (id, seq, data) VALUES (?, ?, ?) ON CONFLICT (id) DO UPDATE "
+    "SET seq = excluded.seq, data = excluded.data WHERE excluded.seq > nodes.seq"
+)
 
 
 @dataclass
@@ -81,8 +83,9 @@ class JobState:
     reason: str = ""
 
     def role(self, role: str) -> list[Node]:
-        return sorted((n for n in self.nodes.values() if n.role == role),
-                      key=lambda n: (n.slot, n.registered, n.node_id))
+        return sorted(
+            (n for n in self.nodes.values() if n.role == role), key=lambda n: (n.slot, n.registered, n.node_id)
+        )
 
     @property
     def evicted(self) -> list[str]:
@@ -145,9 +148,10 @@ class JobStore:
 
     def event(self, kind: str, data: dict[str, Any], when: float | None = None) -> None:
         with self._lock, self._conn:
-            self._conn.execute("INSERT INTO events (time, kind, data) VALUES (?, ?, ?)",
-                               (when if when is not None else time.time(), kind,
-                                json.dumps(data, default=str)))
+            self._conn.execute(
+                "INSERT INTO events (time, kind, data) VALUES (?, ?, ?)",
+                (when if when is not None else time.time(), kind, json.dumps(data, default=str)),
+            )
 
     def events(self, kind: str | tuple[str, ...] | None = None) -> list[dict[str, Any]]:
         """The log, or its events of one kind (or of several), oldest first."""

@@ -69,14 +69,18 @@ class Detection:
 
     def describe(self) -> str:
         if self.kind == "job_slow":
-            return (f"every rank's compute slowed alike, {self.ratio:.2f}x the attempt's first window "
-                    f"({self.compute_s * 1e3:.1f} vs {self.peers_median_s * 1e3:.1f} ms a step, steps "
-                    f"{self.steps[0]}-{self.steps[1]}): the cause is the job (data, model, a shared resource), "
-                    "not a node; nobody is replaced")
-        return (f"{self.node} (ranks {self.ranks}) computes {self.compute_s * 1e3:.1f} ms a step against its "
-                f"peers' median {self.peers_median_s * 1e3:.1f} ms ({self.ratio:.2f}x) for {self.windows} "
-                f"windows (steps {self.steps[0]}-{self.steps[1]}); it costs the job ~{self.cost:.0%} of its "
-                "throughput and MFU")
+            return (
+                f"every rank's compute slowed alike, {self.ratio:.2f}x the attempt's first window "
+                f"({self.compute_s * 1e3:.1f} vs {self.peers_median_s * 1e3:.1f} ms a step, steps "
+                f"{self.steps[0]}-{self.steps[1]}): the cause is the job (data, model, a shared resource), "
+                "not a node; nobody is replaced"
+            )
+        return (
+            f"{self.node} (ranks {self.ranks}) computes {self.compute_s * 1e3:.1f} ms a step against its "
+            f"peers' median {self.peers_median_s * 1e3:.1f} ms ({self.ratio:.2f}x) for {self.windows} "
+            f"windows (steps {self.steps[0]}-{self.steps[1]}); it costs the job ~{self.cost:.0%} of its "
+            "throughput and MFU"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,8 +171,11 @@ class StragglerRule:
             key = (state.stage, state.node)
             if key not in refs:
                 peers = [p for node, p in stages[state.stage] if node != state.node]
-                refs[key] = ((statistics.median(p.median for p in peers), statistics.median(p.mad for p in peers))
-                             if peers else None)  # None: the stage lives on one node, no one to compare with
+                refs[key] = (
+                    (statistics.median(p.median for p in peers), statistics.median(p.mad for p in peers))
+                    if peers
+                    else None
+                )  # None: the stage lives on one node, no one to compare with
             if refs[key] is None:
                 continue
             ref, peer_mad = refs[key]
@@ -190,8 +197,19 @@ class StragglerRule:
             if len(streak) == self.windows:  # named once per run of slow windows
                 med = statistics.median(s[1] for s in streak)
                 ref = statistics.median(s[2] for s in streak)
-                out.append(Detection("straggler", node, streak[-1][3], med, ref, med / ref, len(streak),
-                                     self._steps(streak[0][0], window), 1 - ref / med))
+                out.append(
+                    Detection(
+                        "straggler",
+                        node,
+                        streak[-1][3],
+                        med,
+                        ref,
+                        med / ref,
+                        len(streak),
+                        self._steps(streak[0][0], window),
+                        1 - ref / med,
+                    )
+                )
         out += self._judge_job(window)
         return out
 
@@ -207,12 +225,24 @@ class StragglerRule:
         if len(self.job_streak) != self.windows:
             return []
         job = statistics.median(j for _, j in self.job_streak)
-        return [Detection("job_slow", None, sorted(self.ranks), job, self.baseline, job / self.baseline,
-                          len(self.job_streak), self._steps(self.job_streak[0][0], window), 1 - self.baseline / job)]
+        return [
+            Detection(
+                "job_slow",
+                None,
+                sorted(self.ranks),
+                job,
+                self.baseline,
+                job / self.baseline,
+                len(self.job_streak),
+                self._steps(self.job_streak[0][0], window),
+                1 - self.baseline / job,
+            )
+        ]
 
 
-def action_for(detection: Detection, action: str, spares: int, replaced_last_hour: int,
-               max_per_hour: int) -> tuple[str, str]:
+def action_for(
+    detection: Detection, action: str, spares: int, replaced_last_hour: int, max_per_hour: int
+) -> tuple[str, str]:
     """What the driver does about a detection: ("replace" | "alert", why). Replacing is bounded:
     `max_evictions_per_hour`, and the last spare is kept for a node that dies (a dead node
     stops the job; a slow one only slows it)."""
@@ -221,15 +251,18 @@ def action_for(detection: Detection, action: str, spares: int, replaced_last_hou
     if action != "replace":
         return "alert", f"resilience.straggler_action = {action!r}"
     if replaced_last_hour >= max_per_hour:
-        return "alert", (f"{replaced_last_hour} straggler(s) replaced in the last hour "
-                         f"(resilience.max_evictions_per_hour = {max_per_hour})")
+        return "alert", (
+            f"{replaced_last_hour} straggler(s) replaced in the last hour "
+            f"(resilience.max_evictions_per_hour = {max_per_hour})"
+        )
     if spares < 2:
         return "alert", f"{spares} spare(s): the last spare is kept for a node that fails outright"
     return "replace", "replaced by a spare in place (peer-memory restore)"
 
 
-def straggler_findings(rule: StragglerRule, cfg: ResilienceConfig, store: Any, spares: int, attempt: int,
-                       step: int, now: float) -> list[Finding]:
+def straggler_findings(
+    rule: StragglerRule, cfg: ResilienceConfig, store: Any, spares: int, attempt: int, step: int, now: float
+) -> list[Finding]:
     """The driver's findings from the rule's new detections; each detection is a `straggler` event
     (the report's record: evidence, action, cost). A replacement is a fault (the in-place path)."""
     out = []
@@ -242,5 +275,4 @@ def straggler_findings(rule: StragglerRule, cfg: ResilienceConfig, store: Any, s
 
 
 def straggler_rule(cfg: ResilienceConfig) -> StragglerRule:
-    return StragglerRule(cfg.straggler_threshold, cfg.straggler_windows, cfg.straggler_window_steps,
-                         cfg.warmup_steps)
+    return StragglerRule(cfg.straggler_threshold, cfg.straggler_windows, cfg.straggler_window_steps, cfg.warmup_steps)

@@ -43,8 +43,13 @@ class RankMemory:
     activations: int  # saved for backward by one micro-batch through the first chunk
 
     def as_dict(self) -> dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "buffers": self.buffers, "activations": self.activations}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "buffers": self.buffers,
+            "activations": self.activations,
+        }
 
 
 def _bytes(tensors, seen: set[int]) -> int:
@@ -62,13 +67,24 @@ def _bytes(tensors, seen: set[int]) -> int:
 def _mesh(cfg: JobConfig, rank: int) -> ParallelMesh:
     grid = RankGrid.of(cfg.parallel)
     if dist.is_initialized():
-        raise RuntimeError("fake-mode measurement needs a process without a default process group "
-                           "(it creates torch's fake one); call it before init_process_group")
+        raise RuntimeError(
+            "fake-mode measurement needs a process without a default process group "
+            "(it creates torch's fake one); call it before init_process_group"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=grid.world_size)
     timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
     groups, _ = create_groups(grid, rank, timeout)
-    return ParallelMesh(grid, rank, torch.device("cpu"), "fake", groups, StartupStats(), timeout,
-                        None, LaunchEnv(rank=rank, world_size=grid.world_size))
+    return ParallelMesh(
+        grid,
+        rank,
+        torch.device("cpu"),
+        "fake",
+        groups,
+        StartupStats(),
+        timeout,
+        None,
+        LaunchEnv(rank=rank, world_size=grid.world_size),
+    )
 
 
 def measure_rank(cfg: JobConfig, rank: int = 0) -> RankMemory:
@@ -92,13 +108,19 @@ def measure_rank(cfg: JobConfig, rank: int = 0) -> RankMemory:
             for _, shard in named:
                 shard.grad = torch.zeros_like(shard)
             optimizer.step()  # the state is created on the first step
-            state = _bytes((v for s in optimizer.state.values() for v in s.values()
-                            if isinstance(v, torch.Tensor) and v.dim() > 0), seen)
+            state = _bytes(
+                (
+                    v
+                    for s in optimizer.state.values()
+                    for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0
+                ),
+                seen,
+            )
             activations = _saved_bytes(runner, cfg)
     finally:
         dist.destroy_process_group()
-    return RankMemory(params=params, grads=grads, optimizer=masters + state, buffers=buffers,
-                      activations=activations)
+    return RankMemory(params=params, grads=grads, optimizer=masters + state, buffers=buffers, activations=activations)
 
 
 def _saved_bytes(runner, cfg: JobConfig) -> int:
@@ -133,6 +155,11 @@ def compare_with_plan(cfg: JobConfig, rank: int = 0) -> dict[str, dict[str, floa
     p = cfg.parallel
     layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, v=p.vpp, micro_batch=cfg.train.micro_batch)
     plan["activations"] /= in_flight_micro_batches(layout, cfg.micro_batches)
-    return {key: {"measured": float(measured[key]), "planned": float(plan[key]),
-                  "ratio": measured[key] / plan[key] if plan[key] else float("inf")}
-            for key in measured}
+    return {
+        key: {
+            "measured": float(measured[key]),
+            "planned": float(plan[key]),
+            "ratio": measured[key] / plan[key] if plan[key] else float("inf"),
+        }
+        for key in measured
+    }

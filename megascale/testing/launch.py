@@ -63,8 +63,10 @@ def run_local(
                     if p.exitcode != 0:
                         errors[r] = f"died without a result (exit code {p.exitcode})"
                     elif now - exited.setdefault(r, now) > 2.0:  # a result in flight has landed by now
-                        errors[r] = ("exited without a result: it could not be sent (unpicklable? the "
-                                     "rank's stderr has the queue's error)")
+                        errors[r] = (
+                            "exited without a result: it could not be sent (unpicklable? the "
+                            "rank's stderr has the queue's error)"
+                        )
                 continue
             if ok:
                 out[rank] = value

@@ -31,12 +31,27 @@ RANKS_PER_NODE = 8
 
 def driver_args(run_dir: Path, nodes: int, extra: list[str]) -> list[str]:
     world = nodes * RANKS_PER_NODE
-    return [sys.executable, "-m", "megascale.cli", "launch", "--external", "--nodes", str(nodes),
-            "--ranks-per-node", str(RANKS_PER_NODE), f"--parallel.dp={world}", f"--train.global_batch={world}",
-            "--train.micro_batch=1", "--train.steps=1000000000", "--resilience.hang_floor_s=600",
-            "--resilience.startup_timeout_s=300", "--resilience.in_place=true", f"--train.run_dir={run_dir}",
-            "--resilience.peer_address_check=false",  # simulated nodes claim 10.x addresses from loopback
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "megascale.cli",
+        "launch",
+        "--external",
+        "--nodes",
+        str(nodes),
+        "--ranks-per-node",
+        str(RANKS_PER_NODE),
+        f"--parallel.dp={world}",
+        f"--train.global_batch={world}",
+        "--train.micro_batch=1",
+        "--train.steps=1000000000",
+        "--resilience.hang_floor_s=600",
+        "--resilience.startup_timeout_s=300",
+        "--resilience.in_place=true",
+        f"--train.run_dir={run_dir}",
+        "--resilience.peer_address_check=false",  # simulated nodes claim 10.x addresses from loopback
+        *extra,
+    ]
 
 
 def cpu_s(pid: int) -> float:
@@ -68,8 +83,9 @@ async def status_of(client: ApiClient, tries: int = 30) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-async def measure(fleet: Fleet, pid: int, client: ApiClient, window_s: float, nodes: int,
-                  timeout_s: float) -> dict[str, Any]:
+async def measure(
+    fleet: Fleet, pid: int, client: ApiClient, window_s: float, nodes: int, timeout_s: float
+) -> dict[str, Any]:
     out: dict[str, Any] = {"nodes": nodes}
     cpu0 = cpu_s(pid)
     out["register_s"] = await fleet.registered(timeout_s=300)
@@ -86,41 +102,58 @@ async def measure(fleet: Fleet, pid: int, client: ApiClient, window_s: float, no
     started = time.monotonic()
     status = await status_of(client)
     out["status_bytes"] = len(json.dumps(status))
-    out.update(heartbeats=count, heartbeats_per_s=count / wall, driver_cpu_share=cpu / wall,
-               driver_cores_at_1_hz=cpu / wall * nodes / max(count / wall, 1e-9),  # scaled to N beats/s
-               driver_cpu_per_heartbeat_ms=1e3 * cpu / max(count, 1),
-               rtt_p50_ms=1e3 * pct(rtts, 0.5), rtt_p99_ms=1e3 * pct(rtts, 0.99), driver_rss_mb=rss_mb(pid),
-               status_s=time.monotonic() - started, false_faults_before_silence=len(status["faults"]),
-               connection_errors=sum(len(n.stats.errors) for n in fleet.nodes), harness_lag_max_s=fleet.lag_max)
+    out.update(
+        heartbeats=count,
+        heartbeats_per_s=count / wall,
+        driver_cpu_share=cpu / wall,
+        driver_cores_at_1_hz=cpu / wall * nodes / max(count / wall, 1e-9),  # scaled to N beats/s
+        driver_cpu_per_heartbeat_ms=1e3 * cpu / max(count, 1),
+        rtt_p50_ms=1e3 * pct(rtts, 0.5),
+        rtt_p99_ms=1e3 * pct(rtts, 0.99),
+        driver_rss_mb=rss_mb(pid),
+        status_s=time.monotonic() - started,
+        false_faults_before_silence=len(status["faults"]),
+        connection_errors=sum(len(n.stats.errors) for n in fleet.nodes),
+        harness_lag_max_s=fleet.lag_max,
+    )
     victim = fleet.nodes[0]
     victim.silent.set()
     acted = None
     deadline = time.monotonic() + 60
     while acted is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-        acted = min((t for n in fleet.nodes[1:] for t, kind in n.stats.commands if kind in ("pause", "stop")),
-                    default=None)
+        acted = min(
+            (t for n in fleet.nodes[1:] for t, kind in n.stats.commands if kind in ("pause", "stop")), default=None
+        )
     out["detect_silent_node_s"] = None if acted is None else acted - victim.last_ok  # from its last answered beat
     await asyncio.sleep(1.0)
     faults = (await status_of(client))["faults"]
     out["faults_after_silence"] = [(f["kind"], f.get("node")) for f in faults]
-    out["detect_after_timeout_s"] = (None if out["detect_silent_node_s"] is None
-                                     else out["detect_silent_node_s"] - timeout_s)
+    out["detect_after_timeout_s"] = (
+        None if out["detect_silent_node_s"] is None else out["detect_silent_node_s"] - timeout_s
+    )
     out["false_faults"] = out["false_faults_before_silence"] + sum(
-        1 for f in faults if (f["kind"], f.get("node")) != ("heartbeat_lost", victim.node_id))
+        1 for f in faults if (f["kind"], f.get("node")) != ("heartbeat_lost", victim.node_id)
+    )
     return out
 
 
-def run_size(nodes: int, window_s: float, extra: list[str], repo: Path = REPO,
-             heartbeat_timeout_s: float = 5.0) -> dict[str, Any]:
+def run_size(
+    nodes: int, window_s: float, extra: list[str], repo: Path = REPO, heartbeat_timeout_s: float = 5.0
+) -> dict[str, Any]:
     """`heartbeat_timeout_s` above the default only where the simulated nodes themselves cannot
     beat in time on this machine (recorded with the result)."""
     extra = [*extra, f"--resilience.heartbeat_timeout_s={heartbeat_timeout_s}"]
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         run_dir = Path(tmp) / "run"
         log = open(Path(tmp) / "driver.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(driver_args(run_dir, nodes, extra), cwd=repo, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+        proc = subprocess.Popen(
+            driver_args(run_dir, nodes, extra),
+            cwd=repo,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)},
+        )
         try:
             while not (run_dir / "resilience" / "driver.json").is_file():
                 if proc.poll() is not None:
@@ -131,8 +164,9 @@ def run_size(nodes: int, window_s: float, extra: list[str], repo: Path = REPO,
             fleet = Fleet(info["url"], secret.token, secret.cert_pem, nodes, RANKS_PER_NODE)
             client = ApiClient(info["url"], secret.operator or secret.token, secret.cert_pem, timeout_s=60)
             harness0 = time.process_time()
-            result = asyncio.run(fleet.run(lambda f: measure(f, proc.pid, client, window_s, nodes,
-                                                             heartbeat_timeout_s)))
+            result = asyncio.run(
+                fleet.run(lambda f: measure(f, proc.pid, client, window_s, nodes, heartbeat_timeout_s))
+            )
             result["heartbeat_timeout_s"] = heartbeat_timeout_s
             result["harness_cpu_s"] = time.process_time() - harness0
             return result
@@ -140,5 +174,3 @@ def run_size(nodes: int, window_s: float, extra: list[str], repo: Path = REPO,
             proc.kill()
             proc.wait()
             log.close()
-
-

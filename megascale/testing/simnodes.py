@@ -60,13 +60,17 @@ class SimNode:
         """One request on the node's kept-alive connection (re-opened once if the driver closed it)."""
         raw = json.dumps(body).encode()
         credential = self.credential or self.fleet.token_for(self.node_id)  # the join token until registered
-        head = (f"POST {path} HTTP/1.1\r\nHost: driver\r\nAuthorization: Bearer {credential}"
-                f"\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: driver\r\nAuthorization: Bearer {credential}"
+            f"\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+        ).encode()
         for last_try in (False, True):
             try:
                 if self._io is None:
-                    self._io = await asyncio.wait_for(asyncio.open_connection(
-                        self.fleet.host, self.fleet.port, ssl=self.fleet.ctx), self.fleet.timeout_s)
+                    self._io = await asyncio.wait_for(
+                        asyncio.open_connection(self.fleet.host, self.fleet.port, ssl=self.fleet.ctx),
+                        self.fleet.timeout_s,
+                    )
                 reader, writer = self._io
                 writer.write(head + raw)
                 return await asyncio.wait_for(self._response(reader), self.fleet.timeout_s)
@@ -92,8 +96,12 @@ class SimNode:
             self._io = None
 
     async def register(self) -> None:
-        body = {"node_id": self.node_id, "address": f"10.{self.index >> 16 & 255}.{self.index >> 8 & 255}."
-                f"{self.index & 255}", "host": self.node_id, "pid": os.getpid()}
+        body = {
+            "node_id": self.node_id,
+            "address": f"10.{self.index >> 16 & 255}.{self.index >> 8 & 255}.{self.index & 255}",
+            "host": self.node_id,
+            "pid": os.getpid(),
+        }
         while True:
             try:
                 status, reply = await self.call("/v1/register", body)
@@ -118,20 +126,45 @@ class SimNode:
         ranks = []
         if self.attempt is not None:
             step = max(0, int((now - self.started) / self.fleet.step_s))
-            recent = [[s, self.fleet.step_s * (1 + 0.02 * random.random())] for s in range(max(1, step - RECENT + 1),
-                                                                                          step + 1)]
-            ranks = [{"rank": r, "local_rank": i, "pid": 100000 + r, "alive": True, "exitcode": None,
-                      "exited_at": None, "state": "running", "step": step or None,
-                      "step_time": self.fleet.step_s if step else None, "recent": recent if step else [],
-                      "status_time": now, "start": None, "phase": "training"}
-                     for i, r in enumerate(self.ranks)]
+            recent = [
+                [s, self.fleet.step_s * (1 + 0.02 * random.random())]
+                for s in range(max(1, step - RECENT + 1), step + 1)
+            ]
+            ranks = [
+                {
+                    "rank": r,
+                    "local_rank": i,
+                    "pid": 100000 + r,
+                    "alive": True,
+                    "exitcode": None,
+                    "exited_at": None,
+                    "state": "running",
+                    "step": step or None,
+                    "step_time": self.fleet.step_s if step else None,
+                    "recent": recent if step else [],
+                    "status_time": now,
+                    "start": None,
+                    "phase": "training",
+                }
+                for i, r in enumerate(self.ranks)
+            ]
         self._net[0] += random.randrange(1 << 20, 1 << 22)
         self._net[1] += random.randrange(1 << 20, 1 << 22)
-        return {"node_id": self.node_id, "seq": self.seq, "time": now, "address": f"10.0.0.{self.index & 255}",
-                "host": self.node_id, "hardware": {"cpus": 192, "cpu_percent": 40.0, "mem_total": 2 << 40,
-                                                   "mem_used": 1 << 40, "gpus": []},
-                "attempt": self.attempt, "ranks": ranks, "errors": [], "net": {"eth0": list(self._net)},
-                "net_shared": False, "done": dict(self.done), "busy": None}
+        return {
+            "node_id": self.node_id,
+            "seq": self.seq,
+            "time": now,
+            "address": f"10.0.0.{self.index & 255}",
+            "host": self.node_id,
+            "hardware": {"cpus": 192, "cpu_percent": 40.0, "mem_total": 2 << 40, "mem_used": 1 << 40, "gpus": []},
+            "attempt": self.attempt,
+            "ranks": ranks,
+            "errors": [],
+            "net": {"eth0": list(self._net)},
+            "net_shared": False,
+            "done": dict(self.done),
+            "busy": None,
+        }
 
     async def run(self) -> None:
         await self.register()
@@ -175,11 +208,30 @@ class SimNode:
                 self.attempt = None
                 self.done[command["id"]] = {"ok": True, "stopped": len(self.ranks)}
             elif command["kind"] == "selfcheck":  # a healthy node: every test passes
-                tests = [{"name": "memory_bandwidth", "value": 10.0, "unit": "GB/s", "expected": 1.0, "passed": True},
-                         *({"name": "all_reduce", "peer": p["peer"], "passed": True, "value": 1.0, "unit": "GB/s",
-                            "expected": 0.1} for p in command["plan"]["pairs"])]
-                self.done[command["id"]] = {"ok": True, "report": {
-                    "node": self.node_id, "host": self.node_id, "pid": os.getpid(), "passed": True, "tests": tests}}
+                tests = [
+                    {"name": "memory_bandwidth", "value": 10.0, "unit": "GB/s", "expected": 1.0, "passed": True},
+                    *(
+                        {
+                            "name": "all_reduce",
+                            "peer": p["peer"],
+                            "passed": True,
+                            "value": 1.0,
+                            "unit": "GB/s",
+                            "expected": 0.1,
+                        }
+                        for p in command["plan"]["pairs"]
+                    ),
+                ]
+                self.done[command["id"]] = {
+                    "ok": True,
+                    "report": {
+                        "node": self.node_id,
+                        "host": self.node_id,
+                        "pid": os.getpid(),
+                        "passed": True,
+                        "tests": tests,
+                    },
+                }
             elif command["kind"] == "exit":
                 self.fleet.exited += 1
 
@@ -187,9 +239,17 @@ class SimNode:
 class Fleet:
     """`count` simulated nodes against the driver at `url`; run them with `asyncio.run(fleet.run(...))`."""
 
-    def __init__(self, url: str, token: str, cert_pem: bytes, count: int, ranks_per_node: int = 8,
-                 step_s: float = 1.0, timeout_s: float = 30.0,
-                 token_for: Callable[[str], str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        cert_pem: bytes,
+        count: int,
+        ranks_per_node: int = 8,
+        step_s: float = 1.0,
+        timeout_s: float = 30.0,
+        token_for: Callable[[str], str] | None = None,
+    ) -> None:
         host_port = url.removeprefix("https://")
         self.host, _, port = host_port.rpartition(":")
         self.port, self.ctx, self.step_s, self.timeout_s = int(port), pinned_context(cert_pem), step_s, timeout_s

@@ -63,8 +63,7 @@ def write_timer_files(run_dir: str | Path, shape: TraceShape) -> int:
     return written
 
 
-def _one_step(timers: Timers, shape: TraceShape, rng: random.Random, slow: float,
-              t: float) -> float:
+def _one_step(timers: Timers, shape: TraceShape, rng: random.Random, slow: float, t: float) -> float:
     """Record one step's spans from perf-counter time `t`; returns when the step ended."""
 
     def span(name: str, kind: str, dur: float, **attrs: object) -> float:
@@ -90,8 +89,7 @@ def _one_step(timers: Timers, shape: TraceShape, rng: random.Random, slow: float
     return t
 
 
-def write_hang_dumps(run_dir: str | Path, grid: RankGrid, stuck: int,
-                     ranks_per_host: int = 8) -> int:
+def write_hang_dumps(run_dir: str | Path, grid: RankGrid, stuck: int, ranks_per_host: int = 8) -> int:
     """The watchdog dumps of a job in which rank `stuck` stopped (SIGSTOP: it writes none)
     during the gradient sync: its tp peers wait in their tp all-reduce, the other stages of its
     dp replica in the pipeline receive from the neighbour towards it, every other replica in
@@ -112,8 +110,7 @@ def write_hang_dumps(run_dir: str | Path, grid: RankGrid, stuck: int,
             wait = timers.span("all_reduce", "comm", op="all_reduce", group="tp")
         elif c.dp == s.dp:
             towards = c.pp - 1 if c.pp > s.pp else c.pp + 1
-            wait = timers.span("recv", "p2p", op="recv",
-                               peer=grid.rank_of(towards, c.dp, c.tp))
+            wait = timers.span("recv", "p2p", op="recv", peer=grid.rank_of(towards, c.dp, c.tp))
         else:
             wait = timers.span("reduce_scatter", "comm", op="reduce_scatter", group="dp")
         wait.__enter__()

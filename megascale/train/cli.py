@@ -30,13 +30,20 @@ from megascale.plan.env import format_applied, launch_env, with_defaults
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML config over the built-in defaults (default: the packaged "
-                                         "megascale/config/default.toml, a small model on CPU)")
-    parser.add_argument("--nproc", type=int, default=0,
-                        help="start N local ranks (default: dp*tp*pp of the config when > 1)")
-    parser.add_argument("--standby", action="store_true",
-                        help="(executors) a warm rank: import everything, then take the assignment, config "
-                             "and environment from stdin, and stay alive through in-place recoveries")
+    parser.add_argument(
+        "--config",
+        help="TOML config over the built-in defaults (default: the packaged "
+        "megascale/config/default.toml, a small model on CPU)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=0, help="start N local ranks (default: dp*tp*pp of the config when > 1)"
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="(executors) a warm rank: import everything, then take the assignment, config "
+        "and environment from stdin, and stay alive through in-place recoveries",
+    )
     parser.epilog = "Override any config key with --section.key=value, e.g. --model.layers=8"
 
 
@@ -48,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
     path = args.config or default_config_path()
     under_launcher = LaunchEnv.from_env().launched
     if not under_launcher:  # ranks started by a launcher read the file it resolved: it said this
-        print(f"megascale train: config {path}{'' if args.config else ' (packaged default)'} "
-              f"with {len(args.overrides)} override(s); the log lists what differs from the built-in defaults",
-              file=sys.stderr)
+        print(
+            f"megascale train: config {path}{'' if args.config else ' (packaged default)'} "
+            f"with {len(args.overrides)} override(s); the log lists what differs from the built-in defaults",
+            file=sys.stderr,
+        )
     try:
         cfg = load_config(path, args.overrides)
     except ConfigError as exc:
@@ -62,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
     nproc = args.nproc or (world if world > 1 and not under_launcher else 0)
     if nproc and not under_launcher:
         if nproc != world:
-            print(f"megascale train: --nproc {nproc} but parallel.dp*tp*pp = {world}; "
-                  f"make them equal", file=sys.stderr)
+            print(f"megascale train: --nproc {nproc} but parallel.dp*tp*pp = {world}; make them equal", file=sys.stderr)
             return 2
         return launch_local(nproc, cfg)
     from megascale.data.shards import DataError
@@ -113,13 +121,26 @@ def launch_local(nproc: int, cfg: JobConfig) -> int:
         if cfg.parallel.redis_start and not cfg.parallel.redis_password():  # the job's own Redis never runs
             cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url)  # without one
         config, secret_env = write_rank_files(private, config_text(cfg), cfg.parallel.redis_password())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "megascale.cli", "train", "--config", str(config)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "megascale.cli",
+            "train",
+            "--config",
+            str(config),
+        ]
         planned = launch_env(cfg.train.run_dir, cfg.diagnostics.flight_recorder)
         env = with_defaults({k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV}, planned) | secret_env
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        print(f"megascale train: {nproc} local ranks on this node; {format_applied(planned)} "
-              "(values already in the environment win)", file=sys.stderr)
+        print(
+            f"megascale train: {nproc} local ranks on this node; {format_applied(planned)} "
+            "(values already in the environment win)",
+            file=sys.stderr,
+        )
         if cfg.parallel.redis_start:
             try:
                 redis_server = job.enter_context(RedisServer.for_job(cfg.parallel))

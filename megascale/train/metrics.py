@@ -54,9 +54,17 @@ class _RankFilter(logging.Filter):
 
 
 # Tracker tags, grouped as dashboards show them: train/, eval/, perf/, memory/, time/.
-_GROUPS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-           "eval_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
-           "step_time": "perf/step_time", "data_wait": "perf/data_wait", "eta_s": "perf/eta_s"}
+_GROUPS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "eval_loss": "eval/loss",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "step_time": "perf/step_time",
+    "data_wait": "perf/data_wait",
+    "eta_s": "perf/eta_s",
+}
 
 
 def tag(key: str) -> str:

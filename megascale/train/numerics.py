@@ -42,8 +42,10 @@ class Spike:
     scale: float  # robust deviation unit the threshold multiplies
 
     def describe(self) -> str:
-        return (f"loss {self.loss:.4f} is {(self.loss - self.median) / self.scale:.1f} robust deviations above the "
-                f"median {self.median:.4f} of the last losses")
+        return (
+            f"loss {self.loss:.4f} is {(self.loss - self.median) / self.scale:.1f} robust deviations above the "
+            f"median {self.median:.4f} of the last losses"
+        )
 
 
 class SpikeDetector:
@@ -102,22 +104,35 @@ class NonFiniteGuard:
         `TrainingHalted` after `max_consecutive` in a row."""
         self.consecutive += 1
         self.total += 1
-        where = "; ".join(f"rank {o['rank']} (pp {o['pp']} dp {o['dp']} tp {o['tp']}): "
-                          f"{', '.join(o['params'][:4])}{' ...' if len(o['params']) > 4 else ''}"
-                          for o in origin) or "no gradient of the optimizer's tensors (the norm's sum overflowed)"
-        log.warning("step %d: gradient norm is %s: optimizer step skipped on every rank (%d in a row, %d in this "
-                    "run); non-finite gradients, earliest in the backward first: %s",
-                    step, norm, self.consecutive, self.total, where)
+        where = (
+            "; ".join(
+                f"rank {o['rank']} (pp {o['pp']} dp {o['dp']} tp {o['tp']}): "
+                f"{', '.join(o['params'][:4])}{' ...' if len(o['params']) > 4 else ''}"
+                for o in origin
+            )
+            or "no gradient of the optimizer's tensors (the norm's sum overflowed)"
+        )
+        log.warning(
+            "step %d: gradient norm is %s: optimizer step skipped on every rank (%d in a row, %d in this "
+            "run); non-finite gradients, earliest in the backward first: %s",
+            step,
+            norm,
+            self.consecutive,
+            self.total,
+            where,
+        )
         if self.consecutive >= self.max_consecutive:
             raise TrainingHalted(
                 f"{self.consecutive} consecutive steps (up to step {step}) had a non-finite gradient norm "
                 f"(train.max_skipped_steps={self.max_consecutive}), first seen in {where}; nothing non-finite "
                 f"reached the parameters or a checkpoint; the last good checkpoint is {last_good}. Lower "
-                "optim.lr, check the data, or raise train.max_skipped_steps")
+                "optim.lr, check the data, or raise train.max_skipped_steps"
+            )
 
 
-def nonfinite_origin(named: list[tuple[str, torch.Tensor]], coords: dict[str, int], rank: int,
-                     world: int) -> list[dict]:
+def nonfinite_origin(
+    named: list[tuple[str, torch.Tensor]], coords: dict[str, int], rank: int, world: int
+) -> list[dict]:
     """Every rank's optimizer tensors whose gradient holds inf/nan, gathered on every rank;
     ranks ordered as the backward runs (last stage first), parameters too (last first)."""
     flags = torch._foreach_norm([t.grad for _, t in named if t.grad is not None]) if named else []

@@ -55,8 +55,11 @@ class StopOnSignal:
             os.kill(os.getpid(), signum)
             return
         self.received, self._first_at = signum, time.monotonic()
-        log.warning("%s received: stopping after this step and saving a checkpoint "
-                    "(send it again to stop at once, without saving)", signal.Signals(signum).name)
+        log.warning(
+            "%s received: stopping after this step and saving a checkpoint "
+            "(send it again to stop at once, without saving)",
+            signal.Signals(signum).name,
+        )
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -61,8 +61,10 @@ class Trainer:
         self.mesh = init_mesh(cfg.parallel, device=cfg.train.device)
         self.device = self.mesh.device  # the mesh's one choice (mesh.launch: LOCAL_RANK, read once)
         if cfg.train.attention == "flex" and self.device.type != "cuda":
-            raise ConfigError("train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
-                              "use 'auto' (the sliding-chunks kernel for SWA off CUDA) or 'sliding'")
+            raise ConfigError(
+                "train.attention='flex' trains only on CUDA (FlexAttention has no CPU backward); "
+                "use 'auto' (the sliding-chunks kernel for SWA off CUDA) or 'sliding'"
+            )
         # when this rank joined and had its state back: the driver's recovery phases read it
         self.start_record: dict = {"joined_at": time.time(), "restored_at": None, "source": None, "step": None}
         self.rank = self.mesh.rank
@@ -85,8 +87,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
         self.timers = Timers(
-            self.rank, self.mesh.grid.named_coords(self.rank), socket.gethostname(), self.run_dir,
-            enabled=cfg.diagnostics.timers, device=self.device,
+            self.rank,
+            self.mesh.grid.named_coords(self.rank),
+            socket.gethostname(),
+            self.run_dir,
+            enabled=cfg.diagnostics.timers,
+            device=self.device,
         )
         set_timers(self.timers)
         self.watchdog = Watchdog(self.timers, self.run_dir, cfg.diagnostics.hang_timeout_s, grid=self.mesh.grid)
@@ -94,12 +100,29 @@ class Trainer:
             self.watchdog.start()
         self.train_state = TrainState()
         self.init_numerics()
-        self.checkpoints = CheckpointManager(cfg, self.mesh, self.run_dir, CheckpointState(
-            model=self.runner, optimizer=self.optimizer, loader=self.train_loader, train=self.train_state,
-            rng=RNGState(self.device)), replicas)
-        wandb = None if not cfg.train.wandb else {
-            "project": cfg.train.wandb_project, "mode": cfg.train.wandb_mode, "name": self.run_dir.name,
-            "config": to_dict(cfg)}
+        self.checkpoints = CheckpointManager(
+            cfg,
+            self.mesh,
+            self.run_dir,
+            CheckpointState(
+                model=self.runner,
+                optimizer=self.optimizer,
+                loader=self.train_loader,
+                train=self.train_state,
+                rng=RNGState(self.device),
+            ),
+            replicas,
+        )
+        wandb = (
+            None
+            if not cfg.train.wandb
+            else {
+                "project": cfg.train.wandb_project,
+                "mode": cfg.train.wandb_mode,
+                "name": self.run_dir.name,
+                "config": to_dict(cfg),
+            }
+        )
         self.metrics = MetricsWriter(self.run_dir, self.rank == 0, cfg.train.tensorboard, wandb)
         self.clock = StepClock()
         self.stop_signal = 0  # set by fit() when a signal stopped it
@@ -110,8 +133,12 @@ class Trainer:
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
             "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %d micro-batches/step; peak %s",
-            parameter_count(cfg.model) / 1e6, cfg.parallel.pp, cfg.parallel.dp,
-            cfg.parallel.tp, cfg.parallel.vpp, cfg.micro_batches,
+            parameter_count(cfg.model) / 1e6,
+            cfg.parallel.pp,
+            cfg.parallel.dp,
+            cfg.parallel.tp,
+            cfg.parallel.vpp,
+            cfg.micro_batches,
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
 
@@ -188,13 +215,20 @@ class Trainer:
         """{} for a good step; else why it is skipped (and, after a rollback, where to)."""
         step = self.step + 1
         if not np.isfinite(record["grad_norm"]):
-            origin = nonfinite_origin(self.runner.optimizer_tensors(), self.mesh.grid.named_coords(self.mesh.rank),
-                                      self.mesh.rank,
-                                      self.mesh.world_size)
+            origin = nonfinite_origin(
+                self.runner.optimizer_tensors(),
+                self.mesh.grid.named_coords(self.mesh.rank),
+                self.mesh.rank,
+                self.mesh.world_size,
+            )
             last_good = self.checkpoints.last_good() if getattr(self, "checkpoints", None) else "none (no checkpoints)"
             self.nonfinite.skipped(step, record["grad_norm"], origin, last_good)
-            return {"skipped": 1, "skip_reason": "nonfinite", "skipped_total": self.nonfinite.total,
-                    "nonfinite_ranks": [o["rank"] for o in origin]}
+            return {
+                "skipped": 1,
+                "skip_reason": "nonfinite",
+                "skipped_total": self.nonfinite.total,
+                "nonfinite_ranks": [o["rank"] for o in origin],
+            }
         self.nonfinite.ok()
         spike = self.spikes.check(record["loss"])
         if spike is None:
@@ -222,12 +256,12 @@ class Trainer:
             raise TrainingHalted(
                 f"loss spike at step {step}: already rolled back to step {restored} "
                 f"{self.cfg.train.max_rollbacks} times (train.max_rollbacks); the spikes are not the data's: "
-                f"lower optim.lr or resume from an older checkpoint (last good: {self.checkpoints.last_good()})")
+                f"lower optim.lr or resume from an older checkpoint (last good: {self.checkpoints.last_good()})"
+            )
         first = max(spiked - self.cfg.train.spike_skip_batches + 1, self.train_loader.position)
         self.data_skips.add(first, spiked)
         self.spikes.forget_after(restored)
-        log.warning("rolled back to step %d; batches %d-%d of the data order will be skipped", restored,
-                    first, spiked)
+        log.warning("rolled back to step %d; batches %d-%d of the data order will be skipped", restored, first, spiked)
         return {"skipped": 1, "skip_reason": "spike", "rollback_to": restored, "skipped_batches": [first, spiked]}
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
@@ -267,13 +301,14 @@ class Trainer:
                 while self.step < cfg.steps:
                     record = self.run_step()
                     if "rollback_to" in record:  # those steps are trained again
-                        del losses[max(record["rollback_to"] - first, 0):]
+                        del losses[max(record["rollback_to"] - first, 0) :]
                     elif "skipped" not in record:
                         losses.append(record["loss"])
                     self.stop_signal = stop.agreed(self.mesh.device)
                     if self.stop_signal:
-                        log.warning("stopping at step %d on %s: saving it", self.step,
-                                    signal.Signals(self.stop_signal).name)
+                        log.warning(
+                            "stopping at step %d on %s: saving it", self.step, signal.Signals(self.stop_signal).name
+                        )
                         break
                 self.final_save = self.checkpoints.save_final()
             if self.final_save.saved:
@@ -331,8 +366,12 @@ class Trainer:
         achieved = tokens_per_s_per_rank * self.flops_per_token
         probe = self.peak.value
         if self.peak.observe(achieved):
-            log.warning("the CPU peak probe read %.1f GFLOP/s but a step reached %.1f (the probe ran while the "
-                        "cores were busy): that is the peak from now on", (probe or 0) / 1e9, achieved / 1e9)
+            log.warning(
+                "the CPU peak probe read %.1f GFLOP/s but a step reached %.1f (the probe ran while the "
+                "cores were busy): that is the peak from now on",
+                (probe or 0) / 1e9,
+                achieved / 1e9,
+            )
         return mfu(tokens_per_s_per_rank, self.flops_per_token, self.peak.value)
 
     def _log_memory_against_plan(self, record: dict) -> None:
@@ -340,12 +379,15 @@ class Trainer:
         rank's model state, activations and buffers (what `megascale plan` would say)."""
         plan = job_memory_estimate(self.cfg, self.mesh.device.type)
         if "mem_cuda_max_allocated_gib" in record:
-            measured = (f"max allocated {record['mem_cuda_max_allocated_gib']:.2f} GiB, reserved "
-                        f"{record['mem_cuda_max_reserved_gib']:.2f} GiB")
+            measured = (
+                f"max allocated {record['mem_cuda_max_allocated_gib']:.2f} GiB, reserved "
+                f"{record['mem_cuda_max_reserved_gib']:.2f} GiB"
+            )
         else:  # the host process: Python, PyTorch and its libraries come on top of the model
             measured = f"peak RSS {record['mem_rss_peak_gib']:.2f} GiB (the whole process)"
-        parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in plan.as_dict().items()
-                          if k not in ("total", "capacity", "reserved"))
+        parts = ", ".join(
+            f"{k} {v / 2**20:.1f}" for k, v in plan.as_dict().items() if k not in ("total", "capacity", "reserved")
+        )
         log.info("memory after step 1: %s; planner estimate %.1f MiB (%s MiB)", measured, plan.total / 2**20, parts)
 
     def abandon(self) -> None:

@@ -62,8 +62,9 @@ def serve() -> int:
         message = control.next()
         if message is None:
             return 1  # the executor is gone: nothing will ever ask this rank back
-        log.info("rejoining as rank %s of attempt %s", message.env.get("RANK"),
-                 message.env.get("MEGASCALE_RESTART_ATTEMPT"))
+        log.info(
+            "rejoining as rank %s of attempt %s", message.env.get("RANK"), message.env.get("MEGASCALE_RESTART_ATTEMPT")
+        )
 
 
 def warm_up() -> None:

@@ -11,9 +11,16 @@ from megascale.config import load_config
 from megascale.train.trainer import Trainer
 
 TINY = [
-    "--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.seq_len=64",
-    "--train.global_batch=4", "--train.micro_batch=2", "--train.device=cpu",
-    "--train.tensorboard=false", "--train.eval_every=0", "--train.log_every=5",
+    "--model.layers=2",
+    "--model.hidden=64",
+    "--model.heads=4",
+    "--model.seq_len=64",
+    "--train.global_batch=4",
+    "--train.micro_batch=2",
+    "--train.device=cpu",
+    "--train.tensorboard=false",
+    "--train.eval_every=0",
+    "--train.log_every=5",
     "--optim.decay_steps=20",  # the same LR schedule whether a run stops at 10 or 20
 ]
 

@@ -37,14 +37,13 @@ FIELDS = ("value", "exp_avg", "exp_avg_sq")
 
 def wholes(seed: int) -> dict[str, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return {f: {n: torch.randn(shape, generator=g) for n, (shape, _) in PARAMS.items()}
-            for f in FIELDS}
+    return {f: {n: torch.randn(shape, generator=g) for n, (shape, _) in PARAMS.items()} for f in FIELDS}
 
 
 def stage_params(pp_rank: int, pp: int) -> list[str]:
     names = list(PARAMS)
     per = len(names) // pp
-    return names[pp_rank * per: (pp_rank + 1) * per]
+    return names[pp_rank * per : (pp_rank + 1) * per]
 
 
 class Runner:
@@ -102,10 +101,13 @@ def build_state(mesh, zero: bool, seed: int | None, root: str, step: int = 0) ->
                 "exp_avg": local_piece(values["exp_avg"][name], spec),
                 "exp_avg_sq": local_piece(values["exp_avg_sq"][name], spec),
             }
-    cfg = JobConfig(parallel=ParallelConfig(pp=mesh.pp_size, dp=mesh.dp_size, tp=mesh.tp_size),
-                    checkpoint=CheckpointConfig(dir=root, every=0))
-    return cfg, CheckpointState(model=runner, optimizer=optimizer, loader=Loader(), train=TrainState(step),
-                                rng=RNGState(torch.device("cpu")))
+    cfg = JobConfig(
+        parallel=ParallelConfig(pp=mesh.pp_size, dp=mesh.dp_size, tp=mesh.tp_size),
+        checkpoint=CheckpointConfig(dir=root, every=0),
+    )
+    return cfg, CheckpointState(
+        model=runner, optimizer=optimizer, loader=Loader(), train=TrainState(step), rng=RNGState(torch.device("cpu"))
+    )
 
 
 def check_state(state: CheckpointState, seed: int, step: int) -> list[str]:

@@ -29,8 +29,7 @@ def log_text(run_dir) -> str:
 
 
 def committed_steps(root) -> list[int]:
-    return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step_")
-                  and "." not in p.name)
+    return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step_") and "." not in p.name)
 
 
 def test_killed_writer_keeps_previous_and_the_final_save_is_retried(tmp_path, straight_run):
@@ -39,8 +38,9 @@ def test_killed_writer_keeps_previous_and_the_final_save_is_retried(tmp_path, st
     starts another and saves step 10 again, and says so."""
     train(tmp_path, 5, "--checkpoint.every=5")
     root = tmp_path / "checkpoints"
-    trainer = Trainer(tiny_config(tmp_path, "--train.steps=10", "--checkpoint.every=5",
-                                  "--checkpoint.write_mb_per_s=0.5"))
+    trainer = Trainer(
+        tiny_config(tmp_path, "--train.steps=10", "--checkpoint.every=5", "--checkpoint.write_mb_per_s=0.5")
+    )
     seen_at_kill: list[list[int]] = []
 
     def kill_while_writing_step_10() -> None:  # stage 2 at 0.5 MB/s takes seconds
@@ -94,8 +94,16 @@ def test_unwritable_directory_training_continues_and_the_run_fails(tmp_path, cap
     last step is not saved (through `megascale train`'s own entry point, in this process)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    code = megascale_main(["train", *TINY, f"--train.run_dir={tmp_path}", "--train.steps=10",
-                           "--checkpoint.every=5", f"--checkpoint.dir={blocker}/checkpoints"])
+    code = megascale_main(
+        [
+            "train",
+            *TINY,
+            f"--train.run_dir={tmp_path}",
+            "--train.steps=10",
+            "--checkpoint.every=5",
+            f"--checkpoint.dir={blocker}/checkpoints",
+        ]
+    )
     assert code == 1
     assert "step 10 was NOT saved" in capsys.readouterr().err
     log = log_text(tmp_path)
@@ -106,8 +114,7 @@ def test_unwritable_directory_training_continues_and_the_run_fails(tmp_path, cap
 def small_tmpfs(tmp_path):
     mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)],
-                          capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)], capture_output=True)
     if done.returncode:
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
     yield mount

@@ -17,9 +17,18 @@ from tests.checkpoint.conftest import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.seq_len=64",
-        "--train.global_batch=4", "--train.micro_batch=1", "--train.device=cpu",
-        "--train.tensorboard=false", "--train.eval_every=0", "--optim.decay_steps=20"]
+TINY = [
+    "--model.layers=2",
+    "--model.hidden=64",
+    "--model.heads=4",
+    "--model.seq_len=64",
+    "--train.global_batch=4",
+    "--train.micro_batch=1",
+    "--train.device=cpu",
+    "--train.tensorboard=false",
+    "--train.eval_every=0",
+    "--optim.decay_steps=20",
+]
 L222 = ["--parallel.pp=2", "--parallel.dp=2", "--parallel.tp=2"]
 L412 = ["--parallel.pp=2", "--parallel.dp=4", "--parallel.tp=1"]
 
@@ -28,12 +37,19 @@ def megascale_train(run_dir, *args: str) -> list[float]:
     """Run 8 ranks; returns the losses of the steps run (from metrics.jsonl)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    done = subprocess.run([sys.executable, "-m", "megascale.cli", "train", "--nproc", "8", *TINY,
-                           f"--train.run_dir={run_dir}", *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "train", "--nproc", "8", *TINY, f"--train.run_dir={run_dir}", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if done.returncode:
-        errors = [line for line in (done.stdout + done.stderr).splitlines()
-                  if "Error" in line or "terminate" in line or "ERROR" in line]
+        errors = [
+            line
+            for line in (done.stdout + done.stderr).splitlines()
+            if "Error" in line or "terminate" in line or "ERROR" in line
+        ]
         pytest.fail(f"megascale train exited {done.returncode}:\n" + "\n".join(errors[-30:]))
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in metrics]
@@ -54,18 +70,21 @@ def assert_same(a: dict, b: dict) -> None:
 def straight_222(tmp_path_factory):
     """8 steps at 2x2x2, checkpoints at 4 and 8."""
     run = tmp_path_factory.mktemp("straight222")
-    losses = megascale_train(run, *L222, "--train.steps=8", "--checkpoint.every=4",
-                             "--checkpoint.resume=none")
+    losses = megascale_train(run, *L222, "--train.steps=8", "--checkpoint.every=4", "--checkpoint.resume=none")
     return run, losses
 
 
 def test_resume_exact_2x2x2(tmp_path, straight_222):
     run, losses = straight_222
-    resumed = megascale_train(tmp_path, *L222, "--train.steps=8", "--checkpoint.every=0",
-                              f"--checkpoint.resume={run / 'checkpoints' / 'step_000000004'}")
+    resumed = megascale_train(
+        tmp_path,
+        *L222,
+        "--train.steps=8",
+        "--checkpoint.every=0",
+        f"--checkpoint.resume={run / 'checkpoints' / 'step_000000004'}",
+    )
     assert resumed == losses[4:]
-    assert_same(state_of(tmp_path / "checkpoints" / "step_000000008"),
-                state_of(run / "checkpoints" / "step_000000008"))
+    assert_same(state_of(tmp_path / "checkpoints" / "step_000000008"), state_of(run / "checkpoints" / "step_000000008"))
 
 
 def test_reshard_2x2x2_to_4x1x2_to_one_process(tmp_path, straight_222):

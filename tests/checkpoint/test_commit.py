@@ -38,24 +38,40 @@ def run(trained, tmp_path) -> Path:
 def resave_job(checkpoint: Path, run_id: str, shm_name: str, keep: int) -> WriteJob:
     """Step N saved again by a new run, with exactly the bytes and records it has."""
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    header = {k: v for k, v in manifest.items()
-              if k not in ("files", "tensors", "ranks", "plain", "checksum", "seq")}
+    header = {k: v for k, v in manifest.items() if k not in ("files", "tensors", "ranks", "plain", "checksum", "seq")}
     header["run_id"] = run_id
     step = manifest["step"]
     return WriteJob(
-        step=step, root=str(checkpoint.parent), tmp_name=f"{step_name(step)}.tmp-{run_id}", rank=0,
-        world=1, shm_name=shm_name, nbytes=manifest["files"]["rank-00000.bin"]["size"],
-        index={"records": [{k: v for k, v in t.items() if k != "file"} for t in manifest["tensors"]],
-               "plain": manifest["plain"], "meta": manifest["ranks"]["0"]},
-        commit=header, keep=keep, bytes_per_s=0.0, commit_timeout_s=60.0)
+        step=step,
+        root=str(checkpoint.parent),
+        tmp_name=f"{step_name(step)}.tmp-{run_id}",
+        rank=0,
+        world=1,
+        shm_name=shm_name,
+        nbytes=manifest["files"]["rank-00000.bin"]["size"],
+        index={
+            "records": [{k: v for k, v in t.items() if k != "file"} for t in manifest["tensors"]],
+            "plain": manifest["plain"],
+            "meta": manifest["ranks"]["0"],
+        },
+        commit=header,
+        keep=keep,
+        bytes_per_s=0.0,
+        commit_timeout_s=60.0,
+    )
 
 
 def run_writer(job: WriteJob, data: bytes, pause: str | None, marker: Path) -> subprocess.Popen:
     """The writer process with `job` queued; with `pause`, returns once it is paused there."""
     module = ["tests.checkpoint.paused_writer", pause, str(marker)] if pause else ["megascale.checkpoint.writer"]
-    proc = subprocess.Popen([sys.executable, "-m", *module], cwd=REPO, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *module],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     proc.stdin.write(json.dumps({"job": dataclasses.asdict(job)}) + "\n")
     proc.stdin.flush()
     if pause:
@@ -109,8 +125,9 @@ def test_resave_killed_at_each_commit_point(run, shm, point, straight_run, tmp_p
 def test_next_commit_cleans_up_after_a_killed_one(run, shm, tmp_path):
     root = run / "checkpoints"
     segment, data = shm
-    killed = run_writer(resave_job(root / step_name(10), "0badc0de", segment.name, 1), data, "written",
-                        tmp_path / "paused")
+    killed = run_writer(
+        resave_job(root / step_name(10), "0badc0de", segment.name, 1), data, "written", tmp_path / "paused"
+    )
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     again = run_writer(resave_job(root / step_name(10), "600dc0de", segment.name, 1), data, None, tmp_path / "x")
@@ -130,11 +147,18 @@ def test_writer_whose_trainer_is_gone_commits_quietly_and_frees_the_segment(run,
     segment, data = shm
     err = tmp_path / "stderr"
     with open(err, "w") as stderr:
-        writer = subprocess.Popen([sys.executable, "-m", "megascale.checkpoint.writer"], cwd=REPO, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                  env=dict(os.environ, PYTHONPATH=str(REPO)))
-    writer.stdin.write(json.dumps({"job": dataclasses.asdict(resave_job(root / step_name(10), "0dead0",
-                                                                        segment.name, 3))}) + "\n")
+        writer = subprocess.Popen(
+            [sys.executable, "-m", "megascale.checkpoint.writer"],
+            cwd=REPO,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
+    writer.stdin.write(
+        json.dumps({"job": dataclasses.asdict(resave_job(root / step_name(10), "0dead0", segment.name, 3))}) + "\n"
+    )
     writer.stdin.close()  # what the kernel does to a killed trainer's pipes
     writer.stdout.close()
     segment.close()  # ... and to its lock
@@ -148,10 +172,18 @@ def test_segments_of_dead_jobs_are_removed_at_start(tmp_path):
     """A whole process tree SIGKILLed leaves its segment (Python's tracker dies with it); the
     next start removes it, and leaves a live job's segment alone."""
     dead, live = segment_name("dead0b", 0, 1), segment_name("live0b", 0, 1)
-    code = (f"from megascale.checkpoint.shm import Segment; s = Segment({dead!r}, 4096, True); "
-            "print(1, flush=True); input()")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    code = (
+        f"from megascale.checkpoint.shm import Segment; s = Segment({dead!r}, 4096, True); "
+        "print(1, flush=True); input()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.stdout.readline().strip() == b"1"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -181,8 +213,14 @@ def test_a_fifo_or_link_named_like_a_segment_does_not_block_start(tmp_path):
         os.utime(fifo, (old, old))
         os.utime(link, (old, old), follow_symlinks=False)
         code = "from megascale.checkpoint.shm import reap_stale; print(sorted(reap_stale()))"
-        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
         assert done.returncode == 0, done.stderr
         assert fifo.name not in done.stdout and link.name not in done.stdout
         assert fifo.exists() and link.is_symlink() and target.read_bytes() == b"x"
@@ -201,8 +239,9 @@ def test_keep_1_beside_stale_and_corrupt_newer_checkpoints(run, straight_run):
     (root / step_name(40) / "manifest.json").unlink()
     train(run, 8, "--checkpoint.every=4", "--checkpoint.keep=1", f"--checkpoint.resume={root / step_name(5)}")
     names = sorted(p.name for p in root.iterdir())
-    assert [n for n in names if not n.startswith(("latest", f"{step_name(40)}.invalid", f"{step_name(50)}.invalid"))] \
-        == [step_name(8)], names
+    assert [
+        n for n in names if not n.startswith(("latest", f"{step_name(40)}.invalid", f"{step_name(50)}.invalid"))
+    ] == [step_name(8)], names
     assert len(names) == 4, names  # latest, step 8, two quarantined
     log = (run / "rank00000.log").read_text()
     assert "invalid checkpoint moved aside" in log and "the directory name says step 50" in log

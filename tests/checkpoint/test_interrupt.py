@@ -18,19 +18,31 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.mark.slow
 def test_ctrl_c_saves_and_resume_continues(tmp_path):
-    args = [sys.executable, "-m", "megascale.cli", "train", *TINY, f"--train.run_dir={tmp_path}",
-            "--train.steps=100000", "--checkpoint.every=0"]
+    args = [
+        sys.executable,
+        "-m",
+        "megascale.cli",
+        "train",
+        *TINY,
+        f"--train.run_dir={tmp_path}",
+        "--train.steps=100000",
+        "--checkpoint.every=0",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # SIGABRT prints every stack
     err_file = tmp_path / "stderr.txt"  # a file, not a pipe nobody reads while training runs
     with open(err_file, "wb") as err:
         # SIGINT as a terminal delivers it: a suite started in the background (`cmd &` from a
         # script) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            args,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (
-            not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     try:
@@ -44,7 +56,8 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path):
     assert len(manifests) == 1
     saved = json.loads(manifests[0].read_text())["step"]
     assert saved >= 3
-    done = subprocess.run(args[:-2] + [f"--train.steps={saved + 1}"], env=env,
-                          capture_output=True, text=True, timeout=200)
+    done = subprocess.run(
+        args[:-2] + [f"--train.steps={saved + 1}"], env=env, capture_output=True, text=True, timeout=200
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"at step {saved}" in (tmp_path / "rank00000.log").read_text()

@@ -52,14 +52,16 @@ DEFECTS = {
     "overlapping records": (lambda m: first_record(m, offset=m["tensors"][1]["offset"] - 4), "overlaps"),
     "nbytes not the shape's": (lambda m: first_record(m, nbytes=4), "bytes for shape"),
     "crafted dtype": (lambda m: first_record(m, dtype="nn"), "dtype"),
-    "scalar dtype": (lambda m: next(iter(m["plain"].values()))["step"].update(kind="tensor", dtype="Tensor"),
-                     "dtype"),
+    "scalar dtype": (lambda m: next(iter(m["plain"].values()))["step"].update(kind="tensor", dtype="Tensor"), "dtype"),
     "a string for a number": (lambda m: first_record(m, offset="64"), "valid integer"),
     "step not the directory's": (lambda m: m.update(step=7), "the directory name says step 10"),
-    "file outside the directory": (lambda m: (
-        m["files"].update({"rank-00000.bin/../../../../etc/hostname": m["files"].pop("rank-00000.bin")}),
-        [t.update(file="rank-00000.bin/../../../../etc/hostname") for t in m["tensors"]]),
-        "is not a rank data file"),
+    "file outside the directory": (
+        lambda m: (
+            m["files"].update({"rank-00000.bin/../../../../etc/hostname": m["files"].pop("rank-00000.bin")}),
+            [t.update(file="rank-00000.bin/../../../../etc/hostname") for t in m["tensors"]],
+        ),
+        "is not a rank data file",
+    ),
     "unknown key": (lambda m: m.update(extra=1), "Extra inputs are not permitted"),
     "config without its model": (lambda m: m["config"].pop("model"), "config.model: Field required"),
     "old format version": (lambda m: m.update(version=1), "format version 1"),
@@ -82,7 +84,7 @@ def test_one_byte_edit_fails_the_checksum(root):
     path = root / STEP10 / "manifest.json"
     text = path.read_text()
     offset = re.search(r'"offset": [1-9]', text).end() - 1  # a non-zero offset's first digit
-    path.write_text(text[:offset] + str((int(text[offset]) % 9) + 1) + text[offset + 1:])
+    path.write_text(text[:offset] + str((int(text[offset]) % 9) + 1) + text[offset + 1 :])
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         check(root / STEP10)
 
@@ -101,8 +103,9 @@ def test_symlink_out_of_the_checkpoint_is_refused(root, tmp_path):
 def test_export_of_only_crafted_checkpoints_is_a_clear_error(root, tmp_path, capsys):
     for name in (STEP5, STEP10):
         edit(root / name, lambda m: first_record(m, dtype="nn"))
-    args = argparse.Namespace(checkpoint=str(root), out=str(tmp_path / "out"), dtype=None,
-                              tokenizer=None, max_shard_gb=5.0)
+    args = argparse.Namespace(
+        checkpoint=str(root), out=str(tmp_path / "out"), dtype=None, tokenizer=None, max_shard_gb=5.0
+    )
     assert export_cli.run(args) == 1
     assert "no valid checkpoint" in capsys.readouterr().err
 
@@ -113,7 +116,7 @@ def test_one_byte_offset_edit_falls_back_and_resume_is_exact(root, straight_run)
     path = root / STEP10 / "manifest.json"
     text = path.read_text()
     at = re.search(r'"offset": [1-9]', text).end() - 1
-    path.write_text(text[:at] + str((int(text[at]) % 9) + 1) + text[at + 1:])
+    path.write_text(text[:at] + str((int(text[at]) % 9) + 1) + text[at + 1 :])
     run = root.parent
     losses, params, trainer = train(run, 20, "--checkpoint.every=0")
     assert "checksum mismatch" in (run / "rank00000.log").read_text()
@@ -126,6 +129,7 @@ def test_records_retyped_int32_and_resealed_are_refused_and_resume_is_exact(root
     """float32 records retyped int32 (same bytes, re-sealed: every schema and bounds check holds)
     loaded through a casting copy_ before (loss NaN, a NaN checkpoint committed, issue 29); the
     dtype is now part of what a checkpoint must match, so resume falls back to step 5."""
+
     def retype(manifest: dict) -> None:
         for rec in manifest["tensors"]:
             if rec["dtype"] == "float32" and rec["field"] == "value":

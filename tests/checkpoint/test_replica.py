@@ -128,8 +128,18 @@ def test_under_zero_the_restore_plan_spreads_whole_parameters_over_their_owners(
     for rank in range(world):
         for name in params:
             spec = ShardSpec((8, 8), flat_range=(16 * rank, 16 * (rank + 1))).to_json()
-            tensors.append({"param": name, "field": "value", "spec": spec, "dtype": "float32", "shape": [16],
-                            "file": f"rank-{rank:05d}.bin", "offset": 64 * params.index(name), "nbytes": 64})
+            tensors.append(
+                {
+                    "param": name,
+                    "field": "value",
+                    "spec": spec,
+                    "dtype": "float32",
+                    "shape": [16],
+                    "file": f"rank-{rank:05d}.bin",
+                    "offset": 64 * params.index(name),
+                    "nbytes": 64,
+                }
+            )
             same[rank].append({"param": name, "field": "value", "spec": spec, "dtype": "float32"})
             other = ShardSpec((8, 8), flat_range=(8 + 16 * rank, 8 + 16 * (rank + 1))).to_json()  # ranges moved
             moved[rank].append({"param": name, "field": "value", "spec": other, "dtype": "float32"})

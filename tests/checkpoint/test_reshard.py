@@ -61,8 +61,13 @@ def _load(root: str, layout: tuple[int, int, int], zero: bool) -> dict:
         read = sharded.CountingFileSystem.bytes_read - before
         draws = (random.random(), torch.rand(1).item())
         manager.close()
-        return {"loaded": loaded, "bad": sharded.check_state(state, SEED, STEP), "read": read,
-                "restore": manager.last_restore, "draws": draws}
+        return {
+            "loaded": loaded,
+            "bad": sharded.check_state(state, SEED, STEP),
+            "read": read,
+            "restore": manager.last_restore,
+            "draws": draws,
+        }
     finally:
         mesh.destroy()
 
@@ -85,8 +90,8 @@ def _load_both(root: str, ports: list[int]) -> list[dict]:
     replicated through the byte-counting filesystem."""
     out = []
     for (layout, zero, url), port in zip(
-            (((2, 2, 1), True, root), ((1, 4, 1), False, sharded.counting_url(root))), ports,
-            strict=True):
+        (((2, 2, 1), True, root), ((1, 4, 1), False, sharded.counting_url(root))), ports, strict=True
+    ):
         os.environ["MASTER_PORT"] = str(port)
         out.append(_load(url, layout, zero))
     return out

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_snapshot_is_not_changed_by_later_steps(tmp_path):
     """Stage 2 at 0.5 MB/s writes step 5's state while steps 6..10 change every parameter."""
-    trainer = Trainer(tiny_config(tmp_path, "--train.steps=5", "--checkpoint.every=0",
-                                  "--checkpoint.write_mb_per_s=0.5"))
+    trainer = Trainer(
+        tiny_config(tmp_path, "--train.steps=5", "--checkpoint.every=0", "--checkpoint.write_mb_per_s=0.5")
+    )
     for _ in range(5):
         trainer.run_step()
     at_save = {n: p.detach().clone() for n, p in trainer.runner.named_parameters()}
@@ -63,9 +64,12 @@ def test_export_loads_into_single_process_gpt(tmp_path):
     into a single-process GPT that computes the trained model."""
     _, _, trainer = train(tmp_path, 5, "--checkpoint.every=5")
     out = tmp_path / "exported"
-    done = subprocess.run([sys.executable, "-m", "megascale.cli", "export",
-                           str(tmp_path / "checkpoints"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "export", str(tmp_path / "checkpoints"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     model, _ = load_pretrained(out)
     tokens = torch.randint(0, 256, (2, 64))
@@ -73,7 +77,10 @@ def test_export_loads_into_single_process_gpt(tmp_path):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, tokens), trainer.runner.module(tokens, tokens), rtol=1e-6, atol=0)
-    missing = subprocess.run([sys.executable, "-m", "megascale.cli", "export",
-                              str(tmp_path / "nothing"), "--out", str(out)],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "export", str(tmp_path / "nothing"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "no valid checkpoint" in missing.stderr

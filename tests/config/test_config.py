@@ -103,8 +103,12 @@ def test_the_packaged_default_is_used_from_any_directory(tmp_path, monkeypatch):
     import sys
 
     monkeypatch.chdir(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "megascale.cli", "train", "--train.steps", "0"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "train", "--train.steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert f"config {default_config_path()} (packaged default) with 1 override(s)" in done.stderr
     assert "config error: train.steps must be >= 1" in done.stderr
@@ -142,10 +146,16 @@ def test_the_driver_edits_a_typed_validated_config():
     from megascale.config.handoff import attempt_config, config_text
     from megascale.config.loader import config_from_toml
 
-    job = load_config(None, ["--train.global_batch=8", "--train.micro_batch=2", "--parallel.redis_url=redis://:pw@h:1/0"])
+    job = load_config(
+        None, ["--train.global_batch=8", "--train.micro_batch=2", "--parallel.redis_url=redis://:pw@h:1/0"]
+    )
     cfg = config_from_toml(attempt_config(config_text(job), dp=2, run_dir="/r"), "attempt")
     assert (cfg.parallel.dp, cfg.train.run_dir, cfg.checkpoint.resume, cfg.checkpoint.save_on_signal) == (
-        2, "/r", "auto", False)
+        2,
+        "/r",
+        "auto",
+        False,
+    )
     assert cfg.model == job.model and "pw" not in cfg.parallel.redis_url
     with pytest.raises(ConfigError, match=r"train.global_batch=8 must be a multiple of .* parallel.dp"):
         attempt_config(config_text(job), dp=3, run_dir="/r")
@@ -158,8 +168,14 @@ def test_an_attempt_is_checked_with_the_password_the_ranks_get_apart(monkeypatch
 
     for name in ("MEGASCALE_REDIS_PASSWORD", "MEGASCALE_REDIS_PASSWORD_FILE"):
         monkeypatch.delenv(name, raising=False)
-    job = load_config(None, ["--parallel.store=redis", "--parallel.redis_start=true",
-                             "--parallel.redis_url=redis://:s3cret@10.0.0.1:6380/0"])
+    job = load_config(
+        None,
+        [
+            "--parallel.store=redis",
+            "--parallel.redis_start=true",
+            "--parallel.redis_url=redis://:s3cret@10.0.0.1:6380/0",
+        ],
+    )
     text = config_text(job)
     assert "s3cret" not in attempt_config(text, dp=1, run_dir="/r", redis_password="s3cret")
     with pytest.raises(ConfigError, match="without a password"):

@@ -17,8 +17,7 @@ def make_docs(n: int, seed: int = 0) -> list[bytes]:
     """Random words (ASCII and two-byte UTF-8), so that no two windows are equal."""
     rng = np.random.default_rng(seed)
     letters = [c.encode() for c in "abcdefghijklmnopqrstuvwxyz\n\u00e9\u00fc"]
-    return [b"".join(letters[i] for i in rng.integers(0, len(letters), rng.integers(20, 300)))
-            for _ in range(n)]
+    return [b"".join(letters[i] for i in rng.integers(0, len(letters), rng.integers(20, 300))) for _ in range(n)]
 
 
 def write_bytes_dataset(root: Path, docs: list[bytes], shard_tokens: int = 4096) -> Path:
@@ -32,9 +31,14 @@ def write_bytes_dataset(root: Path, docs: list[bytes], shard_tokens: int = 4096)
 
 def job(path: Path | str = "", **overrides: object) -> JobConfig:
     """A small job config; keyword `section__key=value` overrides the defaults below."""
-    values: dict[str, object] = {"model.seq_len": 32, "train.global_batch": 8,
-                                 "train.micro_batch": 2, "train.eval_batches": 2,
-                                 "data.val_fraction": 0.1, "data.reader": "rank"}
+    values: dict[str, object] = {
+        "model.seq_len": 32,
+        "train.global_batch": 8,
+        "train.micro_batch": 2,
+        "train.eval_batches": 2,
+        "data.val_fraction": 0.1,
+        "data.reader": "rank",
+    }
     if path:
         values["data.path"] = str(path)
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
@@ -64,8 +68,12 @@ def bpe_tokenizer(corpus: list[str], vocab: int = 400):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return tok
 
 
@@ -76,8 +84,9 @@ def wordpiece_tokenizer(corpus: list[str], vocab: int = 300):
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(
-        vocab_size=vocab, special_tokens=["[UNK]", "[CLS]", "[SEP]", "[PAD]"]))
+    tok.train_from_iterator(
+        corpus, trainers.WordPieceTrainer(vocab_size=vocab, special_tokens=["[UNK]", "[CLS]", "[SEP]", "[PAD]"])
+    )
     return tok
 
 

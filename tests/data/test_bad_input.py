@@ -43,8 +43,11 @@ def test_corrupted_shard(two_shards):
 
 
 def test_manifest_tokenizer_differs_from_the_config(two_shards, tmp_path):
-    with pytest.raises(DataError, match=r"manifest\.json: tokenizer 'bytes' has 257 tokens but "
-                                        r"model\.vocab_size=50304"):
+    with pytest.raises(
+        DataError,
+        match=r"manifest\.json: tokenizer 'bytes' has 257 tokens but "
+        r"model\.vocab_size=50304",
+    ):
         build_loaders(job(two_shards, model__vocab_size=50304), None)
     docs = [d.decode() for d in make_docs(50)]
     with open(tmp_path / "a.jsonl", "w") as f:
@@ -59,11 +62,15 @@ def test_manifest_tokenizer_differs_from_the_config(two_shards, tmp_path):
         f"end-of-document id 256), but data.tokenizer={tok} is 'bpe/tokenizer.json' (BPE, vocabulary 280, "
         f"end-of-document id 0 '<|endoftext|>', sha256 {sha}, {tok.resolve()}) (they differ in kind, vocabulary, "
         f"end-of-document id, sha256); prep the data with that tokenizer or set data.tokenizer to the one the "
-        f"data was made with")
+        f"data was made with"
+    )
     mixture = {str(two_shards): 1.0, str(tmp_path / "bpe"): 1.0}
-    with pytest.raises(DataError, match=r"data\.mixture: .*bpe was made with tokenizer 'bpe-280 \(trained by "
-                                        r"prep, tokenizer\.json\)' \(BPE, vocabulary 280, .*, sha256 \w{12}, "
-                                        r"\S*/bpe/tokenizer\.json\) but .*tokens with 'bytes' \(built-in byte-level"):
+    with pytest.raises(
+        DataError,
+        match=r"data\.mixture: .*bpe was made with tokenizer 'bpe-280 \(trained by "
+        r"prep, tokenizer\.json\)' \(BPE, vocabulary 280, .*, sha256 \w{12}, "
+        r"\S*/bpe/tokenizer\.json\) but .*tokens with 'bytes' \(built-in byte-level",
+    ):
         build_loaders(job(data__mixture=mixture, model__vocab_size=280), None)
 
 
@@ -90,8 +97,7 @@ def test_empty_inputs(tmp_path):
     (tmp_path / "blank.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text("\n\n")
     with pytest.raises(DataError, match=r"blank\.txt, .*blank\.jsonl hold no text \(empty input\)"):
-        prepare([str(tmp_path / "blank.txt"), str(tmp_path / "blank.jsonl")], tmp_path / "out",
-                progress=False)
+        prepare([str(tmp_path / "blank.txt"), str(tmp_path / "blank.jsonl")], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and len(list(tmp_path.iterdir())) == 3
 
 
@@ -106,8 +112,11 @@ def test_jsonl_line_without_the_field_names_file_and_line(tmp_path, capsys):
     assert main(["prep", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     assert "c.jsonl:2: not valid JSON" in capsys.readouterr().err
     (tmp_path / "meta.json").write_text(json.dumps({"text": "a", "n": [1, 2]}, indent=2))  # one document, pretty
-    with pytest.raises(DataError, match=r"meta\.json:1: not valid JSON \(.*\); a file of JSON lines holds one "
-                                        r"object per line, and this looks like one JSON document"):
+    with pytest.raises(
+        DataError,
+        match=r"meta\.json:1: not valid JSON \(.*\); a file of JSON lines holds one "
+        r"object per line, and this looks like one JSON document",
+    ):
         prepare([str(tmp_path / "meta.json")], tmp_path / "out", progress=False)
 
 

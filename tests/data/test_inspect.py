@@ -15,14 +15,15 @@ def test_inspect_a_healthy_dataset(tmp_path, capsys):
     docs = [d.decode() for d in make_docs(50, seed=2)]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs) + '{"text": ""}\n')
     bpe_tokenizer(docs).save(str(tmp_path / "tokenizer.json"))
-    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / "tokenizer.json"),
-                       progress=False)
+    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / "tokenizer.json"), progress=False)
     assert main(["data", "inspect", str(tmp_path / "out"), "--strict"]) == 0
     text = capsys.readouterr().out
     sha = manifest["tokenizer"]["sha256"][:12]
     assert f"out: 50 documents, {manifest['tokens']:,} tokens" in text
-    assert f"tokenizer: '{tmp_path.name}/tokenizer.json' (BPE, vocabulary 400, end-of-document id 0 " \
-           f"'<|endoftext|>', sha256 {sha}" in text
+    assert (
+        f"tokenizer: '{tmp_path.name}/tokenizer.json' (BPE, vocabulary 400, end-of-document id 0 "
+        f"'<|endoftext|>', sha256 {sha}" in text
+    )
     assert "51 documents; empty 1, skipped 0" in text and "document lengths in tokens (all tokens" in text
     assert text.rstrip().endswith("no warnings")
     assert main(["data", "inspect", str(tmp_path / "out"), "--json"]) == 0

@@ -16,10 +16,18 @@ from tests.data.conftest import job
 
 def one_rank_mesh(dp_rank: int, dp_size: int, pp_rank: int = 0, pp_size: int = 1):
     """Coordinates only: with data.reader='rank' the loader needs no process group."""
-    return SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size, tp_rank=0, tp_size=1,
-                           pp_rank=pp_rank, pp_size=pp_size, is_first_stage=pp_rank == 0,
-                           is_last_stage=pp_rank == pp_size - 1, rank=dp_rank,
-                           world_size=dp_size * pp_size)
+    return SimpleNamespace(
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        is_first_stage=pp_rank == 0,
+        is_last_stage=pp_rank == pp_size - 1,
+        rank=dp_rank,
+        world_size=dp_size * pp_size,
+    )
 
 
 def take(loader, steps: int) -> list:
@@ -37,10 +45,9 @@ def test_batches_are_windows_of_the_stream_with_masked_document_starts(dataset, 
     assert batch.inputs.shape == (cfg.micro_batches, 2, 32) == batch.labels.shape
     assert batch.inputs.dtype == torch.int64
     for seq, lab in zip(batch.inputs.reshape(-1, 32), batch.labels.reshape(-1, 32), strict=True):
-        start = int(np.flatnonzero(np.lib.stride_tricks.sliding_window_view(stream, 32)
-                                   .__eq__(seq.numpy()).all(1))[0])
+        start = int(np.flatnonzero(np.lib.stride_tricks.sliding_window_view(stream, 32).__eq__(seq.numpy()).all(1))[0])
         assert start % 32 == 0  # windows step by seq_len
-        window = stream[start:start + 33]
+        window = stream[start : start + 33]
         expect = window[1:].copy()
         expect[window[:-1] == EOD] = IGNORE
         assert torch.equal(lab, torch.from_numpy(expect))
@@ -101,7 +108,7 @@ def test_epochs_reshuffle_and_cover_every_train_window(dataset):
     windows = train.order.splits[0].train
     steps = windows // 8
     seen = [tuple(s.tolist()) for b in take(train, 2 * steps) for s in b.inputs.reshape(-1, 32)]
-    epoch0, epoch1 = seen[: steps * 8], seen[steps * 8:]
+    epoch0, epoch1 = seen[: steps * 8], seen[steps * 8 :]
     assert len(set(epoch0)) == len(epoch0) and epoch0 != epoch1
     train.close()
 
@@ -114,8 +121,7 @@ def test_eval_batches_are_fixed_and_disjoint_from_training(dataset):
     split = train.order.splits[0]
     assert split.val.min() > split.train  # tail split with a one-window gap: no shared token
     val_seqs = {tuple(s.tolist()) for b in one for s in b.reshape(-1, 32)}
-    train_seqs = {tuple(s.tolist()) for b in take(train, split.train // 8)
-                  for s in b.inputs.reshape(-1, 32)}
+    train_seqs = {tuple(s.tolist()) for b in take(train, split.train // 8) for s in b.inputs.reshape(-1, 32)}
     assert not val_seqs & train_seqs
     train.close()
 

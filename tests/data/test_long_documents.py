@@ -43,8 +43,7 @@ def test_pieces_give_the_tokens_of_the_whole_document(family: str, tmp_path: Pat
     tok = load_tokenizer(spec)
     tasks = list(plan(find_inputs([str(doc)]).files, "text", CHUNK, str(tmp_path)))
     assert len(tasks) > 20 and all(t.piece == CHUNK for t in tasks)
-    cutter = Cutter(str(doc), doc.stat().st_size, lambda texts: [tok.encode(t.encode()) for t in texts],
-                    tok.takes_text)
+    cutter = Cutter(str(doc), doc.stat().st_size, lambda texts: [tok.encode(t.encode()) for t in texts], tok.takes_text)
     cuts = [cutter.cut(t.start, CHUNK) for t in tasks[1:]]
     assert sum(c is not None for c in cuts) >= 0.8 * len(cuts)  # most boundaries are cut
 
@@ -58,5 +57,6 @@ def test_pieces_give_the_tokens_of_the_whole_document(family: str, tmp_path: Pat
     assert written_documents(tmp_path / "one") == [want]
 
     prepare([str(doc)], tmp_path / "two", spec, workers=2, progress=False, chunk_bytes=CHUNK)
-    assert [p.read_bytes() for p in sorted((tmp_path / "two").glob("shard_*"))] == \
-        [p.read_bytes() for p in sorted((tmp_path / "one").glob("shard_*"))]
+    assert [p.read_bytes() for p in sorted((tmp_path / "two").glob("shard_*"))] == [
+        p.read_bytes() for p in sorted((tmp_path / "one").glob("shard_*"))
+    ]

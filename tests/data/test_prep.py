@@ -43,15 +43,13 @@ def test_text_round_trip_byte_level_over_several_shards(tmp_path):
     for i, doc in enumerate(docs):
         (tmp_path / "in" / f"d{i // 10}").mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / f"d{i // 10}" / f"{i:03d}.txt").write_bytes(doc)
-    rc = main(["prep", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
-               "--shard-tokens", "1000", "--quiet"])
+    rc = main(["prep", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--shard-tokens", "1000", "--quiet"])
     assert rc == 0
     got, store = documents_of(tmp_path / "out")
     assert [bytes(d[:-1].astype(np.uint8)) for d in got] == docs  # sorted path order
     manifest = store.manifest
     assert manifest["documents"] == 40 and len(manifest["shards"]) > 2
-    assert manifest["tokenizer"] == {"kind": "bytes", "name": "bytes", "vocab_size": 257,
-                                     "eod": EOD}
+    assert manifest["tokenizer"] == {"kind": "bytes", "name": "bytes", "vocab_size": 257, "eod": EOD}
     assert manifest["dtype"] == "<u2" and all(len(s["sha256"]) == 64 for s in manifest["shards"])
     for i, shard in enumerate(manifest["shards"]):  # shards end at document boundaries
         assert store.memmap(i)[-1] == EOD and int((store.memmap(i) == EOD).sum()) == shard["documents"]
@@ -68,8 +66,9 @@ def test_saved_truncation_and_padding_are_switched_off(tmp_path):
     with open(tmp_path / "a.jsonl", "w") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     said: list[str] = []
-    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / "tokenizer.json"),
-                       progress=False, say=said.append)
+    manifest = prepare(
+        [str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / "tokenizer.json"), progress=False, say=said.append
+    )
     full = library_encoding(tok, docs)
     assert max(map(len, full)) > 100  # far past the saved max_length
     assert written_documents(tmp_path / "out") == full
@@ -84,8 +83,12 @@ def test_documents_that_become_no_tokens_are_counted(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["hello", " \t ", "", "x"]))
     manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / "wp.json"), progress=False)
     counts = manifest["counts"]
-    assert (counts["documents_in"], counts["documents"], counts["no_token_documents"], counts["empty_documents"]) \
-        == (4, 2, 1, 1)
+    assert (counts["documents_in"], counts["documents"], counts["no_token_documents"], counts["empty_documents"]) == (
+        4,
+        2,
+        1,
+        1,
+    )
 
 
 def test_progress_bar_total_is_the_input_bytes_of_a_single_file(tmp_path):
@@ -101,8 +104,7 @@ def test_trained_bpe_round_trip_and_config_match(tmp_path):
     docs = [d.decode() for d in make_docs(150, seed=9)]
     with open(tmp_path / "a.jsonl", "w") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
-    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "bpe", train_vocab=300,
-                       progress=False)
+    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "bpe", train_vocab=300, progress=False)
     tok_path = tmp_path / "bpe" / "tokenizer.json"
     tok = load_tokenizer(str(tok_path))
     assert manifest["tokenizer"]["vocab_size"] == tok.vocab_size == 300
@@ -146,8 +148,7 @@ def test_mixture_follows_weights_and_resumes(tmp_path):
     train, _ = build_loaders(cfg, None)
     batches = [train.next_batch() for _ in range(60)]
     # only dataset a has lower-case ASCII letters
-    lower = sum(int(((s >= 97) & (s <= 122)).any()) for bt in batches
-                for s in bt.inputs.reshape(-1, 32))
+    lower = sum(int(((s >= 97) & (s <= 122)).any()) for bt in batches for s in bt.inputs.reshape(-1, 32))
     assert 0.65 < lower / (60 * 8) < 0.85  # weight 3:1
     again, _ = build_loaders(cfg, None)
     for _ in range(25):

@@ -77,8 +77,7 @@ def test_bad_jsonl_record_stops_or_is_skipped(tmp_path, case, tokenizer, bpe_fil
 def test_replace_invalid_counts_what_it_replaced(tmp_path, bpe_file):
     path = tmp_path / "c.jsonl"
     path.write_bytes(b'{"text": "caf\xe9 \xff"}\n{"text": "a\\ud800b"}\n')
-    manifest = prepare([str(path)], tmp_path / "out", bpe_file, options=Options(replace_invalid=True),
-                       progress=False)
+    manifest = prepare([str(path)], tmp_path / "out", bpe_file, options=Options(replace_invalid=True), progress=False)
     assert manifest["counts"]["replaced_invalid"] == 3 and manifest["counts"]["skipped"] == {}
     tok = bpe_tokenizer([d.decode() for d in make_docs(40)])
     assert written_documents(tmp_path / "out") == library_encoding(tok, ["caf\ufffd \ufffd", "a\ufffdb"])
@@ -90,11 +89,15 @@ def test_text_file_with_invalid_utf8(tmp_path, bpe_file):
     # byte-level keeps every byte: nothing to report
     prepare([str(tmp_path / "t.txt")], tmp_path / "bytes", progress=False)
     assert written_documents(tmp_path / "bytes") == [list(raw)]
-    with pytest.raises(DataError, match=r"t\.txt: invalid UTF-8 at byte 16 \(line 2 of the document\); "
-                                        r"pass --replace-invalid"):
+    with pytest.raises(
+        DataError,
+        match=r"t\.txt: invalid UTF-8 at byte 16 \(line 2 of the document\); "
+        r"pass --replace-invalid",
+    ):
         prepare([str(tmp_path / "t.txt")], tmp_path / "out", bpe_file, progress=False)
-    manifest = prepare([str(tmp_path / "t.txt")], tmp_path / "out", bpe_file,
-                       options=Options(replace_invalid=True), progress=False)
+    manifest = prepare(
+        [str(tmp_path / "t.txt")], tmp_path / "out", bpe_file, options=Options(replace_invalid=True), progress=False
+    )
     assert manifest["counts"]["replaced_invalid"] == 1
 
 
@@ -104,8 +107,7 @@ def test_parquet_null_is_reported_by_global_row(tmp_path):
     pq.write_table(pa.table({"text": docs}), tmp_path / "p.parquet", row_group_size=4)
     with pytest.raises(DataError, match=r"p\.parquet: row 9: column 'text' is null"):
         prepare([str(tmp_path / "p.parquet")], tmp_path / "out", progress=False)
-    manifest = prepare([str(tmp_path / "p.parquet")], tmp_path / "out", options=SKIP, progress=False,
-                       chunk_bytes=1)
+    manifest = prepare([str(tmp_path / "p.parquet")], tmp_path / "out", options=SKIP, progress=False, chunk_bytes=1)
     assert manifest["counts"]["skipped"] == {"null": 1} and manifest["documents"] == 13
     rejected = json.loads((tmp_path / "out" / "rejected.jsonl").read_text())
     assert rejected["row"] == 9 and rejected["reason"] == "null"
@@ -119,8 +121,11 @@ def test_truncated_compressed_file(tmp_path, suffix, chunk):
     path = tmp_path / f"c.jsonl.{suffix}"
     path.write_bytes(packed[: len(packed) * 3 // 4])
     codec = "gzip" if suffix == "gz" else "zstd"
-    with pytest.raises(DataError, match=rf"c\.jsonl\.{suffix}:\d+: truncated file: its {codec} data ends "
-                                        rf"before the end of the stream"):
+    with pytest.raises(
+        DataError,
+        match=rf"c\.jsonl\.{suffix}:\d+: truncated file: its {codec} data ends "
+        rf"before the end of the stream",
+    ):
         prepare([str(path)], tmp_path / "out", progress=False, chunk_bytes=chunk)
     manifest = prepare([str(path)], tmp_path / "out", options=SKIP, progress=False, chunk_bytes=chunk)
     assert manifest["counts"]["skipped"] == {"truncated": 1}
@@ -135,8 +140,11 @@ def test_malformed_tokenizer_file_is_named(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     for name, content in [("cut.json", '{"version": "1.0", "model": {'), ("vocab.json", '{"a": 1, "b": 2}')]:
         (tmp_path / name).write_text(content)
-        with pytest.raises(DataError, match=rf"tokenizer file .*{name} is not a tokenizer\.json the tokenizers "
-                                            r"library can load \(.+\); pass the tokenizer\.json saved by"):
+        with pytest.raises(
+            DataError,
+            match=rf"tokenizer file .*{name} is not a tokenizer\.json the tokenizers "
+            r"library can load \(.+\); pass the tokenizer\.json saved by",
+        ):
             prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", str(tmp_path / name), progress=False)
     assert leftovers(tmp_path) == []
 

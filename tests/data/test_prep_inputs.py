@@ -22,8 +22,12 @@ from megascale.data import DataError
 from megascale.data.prep import Options, prepare
 from tests.data.conftest import bpe_tokenizer, library_encoding, make_docs, wordpiece_tokenizer, written_documents
 
-COMPRESS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress,
-            "zst": lambda data: zstandard.ZstdCompressor().compress(data)}
+COMPRESS = {
+    "gz": gzip.compress,
+    "bz2": bz2.compress,
+    "xz": lzma.compress,
+    "zst": lambda data: zstandard.ZstdCompressor().compress(data),
+}
 
 
 def jsonl(docs: list[str]) -> bytes:
@@ -38,11 +42,16 @@ def mixed_inputs(root: Path) -> tuple[list[str], list[str]]:
     (corpus / "c-hf").mkdir(parents=True)
     (corpus / "a-plain.jsonl").write_bytes(jsonl(parts[0]))
     (corpus / "b-text.txt").write_text(parts[1][0])
-    pq.write_table(pa.table({"text": parts[2], "id": list(range(len(parts[2])))}), corpus / "b-table.parquet",
-                   row_group_size=3)
+    pq.write_table(
+        pa.table({"text": parts[2], "id": list(range(len(parts[2])))}), corpus / "b-table.parquet", row_group_size=3
+    )
     datasets.Dataset.from_dict({"text": parts[3]}).save_to_disk(str(corpus / "c-hf"))
-    for name, compress, part in [("d.jsonl.gz", "gz", parts[4]), ("e.jsonl.zst", "zst", parts[5]),
-                                 ("f.json.bz2", "bz2", parts[6]), ("g.ndjson.xz", "xz", parts[7])]:
+    for name, compress, part in [
+        ("d.jsonl.gz", "gz", parts[4]),
+        ("e.jsonl.zst", "zst", parts[5]),
+        ("f.json.bz2", "bz2", parts[6]),
+        ("g.ndjson.xz", "xz", parts[7]),
+    ]:
         (corpus / name).write_bytes(COMPRESS[compress](jsonl(part)))
     (corpus / "h.txt.gz").write_bytes(gzip.compress(parts[1][1].encode()))
     (corpus / "README").write_text("not data")  # no known suffix: left out, and counted
@@ -50,8 +59,20 @@ def mixed_inputs(root: Path) -> tuple[list[str], list[str]]:
     memory.pipe("/prep-test/m.jsonl.zst", COMPRESS["zst"](jsonl(parts[8][:10])))
     memory.pipe("/prep-test/n.parquet", _parquet_bytes(parts[8][10:]))
     (root / "glob-1.jsonl").write_bytes(jsonl(parts[0][:3]))
-    expected = (parts[0] + parts[2] + [parts[1][0]] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7]
-                + [parts[1][1]] + parts[8] + parts[0][:3] + parts[0])
+    expected = (
+        parts[0]
+        + parts[2]
+        + [parts[1][0]]
+        + parts[3]
+        + parts[4]
+        + parts[5]
+        + parts[6]
+        + parts[7]
+        + [parts[1][1]]
+        + parts[8]
+        + parts[0][:3]
+        + parts[0]
+    )
     args = [str(corpus), "memory://prep-test/*", str(root / "glob-*.jsonl"), f"file://{corpus / 'a-plain.jsonl'}"]
     return args, expected
 
@@ -76,8 +97,11 @@ def test_mixed_inputs_round_trip(tmp_path, kind):
     counts = manifest["counts"]
     assert counts["documents_in"] == counts["documents"] == len(docs)
     assert counts["tokens_in"] == sum(map(len, want))
-    stored = sum(p.stat().st_size for p in (tmp_path / "corpus").rglob("*")
-                 if p.is_file() and p.name != "README" and p.suffix != ".json")
+    stored = sum(
+        p.stat().st_size
+        for p in (tmp_path / "corpus").rglob("*")
+        if p.is_file() and p.name != "README" and p.suffix != ".json"
+    )
     stored += (tmp_path / "glob-1.jsonl").stat().st_size + (tmp_path / "corpus" / "a-plain.jsonl").stat().st_size
     stored += sum(fsspec.filesystem("memory").size(p) for p in ("/prep-test/m.jsonl.zst", "/prep-test/n.parquet"))
     assert counts["bytes_read"] == stored
@@ -112,8 +136,11 @@ def test_lines_format_and_explicit_formats(tmp_path):
 def test_datasets_dict_directory_asks_for_a_split(tmp_path):
     split = datasets.Dataset.from_dict({"text": ["a", "b"]})
     datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(DataError, match=r"dd is a Hugging Face DatasetDict with splits \['train', 'test'\]; "
-                                        r"pass one split's directory, e.g. .*dd/train"):
+    with pytest.raises(
+        DataError,
+        match=r"dd is a Hugging Face DatasetDict with splits \['train', 'test'\]; "
+        r"pass one split's directory, e.g. .*dd/train",
+    ):
         prepare([str(tmp_path / "dd")], tmp_path / "out", progress=False)
     prepare([str(tmp_path / "dd" / "train")], tmp_path / "out", progress=False)
     assert [bytes(d) for d in written_documents(tmp_path / "out")] == [b"a", b"b"]
@@ -122,9 +149,11 @@ def test_datasets_dict_directory_asks_for_a_split(tmp_path):
 def test_prep_does_not_import_torch(tmp_path):
     """prep and its workers (which import the same modules) start without torch."""
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
-    code = ("import sys; from megascale.cli import main; "
-            f"rc = main(['prep', {str(tmp_path / 'a.jsonl')!r}, '--out', {str(tmp_path / 'out')!r}, '--quiet']); "
-            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pyarrow', 'fsspec')))")
+    code = (
+        "import sys; from megascale.cli import main; "
+        f"rc = main(['prep', {str(tmp_path / 'a.jsonl')!r}, '--out', {str(tmp_path / 'out')!r}, '--quiet']); "
+        "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pyarrow', 'fsspec')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "0 []"
 
@@ -147,11 +176,15 @@ def test_utf16_jsonl_is_refused_by_name(tmp_path, codec, compressed):
     text = "".join(json.dumps({"text": f"line {i} é"}) + "\r\n" for i in range(50)).encode(codec)
     path = tmp_path / ("w.jsonl.gz" if compressed else "w.jsonl")
     path.write_bytes(gzip.compress(text) if compressed else text)
-    with pytest.raises(DataError, match=r"w\.jsonl(\.gz)? is UTF-16 (little|big)-endian text .* not UTF-8; "
-                                        r"convert it first, e\.g\. `iconv -f UTF-16 -t UTF-8"):
+    with pytest.raises(
+        DataError,
+        match=r"w\.jsonl(\.gz)? is UTF-16 (little|big)-endian text .* not UTF-8; "
+        r"convert it first, e\.g\. `iconv -f UTF-16 -t UTF-8",
+    ):
         prepare([str(path)], tmp_path / "out", progress=False)
-    manifest = prepare([str(path), str(_utf8_file(tmp_path))], tmp_path / "out", progress=False,
-                       options=Options(on_error="skip"))
+    manifest = prepare(
+        [str(path), str(_utf8_file(tmp_path))], tmp_path / "out", progress=False, options=Options(on_error="skip")
+    )
     assert manifest["counts"]["skipped"] == {"UTF-16": 1} and manifest["documents"] == 1
 
 

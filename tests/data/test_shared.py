@@ -30,7 +30,7 @@ def shm_segments(pids: set[int] | None = None) -> set[str]:
 
 
 def _creator(name: str) -> int:
-    return int(name[len(PREFIX):].split("-")[0])
+    return int(name[len(PREFIX) :].split("-")[0])
 
 
 def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: str) -> None:
@@ -38,8 +38,14 @@ def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: st
     returns nothing). Mode "resume" restarts a node-reader loader from step 3 of the first."""
     mesh, resume_state = None, None
     for mode, prefetch in modes:
-        cfg = job(path, parallel__dp=2, parallel__tp=2, data__reader=mode.replace("resume", "node"),
-                  data__prefetch=prefetch, parallel__collective_timeout_s=60.0)
+        cfg = job(
+            path,
+            parallel__dp=2,
+            parallel__tp=2,
+            data__reader=mode.replace("resume", "node"),
+            data__prefetch=prefetch,
+            parallel__collective_timeout_s=60.0,
+        )
         mesh = mesh or init_mesh(cfg.parallel, device="cpu")
         train, _ = build_loaders(cfg, mesh)
         if mode == "resume":
@@ -49,9 +55,14 @@ def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: st
         group = train.reader_group
         pids: list[int] = [0] * mesh.world_size
         dist.all_gather_object(pids, os.getpid())
-        result = {"rank": mesh.rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank,
-                  "group": group.ranks if group else None,
-                  "reader": bool(group and group.is_reader), "segments_after_build": shm_segments(set(pids))}
+        result = {
+            "rank": mesh.rank,
+            "dp": mesh.dp_rank,
+            "tp": mesh.tp_rank,
+            "group": group.ranks if group else None,
+            "reader": bool(group and group.is_reader),
+            "segments_after_build": shm_segments(set(pids)),
+        }
         batches, error = [train.next_batch()], None
         io_before = psutil.Process().io_counters().read_chars
         try:
@@ -64,9 +75,12 @@ def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: st
                 batches.append(train.next_batch())
         except DataError as exc:
             error = str(exc)
-        result.update(error=error, read_chars=psutil.Process().io_counters().read_chars - io_before,
-                      inputs=torch.stack([b.inputs for b in batches]),
-                      labels=torch.stack([b.labels for b in batches]))
+        result.update(
+            error=error,
+            read_chars=psutil.Process().io_counters().read_chars - io_before,
+            inputs=torch.stack([b.inputs for b in batches]),
+            labels=torch.stack([b.labels for b in batches]),
+        )
         torch.save(result, Path(out) / f"{mode}-rank{mesh.rank}.pt")
         train.close()
         if error is not None:
@@ -75,8 +89,7 @@ def _rank(path: str, modes: list[tuple[str, bool]], kill_reader_at: int, out: st
     mesh.destroy()
 
 
-def run_four(path: Path, tmp: Path, modes: list[tuple[str, bool]], kill_reader_at: int = -1
-             ) -> dict[str, list[dict]]:
+def run_four(path: Path, tmp: Path, modes: list[tuple[str, bool]], kill_reader_at: int = -1) -> dict[str, list[dict]]:
     before = shm_segments()
     args = (str(path), modes, kill_reader_at, str(tmp))
     env = {"LOCAL_WORLD_SIZE": "4"}
@@ -87,8 +100,7 @@ def run_four(path: Path, tmp: Path, modes: list[tuple[str, bool]], kill_reader_a
             run_local(_rank, 4, args, env=env, timeout_s=150)
     leaked = {n for n in shm_segments() - before if not psutil.pid_exists(_creator(n))}  # its maker is gone
     assert not leaked, f"shared memory segments leaked: {sorted(leaked)}"
-    return {mode: [torch.load(tmp / f"{mode}-rank{r}.pt", weights_only=False) for r in range(4)]
-            for mode, _ in modes}
+    return {mode: [torch.load(tmp / f"{mode}-rank{r}.pt", weights_only=False) for r in range(4)] for mode, _ in modes}
 
 
 @pytest.mark.slow
@@ -143,17 +155,19 @@ def _pipeline_rank(path: str) -> dict:
     group = train.reader_group
     train.close()
     mesh.destroy()
-    return {"pp": mesh.pp_rank, "group": group.ranks if group else None,
-            # numpy: tensors would cross the result queue as shared memory of an exiting process
-            "inputs": None if batches[0] is None else np.stack([b.inputs.numpy() for b in batches]),
-            "evals": [e is None for e in evals]}
+    return {
+        "pp": mesh.pp_rank,
+        "group": group.ranks if group else None,
+        # numpy: tensors would cross the result queue as shared memory of an exiting process
+        "inputs": None if batches[0] is None else np.stack([b.inputs.numpy() for b in batches]),
+        "evals": [e is None for e in evals],
+    }
 
 
 def test_only_first_and_last_stages_fetch(dataset):
     """pp=4 on four local ranks: stages 0 and 3 share one reader, stages 1 and 2 get None."""
     path, _ = dataset
-    results = run_local(_pipeline_rank, 4, (str(path),), env={"LOCAL_WORLD_SIZE": "4"},
-                        timeout_s=150)
+    results = run_local(_pipeline_rank, 4, (str(path),), env={"LOCAL_WORLD_SIZE": "4"}, timeout_s=150)
     assert [r["inputs"] is None for r in results] == [False, True, True, False]
     assert [r["group"] for r in results] == [(0, 3), None, None, (0, 3)]
     assert [all(r["evals"]) for r in results] == [False, True, True, False]

@@ -47,11 +47,14 @@ def families(tmp_path_factory) -> dict[str, Path]:
 def test_documents_are_what_autotokenizer_makes_with_its_eos(family: str, families: dict, tmp_path: Path) -> None:
     directory = families[family]
     hf = transformers.AutoTokenizer.from_pretrained(directory)
-    manifest = prepare([str(_jsonl(tmp_path))], tmp_path / "out", str(directory / "tokenizer.json"), workers=1,
-                       progress=False)
+    manifest = prepare(
+        [str(_jsonl(tmp_path))], tmp_path / "out", str(directory / "tokenizer.json"), workers=1, progress=False
+    )
     tok = manifest["tokenizer"]
-    assert (tok["eod"], tok["bos"]) == (hf.eos_token_id, hf.bos_token_id if hf("x")["input_ids"][0] ==
-                                        hf.bos_token_id else None)
+    assert (tok["eod"], tok["bos"]) == (
+        hf.eos_token_id,
+        hf.bos_token_id if hf("x")["input_ids"][0] == hf.bos_token_id else None,
+    )
     assert tok["vocab_size"] == len(hf)  # the vocabulary is not grown by a guessed EOS
     stream = [t for d in _expected(hf, DOCS) for t in d]
     store_docs = written_documents(tmp_path / "out")
@@ -60,9 +63,23 @@ def test_documents_are_what_autotokenizer_makes_with_its_eos(family: str, famili
 
 def test_overrides_name_the_eos_and_bos(families: dict, tmp_path: Path, capsys) -> None:
     directory = families["llama3"]
-    rc = main(["prep", str(_jsonl(tmp_path)), "--out", str(tmp_path / "out"), "--tokenizer",
-               str(directory / "tokenizer.json"), "--eod-token", "<|reserved_special_token_0|>", "--bos", "none",
-               "--workers", "1", "--quiet"])
+    rc = main(
+        [
+            "prep",
+            str(_jsonl(tmp_path)),
+            "--out",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            str(directory / "tokenizer.json"),
+            "--eod-token",
+            "<|reserved_special_token_0|>",
+            "--bos",
+            "none",
+            "--workers",
+            "1",
+            "--quiet",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert "no BOS" in capsys.readouterr().out
     hf = transformers.AutoTokenizer.from_pretrained(directory)
@@ -70,9 +87,22 @@ def test_overrides_name_the_eos_and_bos(families: dict, tmp_path: Path, capsys) 
     assert written_documents(tmp_path / "out") == [hf(d, add_special_tokens=False)["input_ids"] for d in DOCS]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["eod"] == eod and manifest["tokenizer"]["chosen"] == {
-        "eod_token": "<|reserved_special_token_0|>", "bos": "none"}
-    rc = main(["prep", str(_jsonl(tmp_path)), "--out", str(tmp_path / "bad"), "--tokenizer",
-               str(directory / "tokenizer.json"), "--eod-token", "<eos>", "--quiet"])
+        "eod_token": "<|reserved_special_token_0|>",
+        "bos": "none",
+    }
+    rc = main(
+        [
+            "prep",
+            str(_jsonl(tmp_path)),
+            "--out",
+            str(tmp_path / "bad"),
+            "--tokenizer",
+            str(directory / "tokenizer.json"),
+            "--eod-token",
+            "<eos>",
+            "--quiet",
+        ]
+    )
     assert rc == 2 and "--eod-token: '<eos>' is not a token of" in capsys.readouterr().err
 
 

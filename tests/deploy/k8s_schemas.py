@@ -24,13 +24,22 @@ from kubeflow.training.constants import constants as kubeflow
 
 VERSIONS = ("1.29", "1.37")
 PRIMITIVES: dict[str, type | tuple[type, ...]] = {
-    "str": str, "int": int, "bool": bool, "float": (int, float), "object": object,
-    "Quantity": (str, int, float)}
+    "str": str,
+    "int": int,
+    "bool": bool,
+    "float": (int, float),
+    "object": object,
+    "Quantity": (str, int, float),
+}
 # Core types inside a PyTorchJob, checked by the core schemas as a part of a PodTemplate.
 CORE_WRAPPERS = {
     "V1ObjectMeta": lambda value: {"apiVersion": "v1", "kind": "PodTemplate", "metadata": value},
-    "V1PodTemplateSpec": lambda value: {"apiVersion": "v1", "kind": "PodTemplate",
-                                        "metadata": {"name": "template"}, "template": value},
+    "V1PodTemplateSpec": lambda value: {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": "template"},
+        "template": value,
+    },
 }
 DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "generatorOptions", "configMapGenerator", "secretGenerator"}
@@ -61,8 +70,9 @@ def _validate_core(doc: dict[str, Any], where: str) -> None:
 
 def _validate_pytorchjob(doc: dict[str, Any], where: str) -> None:
     if doc.get("apiVersion") != kubeflow.API_VERSION:
-        raise ManifestError(f"{where}: apiVersion {doc.get('apiVersion')!r}; the operator serves "
-                            f"{kubeflow.API_VERSION}")
+        raise ManifestError(
+            f"{where}: apiVersion {doc.get('apiVersion')!r}; the operator serves {kubeflow.API_VERSION}"
+        )
     core: list[tuple[str, dict[str, Any]]] = []
     _check(doc, kubeflow.PYTORCHJOB_MODEL, "", where, core)
     _webhook_rules(doc, where)
@@ -143,20 +153,36 @@ def render_kustomization(directory: Path, inputs: Path) -> list[dict[str, Any]]:
     if unknown := set(spec) - KUSTOMIZATION_KEYS:
         raise ManifestError(f"{directory}/kustomization.yaml: {sorted(unknown)}: not rendered by this test; extend it")
     if spec.get("generatorOptions") != {"disableNameSuffixHash": True}:
-        raise ManifestError(f"{directory}/kustomization.yaml: generated names would get a hash suffix that "
-                            "the manifests' references do not carry; keep generatorOptions.disableNameSuffixHash")
-    objects = [doc for resource in spec["resources"]
-               for doc in yaml.safe_load_all((directory / resource).read_text()) if doc]
+        raise ManifestError(
+            f"{directory}/kustomization.yaml: generated names would get a hash suffix that "
+            "the manifests' references do not carry; keep generatorOptions.disableNameSuffixHash"
+        )
+    objects = [
+        doc for resource in spec["resources"] for doc in yaml.safe_load_all((directory / resource).read_text()) if doc
+    ]
     client = k8s.ApiClient()
     for generator in spec.get("configMapGenerator", []):
         data = {key: path.read_text() for key, path in _generator_files(generator, inputs)}
-        objects.append(client.sanitize_for_serialization(k8s.V1ConfigMap(
-            api_version="v1", kind="ConfigMap", metadata=k8s.V1ObjectMeta(name=generator["name"]), data=data)))
+        objects.append(
+            client.sanitize_for_serialization(
+                k8s.V1ConfigMap(
+                    api_version="v1", kind="ConfigMap", metadata=k8s.V1ObjectMeta(name=generator["name"]), data=data
+                )
+            )
+        )
     for generator in spec.get("secretGenerator", []):
         data = {key: base64.b64encode(path.read_bytes()).decode() for key, path in _generator_files(generator, inputs)}
-        objects.append(client.sanitize_for_serialization(k8s.V1Secret(
-            api_version="v1", kind="Secret", type="Opaque", metadata=k8s.V1ObjectMeta(name=generator["name"]),
-            data=data)))
+        objects.append(
+            client.sanitize_for_serialization(
+                k8s.V1Secret(
+                    api_version="v1",
+                    kind="Secret",
+                    type="Opaque",
+                    metadata=k8s.V1ObjectMeta(name=generator["name"]),
+                    data=data,
+                )
+            )
+        )
     return objects
 
 

@@ -62,18 +62,33 @@ def test_every_yaml_document_under_deploy_is_valid(rendered: dict[Path, list[dic
         for obj in objects:
             validate(obj)
             kinds.add(obj["kind"])
-    assert kinds >= {"Service", "Deployment", "StatefulSet", "PersistentVolumeClaim", "NetworkPolicy",
-                     "PyTorchJob", "ConfigMap", "Secret"}, kinds
-    applied = {directory / name for directory in KUSTOMIZATIONS
-               for name in yaml.safe_load((directory / "kustomization.yaml").read_text())["resources"]}
+    assert kinds >= {
+        "Service",
+        "Deployment",
+        "StatefulSet",
+        "PersistentVolumeClaim",
+        "NetworkPolicy",
+        "PyTorchJob",
+        "ConfigMap",
+        "Secret",
+    }, kinds
+    applied = {
+        directory / name
+        for directory in KUSTOMIZATIONS
+        for name in yaml.safe_load((directory / "kustomization.yaml").read_text())["resources"]
+    }
     assert set(files) <= applied, f"not in any kustomization: {sorted(set(files) - applied)}"
 
 
 def test_the_generated_config_and_secret_are_what_the_pods_mount(
-        rendered: dict[Path, list[dict[str, Any]]], inputs: Path) -> None:
+    rendered: dict[Path, list[dict[str, Any]]], inputs: Path
+) -> None:
     for directory, objects in rendered.items():
-        data = {(obj["kind"], obj["metadata"]["name"]): obj["data"] for obj in objects
-                if obj["kind"] in ("ConfigMap", "Secret")}
+        data = {
+            (obj["kind"], obj["metadata"]["name"]): obj["data"]
+            for obj in objects
+            if obj["kind"] in ("ConfigMap", "Secret")
+        }
         for obj in objects:
             for template in pod_templates(obj):
                 volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
@@ -90,7 +105,7 @@ def test_the_generated_config_and_secret_are_what_the_pods_mount(
                     config = command[command.index("--config") + 1]  # the file on the generated ConfigMap
                     mount = next(m for m in container["volumeMounts"] if config.startswith(m["mountPath"] + "/"))
                     keys = data[("ConfigMap", volumes[mount["name"]]["configMap"]["name"])]
-                    key = config[len(mount["mountPath"]) + 1:]
+                    key = config[len(mount["mountPath"]) + 1 :]
                     assert key in keys, f"{directory.name}: --config {config}, but the ConfigMap holds {sorted(keys)}"
                     assert keys[key] == (inputs / "job.toml").read_text()
     driver = rendered[DEPLOY / "kubernetes"]
@@ -132,37 +147,79 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
 DRIVER, TORCHRUN = "kubernetes/megascale.yaml", "kubernetes/torchrun/pytorchjob.yaml"
 BREAKAGES: list[tuple[str, str, str, Callable[[dict[str, Any]], Any], str]] = [
-    ("misspelt field", DRIVER, "StatefulSet",
-     lambda d: _container(d["spec"]["template"])["ports"][0].update(containerport=29500),
-     r"containers\.0\.ports\.0: .*'containerport' was unexpected"),
-    ("string for an integer", DRIVER, "Deployment", lambda d: d["spec"].update(replicas="1"),
-     r"spec\.replicas: '1' is not of type 'integer'"),
-    ("string for a list", DRIVER, "NetworkPolicy", lambda d: d["spec"].update(policyTypes="Ingress"),
-     r"spec\.policyTypes: 'Ingress' is not of type 'array'"),
+    (
+        "misspelt field",
+        DRIVER,
+        "StatefulSet",
+        lambda d: _container(d["spec"]["template"])["ports"][0].update(containerport=29500),
+        r"containers\.0\.ports\.0: .*'containerport' was unexpected",
+    ),
+    (
+        "string for an integer",
+        DRIVER,
+        "Deployment",
+        lambda d: d["spec"].update(replicas="1"),
+        r"spec\.replicas: '1' is not of type 'integer'",
+    ),
+    (
+        "string for a list",
+        DRIVER,
+        "NetworkPolicy",
+        lambda d: d["spec"].update(policyTypes="Ingress"),
+        r"spec\.policyTypes: 'Ingress' is not of type 'array'",
+    ),
     ("unknown kind", DRIVER, "Service", lambda d: d.update(kind="Servce"), "Couldn't find schema for kind Servce"),
-    ("misspelt PyTorchJob field", TORCHRUN, "PyTorchJob",
-     lambda d: d["spec"]["elasticPolicy"].update(rdzvBackends="c10d"),
-     r": spec\.elasticPolicy\.rdzvBackends: unknown field"),
-    ("number for nprocPerNode", TORCHRUN, "PyTorchJob", lambda d: d["spec"].update(nprocPerNode=8),
-     r": spec\.nprocPerNode: 8 is not str"),
-    ("no replica specs", TORCHRUN, "PyTorchJob", lambda d: d["spec"].pop("pytorchReplicaSpecs"),
-     "pytorch_replica_specs`, must not be `None`"),
-    ("unsupported replica type", TORCHRUN, "PyTorchJob",
-     lambda d: d["spec"]["pytorchReplicaSpecs"].update(Chief=_worker(d)),
-     "Chief: unsupported replica type"),
-    ("no container named pytorch", TORCHRUN, "PyTorchJob",
-     lambda d: _container(_worker(d)["template"]).update(name="trainer"),
-     "needs a container named 'pytorch'"),
-    ("misspelt field in the pod template", TORCHRUN, "PyTorchJob",
-     lambda d: _container(_worker(d)["template"])["resources"].update(limit={"cpu": 1}),
-     r"V1PodTemplateSpec\): template\.spec\.containers\.0\.resources: .*'limit' was unexpected"),
+    (
+        "misspelt PyTorchJob field",
+        TORCHRUN,
+        "PyTorchJob",
+        lambda d: d["spec"]["elasticPolicy"].update(rdzvBackends="c10d"),
+        r": spec\.elasticPolicy\.rdzvBackends: unknown field",
+    ),
+    (
+        "number for nprocPerNode",
+        TORCHRUN,
+        "PyTorchJob",
+        lambda d: d["spec"].update(nprocPerNode=8),
+        r": spec\.nprocPerNode: 8 is not str",
+    ),
+    (
+        "no replica specs",
+        TORCHRUN,
+        "PyTorchJob",
+        lambda d: d["spec"].pop("pytorchReplicaSpecs"),
+        "pytorch_replica_specs`, must not be `None`",
+    ),
+    (
+        "unsupported replica type",
+        TORCHRUN,
+        "PyTorchJob",
+        lambda d: d["spec"]["pytorchReplicaSpecs"].update(Chief=_worker(d)),
+        "Chief: unsupported replica type",
+    ),
+    (
+        "no container named pytorch",
+        TORCHRUN,
+        "PyTorchJob",
+        lambda d: _container(_worker(d)["template"]).update(name="trainer"),
+        "needs a container named 'pytorch'",
+    ),
+    (
+        "misspelt field in the pod template",
+        TORCHRUN,
+        "PyTorchJob",
+        lambda d: _container(_worker(d)["template"])["resources"].update(limit={"cpu": 1}),
+        r"V1PodTemplateSpec\): template\.spec\.containers\.0\.resources: .*'limit' was unexpected",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("what", "relative", "kind", "break_it", "expected"), BREAKAGES,
-                         ids=[case[0] for case in BREAKAGES])
-def test_a_broken_manifest_fails_the_validator(what: str, relative: str, kind: str,
-                                               break_it: Callable[[dict[str, Any]], Any], expected: str) -> None:
+@pytest.mark.parametrize(
+    ("what", "relative", "kind", "break_it", "expected"), BREAKAGES, ids=[case[0] for case in BREAKAGES]
+)
+def test_a_broken_manifest_fails_the_validator(
+    what: str, relative: str, kind: str, break_it: Callable[[dict[str, Any]], Any], expected: str
+) -> None:
     doc = _doc(relative, kind)
     validate(doc)  # the manifest as shipped passes; the same one broken does not
     break_it(doc)

@@ -94,14 +94,28 @@ def stand_ins(bin_dir: Path) -> None:
 def run_job(tmp_path: Path, nodes: int, driver_exit: int, executor: str = "obeys") -> tuple[int, str, list[dict]]:
     stand_ins(tmp_path / "bin")
     log = tmp_path / "log.jsonl"
-    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
-               SLURM_JOB_NAME="megascale", SLURM_JOB_NUM_NODES=str(nodes),
-               SLURM_JOB_NODELIST=f"gpu[00000-{nodes - 1:05d}]", RUN_DIR=str(tmp_path / "run"),
-               EXECUTOR_GRACE_S="1", STANDIN_LOG=str(log), STANDIN_FIRST_HOST="gpu00000",
-               STANDIN_DRIVER_EXIT=str(driver_exit), STANDIN_EXECUTOR=executor)
+    env = dict(
+        os.environ,
+        PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_NAME="megascale",
+        SLURM_JOB_NUM_NODES=str(nodes),
+        SLURM_JOB_NODELIST=f"gpu[00000-{nodes - 1:05d}]",
+        RUN_DIR=str(tmp_path / "run"),
+        EXECUTOR_GRACE_S="1",
+        STANDIN_LOG=str(log),
+        STANDIN_FIRST_HOST="gpu00000",
+        STANDIN_DRIVER_EXIT=str(driver_exit),
+        STANDIN_EXECUTOR=executor,
+    )
     with (tmp_path / "stderr").open("w") as stderr:  # a file: a pipe would also wait for orphans
-        job = subprocess.Popen(["bash", str(SCRIPT), "job.toml", "--train.steps=10"], env=env, cwd=tmp_path,
-                               stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        job = subprocess.Popen(
+            ["bash", str(SCRIPT), "job.toml", "--train.steps=10"],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
         try:
             code = job.wait(timeout=60)
             events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -115,7 +129,8 @@ def run_job(tmp_path: Path, nodes: int, driver_exit: int, executor: str = "obeys
 @pytest.mark.parametrize("nodes", [2, 2000])
 @pytest.mark.parametrize("driver_exit", [0, 7])
 def test_the_job_starts_driver_and_executors_waits_for_both_and_ends_with_the_drivers_status(
-        tmp_path: Path, nodes: int, driver_exit: int) -> None:
+    tmp_path: Path, nodes: int, driver_exit: int
+) -> None:
     code, stderr, events = run_job(tmp_path, nodes, driver_exit)
     sruns = [e for e in events if e["prog"] == "srun"]
     assert len(sruns) == 2, f"the script reached {len(sruns)} of its 2 srun calls; stderr:\n{stderr}"
@@ -126,8 +141,15 @@ def test_the_job_starts_driver_and_executors_waits_for_both_and_ends_with_the_dr
     assert driver["command"][-1] == "--train.steps=10"  # the job's own overrides reach the driver
     assert "--ntasks-per-node=1" in executors["options"] and "--nodelist" not in " ".join(executors["options"])
     started = next(e for e in events if e.get("event") == "executor")
-    assert started["argv"] == ["executor", "--driver", "https://gpu00000:29400", "--secret-dir",
-                               f"{tmp_path}/run/resilience/secret", "--node-id", "gpu00000"]
+    assert started["argv"] == [
+        "executor",
+        "--driver",
+        "https://gpu00000:29400",
+        "--secret-dir",
+        f"{tmp_path}/run/resilience/secret",
+        "--node-id",
+        "gpu00000",
+    ]
     order = [e["event"] for e in events if e["prog"] == "megascale"]
     assert order.index("secret") < order.index("launch")  # the secret exists before anyone needs it
     # The executor ends 0.5 s after the driver: the job waited for it, and kept the driver's status.

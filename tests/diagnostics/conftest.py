@@ -30,10 +30,25 @@ class Workload:
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="64")
         self.procs = [
             subprocess.Popen(
-                [sys.executable, str(WORKLOAD), "--rank", str(r), "--world", str(self.world),
-                 "--port", str(port), "--run-dir", str(run_dir),
-                 "--layout", ",".join(map(str, layout)), *extra],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    str(WORKLOAD),
+                    "--rank",
+                    str(r),
+                    "--world",
+                    str(self.world),
+                    "--port",
+                    str(port),
+                    "--run-dir",
+                    str(run_dir),
+                    "--layout",
+                    ",".join(map(str, layout)),
+                    *extra,
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             for r in range(self.world)
         ]
 

@@ -23,10 +23,19 @@ def records(compute_of, steps: int = 10, grid: RankGrid = GRID) -> list[dict]:
             c = grid.coords(rank)._asdict()
             base = {"step": step, "rank": rank, "coords": c, "host": f"h{rank // 4}", "attrs": {}}
             comp = compute_of(rank, step)
-            out += [dict(base, name="forward", kind="compute", start=t0, dur=comp, self=comp),
-                    dict(base, name="all_reduce", kind="comm", start=t0 + comp, dur=0.5 - comp,
-                         self=0.5 - comp, attrs={"op": "all_reduce", "group": "dp"}),
-                    dict(base, name="step", kind="step", start=t0, dur=0.5, self=0.0)]
+            out += [
+                dict(base, name="forward", kind="compute", start=t0, dur=comp, self=comp),
+                dict(
+                    base,
+                    name="all_reduce",
+                    kind="comm",
+                    start=t0 + comp,
+                    dur=0.5 - comp,
+                    self=0.5 - comp,
+                    attrs={"op": "all_reduce", "group": "dp"},
+                ),
+                dict(base, name="step", kind="step", start=t0, dur=0.5, self=0.0),
+            ]
     return out
 
 
@@ -69,8 +78,10 @@ def test_rank_steps_view_and_partial_lines(tmp_path) -> None:
         f.write(lines[4][10:] + "\n" + lines[5] + "\n")
     assert c.poll() == 2 and c.poll() == 0
     rows = query(c.conn, "SELECT * FROM rank_steps ORDER BY step")
-    assert [(r["step"], round(r["compute"], 3), round(r["comm"], 3), r["step_time"]) for r in rows] \
-        == [(0, 0.1, 0.4, 0.5), (1, 0.1, 0.4, 0.5)]
+    assert [(r["step"], round(r["compute"], 3), round(r["comm"], 3), r["step_time"]) for r in rows] == [
+        (0, 0.1, 0.4, 0.5),
+        (1, 0.1, 0.4, 0.5),
+    ]
     c.close()
 
 
@@ -86,12 +97,26 @@ def test_trace_groups_by_stage_and_host(tmp_path) -> None:
     c.close()
 
 
-def waiting(rank: int, op: str, group: str, seq: int, peer: int | None = None,
-            kind: str = "comm", step: int = 3, calls: dict | None = None) -> dict:
+def waiting(
+    rank: int,
+    op: str,
+    group: str,
+    seq: int,
+    peer: int | None = None,
+    kind: str = "comm",
+    step: int = 3,
+    calls: dict | None = None,
+) -> dict:
     attrs = {"op": op, "group": group, "seq": seq} | ({"peer": peer} if peer is not None else {})
     span = {"name": op, "kind": kind, "attrs": attrs, "age": 400.0}
-    return {"rank": rank, "host": f"h{rank // 4}", "waiting": span, "last_step": step,
-            "calls": calls or {}, "reason": "..."}
+    return {
+        "rank": rank,
+        "host": f"h{rank // 4}",
+        "waiting": span,
+        "last_step": step,
+        "calls": calls or {},
+        "reason": "...",
+    }
 
 
 def test_silent_rank_is_stuck_not_its_waiters() -> None:
@@ -100,8 +125,7 @@ def test_silent_rank_is_stuck_not_its_waiters() -> None:
     for r in (6, 7):
         dumps[r] = waiting(r, "all_reduce", "dp", 2)
     for r in range(4):
-        dumps[r] = waiting(r, "recv", "pp", 9, peer=GRID.rank_of(1, *GRID.coords(r)[1:]),
-                           kind="p2p")
+        dumps[r] = waiting(r, "recv", "pp", 9, peer=GRID.rank_of(1, *GRID.coords(r)[1:]), kind="p2p")
     a = analyse_dumps(GRID, dumps)
     assert a.stuck == [5]
     assert a.ranks[5].coords == {"pp": 1, "dp": 0, "tp": 1}
@@ -110,8 +134,7 @@ def test_silent_rank_is_stuck_not_its_waiters() -> None:
 
 def test_rank_busy_outside_collectives_is_stuck() -> None:
     dumps = {r: waiting(r, "all_reduce", "world", 4) for r in range(8) if r != 2}
-    dumps[2] = {"rank": 2, "host": "h0", "waiting": None, "last_step": 3,
-                "reason": "compute 'forward' open for 900 s"}
+    dumps[2] = {"rank": 2, "host": "h0", "waiting": None, "last_step": 3, "reason": "compute 'forward' open for 900 s"}
     a = analyse_dumps(GRID, dumps)
     assert a.stuck == [2] and a.ranks[2].state == "busy"
 
@@ -135,4 +158,3 @@ def test_grid_from_the_runs_config(tmp_path) -> None:
         (tmp_path / "hang" / f"rank{r}.json").write_text(json.dumps(dump))
     a = analyse(tmp_path)
     assert (a.grid.pp, a.grid.dp, a.grid.tp) == (2, 1, 2) and a.stuck == [3]
-

@@ -28,8 +28,7 @@ def wait_for_dumps(run_dir, ranks, timeout=90.0) -> None:
 
 
 def test_sigstopped_rank_is_named(tmp_path, workload) -> None:
-    w = workload(tmp_path, (2, 1, 2), "--stop-rank", "3", "--hang-timeout", "2",
-                 "--steps", "5")
+    w = workload(tmp_path, (2, 1, 2), "--stop-rank", "3", "--hang-timeout", "2", "--steps", "5")
     wait_for_dumps(tmp_path, [0, 1, 2])
     time.sleep(0.5)
     assert not (tmp_path / "hang" / "rank3.json").exists()
@@ -50,8 +49,7 @@ def test_sigstopped_rank_is_named(tmp_path, workload) -> None:
 
 
 def test_rank_that_skips_a_collective_is_named(tmp_path, workload) -> None:
-    w = workload(tmp_path, (2, 1, 2), "--skip-rank", "2", "--hang-timeout", "2",
-                 "--steps", "5")
+    w = workload(tmp_path, (2, 1, 2), "--skip-rank", "2", "--hang-timeout", "2", "--steps", "5")
     wait_for_dumps(tmp_path, [0, 1, 2, 3])
     analysis = analyse(tmp_path)
     assert analysis.stuck == [2], analysis.summary()

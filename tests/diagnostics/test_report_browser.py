@@ -15,15 +15,13 @@ from megascale.diagnostics.timers import Timers
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(CHROMIUM is None,
-                       reason="chromium not installed (run scripts/install_chromium.sh)"),
+    pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (run scripts/install_chromium.sh)"),
 ]
 
 
 def fake_run(run_dir, slow_rank: int = 1) -> None:
     """Four ranks' timer files written by real Timers; one rank computes 3x longer."""
-    timers = [Timers(r, {"pp": 0, "dp": r // 2, "tp": r % 2}, f"node{r // 2}", run_dir)
-              for r in range(4)]
+    timers = [Timers(r, {"pp": 0, "dp": r // 2, "tp": r % 2}, f"node{r // 2}", run_dir) for r in range(4)]
     for step in range(6):
         for r, t in enumerate(timers):
             now = time.perf_counter()
@@ -35,8 +33,9 @@ def fake_run(run_dir, slow_rank: int = 1) -> None:
         t.close()
     with open(run_dir / "metrics.jsonl", "w") as f:
         for step in range(6):
-            f.write(f'{{"step": {step}, "loss": {3 - step / 10}, "mfu": 0.4, '
-                    f'"tokens_per_s": 1e4, "step_time": 0.01}}\n')
+            f.write(
+                f'{{"step": {step}, "loss": {3 - step / 10}, "mfu": 0.4, "tokens_per_s": 1e4, "step_time": 0.01}}\n'
+            )
 
 
 def test_report_renders_in_headless_chromium(tmp_path) -> None:
@@ -44,10 +43,20 @@ def test_report_renders_in_headless_chromium(tmp_path) -> None:
     report = build_report(tmp_path)
     assert [s.rank for s in report.stragglers] == [1]
     shot = tmp_path / "shot.png"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-           "--disable-background-networking", "--no-first-run", "--disable-component-update",
-           "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
-           "--window-size=1400,2400", f"--screenshot={shot}", report.html.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--no-first-run",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1400,2400",
+        f"--screenshot={shot}",
+        report.html.as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, timeout=90)
     assert shot.is_file(), proc.stderr.decode()[-2000:]
     import matplotlib.image

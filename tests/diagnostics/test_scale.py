@@ -71,8 +71,7 @@ def test_analysers_cost_per_rank_is_flat_from_64_to_512_ranks(tmp_path) -> None:
         dumps = hang.load_dumps(run)
         t_hang, analysis = cpu(lambda g=grid, d=dumps: hang.analyse_dumps(g, d))
         assert [s.rank for s in found] == [slow] and analysis.stuck == [stuck]
-        costs[dp] = {"collect": t_collect, "stragglers": t_straggler, "trace": t_trace,
-                     "hang": t_hang}
+        costs[dp] = {"collect": t_collect, "stragglers": t_straggler, "trace": t_trace, "hang": t_hang}
     for piece in costs[2]:
         per_rank_ratio = costs[16][piece] / max(costs[2][piece], 1e-3) / 8
         assert per_rank_ratio < 2.0, (piece, costs)
@@ -101,9 +100,17 @@ def test_heat_map_rows_at_12288_ranks_show_the_slow_rank() -> None:
     """At 12,288 ranks a row per rank is a third of a pixel at the height cap: rows become
     (runs of) hosts or tp groups coloured by their most deviant rank, at most MAX_ROWS."""
     grid, slow = RankGrid(pp=8, dp=192, tp=8), 9000
-    rows = [{"step": step, "rank": r, "host": f"node{r // 8:05d}", **grid.coords(r)._asdict(),
-             "ratio": (1.2 if r == slow else 1.0 + 0.01 * ((r * 7 + step) % 5 - 2))}
-            for step in (1, 2) for r in range(grid.world_size)]
+    rows = [
+        {
+            "step": step,
+            "rank": r,
+            "host": f"node{r // 8:05d}",
+            **grid.coords(r)._asdict(),
+            "ratio": (1.2 if r == slow else 1.0 + 0.01 * ((r * 7 + step) % 5 - 2)),
+        }
+        for step in (1, 2)
+        for r in range(grid.world_size)
+    ]
     for order in ("host", "grid"):
         lines, steps, matrix = straggler.heatmap_matrix(rows, order)
         assert len(lines) <= straggler.MAX_ROWS and steps == [1, 2]
@@ -124,7 +131,14 @@ def test_report_past_256_ranks_aggregates_and_drills_down(tmp_path) -> None:
     write_hang_dumps(tmp_path, grid, stuck)
     rep = build_report(tmp_path, grid=grid, trace_steps=(2, 2))
     assert [s.rank for s in rep.stragglers] == [slow] and rep.hang.stuck == [stuck]
-    assert {"heatmap_host", "heatmap_grid", "heatmap_host_detail", "heatmap_grid_detail",
-            "breakdown", "hang", "hang_detail"} <= set(rep.figures)
+    assert {
+        "heatmap_host",
+        "heatmap_grid",
+        "heatmap_host_detail",
+        "heatmap_grid_detail",
+        "breakdown",
+        "hang",
+        "hang_detail",
+    } <= set(rep.figures)
     html = rep.html.read_text()
     assert "Drill-down: the ranks of the most deviant hosts" in html and f"rank {slow}" in html

@@ -45,9 +45,14 @@ def test_report_names_the_slow_rank_and_host(straggler_run) -> None:
 def test_step_times_alike_but_compute_differs(straggler_run) -> None:
     c = Collector(straggler_run)
     c.poll()
-    rows = {r["rank"]: r for r in query(
-        c.conn, "SELECT rank, AVG(compute) AS compute, AVG(comm) AS comm, "
-                "AVG(step_time) AS step FROM rank_steps WHERE step > 0 GROUP BY rank")}
+    rows = {
+        r["rank"]: r
+        for r in query(
+            c.conn,
+            "SELECT rank, AVG(compute) AS compute, AVG(comm) AS comm, "
+            "AVG(step_time) AS step FROM rank_steps WHERE step > 0 GROUP BY rank",
+        )
+    }
     c.close()
     steps = [r["step"] for r in rows.values()]
     assert max(steps) / min(steps) < 1.3  # the straggler is invisible in step time ...
@@ -68,8 +73,7 @@ def test_trace_one_track_per_rank(straggler_run) -> None:
     build_report(straggler_run)
     trace = json.loads((straggler_run / "report" / "trace_by_pp.json").read_text())
     events = trace["traceEvents"]
-    threads = {(e["pid"], e["tid"]) for e in events
-               if e["ph"] == "M" and e["name"] == "thread_name"}
+    threads = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert sorted(t for _, t in threads) == [0, 1, 2, 3]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == {0, 1, 2, 3}
@@ -78,9 +82,17 @@ def test_trace_one_track_per_rank(straggler_run) -> None:
 
 
 def test_cli_sql_and_report(straggler_run, capsys) -> None:
-    assert main(["report", str(straggler_run), "--sql",
-                 "SELECT rank, host FROM rank_steps GROUP BY rank ORDER BY AVG(compute) DESC "
-                 "LIMIT 1"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                str(straggler_run),
+                "--sql",
+                "SELECT rank, host FROM rank_steps GROUP BY rank ORDER BY AVG(compute) DESC LIMIT 1",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.split() == ["2", "node1"]
     assert main(["report", str(straggler_run), "--diagnostics.straggler_threshold=1.2"]) == 0
     out = capsys.readouterr().out

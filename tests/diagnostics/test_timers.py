@@ -110,8 +110,9 @@ def test_cuda_spans_time_the_gpu_and_resolve_a_step_late(tmp_path) -> None:
     t.close()
     rows = [json.loads(line) for line in (tmp_path / "timers" / "rank00000.jsonl").open()]
     assert sorted({r["step"] for r in rows}) == [0, 1, 2]
-    for fwd, comm in zip([r for r in rows if r["name"] == "forward"],
-                         [r for r in rows if r["name"] == "all_reduce"], strict=True):
+    for fwd, comm in zip(
+        [r for r in rows if r["name"] == "forward"], [r for r in rows if r["name"] == "all_reduce"], strict=True
+    ):
         assert fwd["start"] < comm["start"] and comm["dur"] > 0.002
         assert abs(fwd["dur"] - fwd["self"] - comm["dur"]) < 1e-4  # nested time left out
 

@@ -16,11 +16,22 @@ from megascale.diagnostics.hang import analyse, load_dumps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-TRAIN = ["--model.layers=4", "--model.hidden=32", "--model.heads=2", "--model.seq_len=32",
-         "--train.steps=100000", "--train.global_batch=8", "--train.micro_batch=1",
-         "--train.device=cpu", "--train.eval_every=0", "--train.tensorboard=false",
-         "--checkpoint.every=0", "--parallel.pp=2", "--parallel.tp=2",
-         "--diagnostics.hang_timeout_s=3"]
+TRAIN = [
+    "--model.layers=4",
+    "--model.hidden=32",
+    "--model.heads=2",
+    "--model.seq_len=32",
+    "--train.steps=100000",
+    "--train.global_batch=8",
+    "--train.micro_batch=1",
+    "--train.device=cpu",
+    "--train.eval_every=0",
+    "--train.tensorboard=false",
+    "--checkpoint.every=0",
+    "--parallel.pp=2",
+    "--parallel.tp=2",
+    "--diagnostics.hang_timeout_s=3",
+]
 STOPPED = 3  # pp=1, dp=0, tp=1
 
 
@@ -54,15 +65,26 @@ def test_stopped_rank_is_named_with_its_coordinates(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     log = (tmp_path / "out.log").open("w")
     job = subprocess.Popen(
-        [sys.executable, "-m", "megascale.cli", "train", *TRAIN,
-         f"--train.run_dir={run_dir}", f"--data.cache_dir={tmp_path / 'cache'}"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "train",
+            *TRAIN,
+            f"--train.run_dir={run_dir}",
+            f"--data.cache_dir={tmp_path / 'cache'}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180,
-                  "three training steps")
-        ranks = _wait_for(lambda: (r := _rank_processes(psutil.Process(job.pid))) and len(r) == 4 and r,
-                          30, "four rank processes")
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180, "three training steps")
+        ranks = _wait_for(
+            lambda: (r := _rank_processes(psutil.Process(job.pid))) and len(r) == 4 and r, 30, "four rank processes"
+        )
         ranks[STOPPED].send_signal(signal.SIGSTOP)
         dumps = _wait_for(lambda: len(d := load_dumps(run_dir)) >= 3 and d, 60, "hang dumps")
         assert STOPPED not in dumps  # a stopped rank cannot say anything

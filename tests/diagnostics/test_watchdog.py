@@ -28,8 +28,9 @@ def wait_for(path, timeout: float = 10.0) -> dict:
 def test_dump_names_the_collective_and_coordinates(tmp_path) -> None:
     t = Timers(5, {"pp": 1, "dp": 0, "tp": 1}, "hostB", tmp_path)
     seen = []
-    dog = Watchdog(t, tmp_path, timeout_s=0.3, grid=RankGrid(pp=2, dp=2, tp=2), poll_s=0.05,
-                   on_hang=seen.append).start()
+    dog = Watchdog(
+        t, tmp_path, timeout_s=0.3, grid=RankGrid(pp=2, dp=2, tp=2), poll_s=0.05, on_hang=seen.append
+    ).start()
     roll = json.loads((tmp_path / "diagnostics" / "ranks" / "rank5.json").read_text())
     assert roll["host"] == "hostB" and roll["grid"] == {"pp": 2, "dp": 2, "tp": 2}
     with t.span("backward"):

@@ -48,8 +48,9 @@ def main() -> None:
 
     grid = RankGrid(*(int(v) for v in a.layout.split(",")))
     assert grid.world_size == a.world
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
-                            world_size=a.world, timeout=timedelta(seconds=90))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world, timeout=timedelta(seconds=90)
+    )
     groups = {}
     for dim in ("tp", "dp"):
         for members in grid.groups(dim):
@@ -96,8 +97,7 @@ def main() -> None:
     for step in range(a.steps):
         with timers.span("data", "data"):
             time.sleep(0.002)
-        for direction, src, dst in (("forward", prev_rank, next_rank),
-                                    ("backward", next_rank, prev_rank)):
+        for direction, src, dst in (("forward", prev_rank, next_rank), ("backward", next_rank, prev_rank)):
             for _ in range(a.micro):
                 if src is not None:
                     p2p("recv", act, src)
@@ -112,8 +112,18 @@ def main() -> None:
         totals = timers.end_step(step)
         if a.rank == 0:
             with open(os.path.join(a.run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "loss": 3.0 - 0.1 * step, "mfu": 0.01,
-                                    "tokens_per_s": 1000.0, "step_time": totals["step"]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": 3.0 - 0.1 * step,
+                            "mfu": 0.01,
+                            "tokens_per_s": 1000.0,
+                            "step_time": totals["step"],
+                        }
+                    )
+                    + "\n"
+                )
     watchdog.stop()
     timers.close()
     dist.destroy_process_group()

@@ -64,12 +64,32 @@ REMOTE = {
     "parallel-swa": ModelConfig(vocab_size=VOCAB, seq_len=32, layers=2, hidden=32, heads=4, window=6),
     # Llama layers in the parallel block, with learned positions, tied, QKV bias, GQA
     "parallel-llama-learned": ModelConfig(
-        vocab_size=VOCAB, seq_len=32, layers=2, hidden=32, heads=4, kv_heads=2, norm="rmsnorm", mlp="swiglu",
-        bias=False, qkv_bias=True, positions="learned", tie_embeddings=True),
+        vocab_size=VOCAB,
+        seq_len=32,
+        layers=2,
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        qkv_bias=True,
+        positions="learned",
+        tie_embeddings=True,
+    ),
     # a norm per branch with RMSNorm and exact GeLU, partial rotary with Llama-3 scaling
     "two-norms-rope-scaled": ModelConfig(
-        vocab_size=VOCAB, seq_len=32, layers=2, hidden=32, heads=4, parallel_norms=2, norm="rmsnorm",
-        mlp="gelu_exact", rotary_fraction=0.5, rope_scaling=RopeScaling("llama3", 4.0, 1.0, 4.0, 8)),
+        vocab_size=VOCAB,
+        seq_len=32,
+        layers=2,
+        hidden=32,
+        heads=4,
+        parallel_norms=2,
+        norm="rmsnorm",
+        mlp="gelu_exact",
+        rotary_fraction=0.5,
+        rope_scaling=RopeScaling("llama3", 4.0, 1.0, 4.0, 8),
+    ),
 }
 
 
@@ -139,7 +159,17 @@ def test_a_mixture_of_experts_mixtral_cannot_express_is_refused_on_export(tmp_pa
     from megascale.config.schema import MoEConfig
     from megascale.interop.hf_files import InteropError
 
-    cfg = ModelConfig(vocab_size=VOCAB, seq_len=32, layers=2, hidden=32, heads=4, block="serial", norm="rmsnorm",
-                      mlp="swiglu", bias=False, moe=MoEConfig(experts=4, shared_ffn_hidden=8))
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        seq_len=32,
+        layers=2,
+        hidden=32,
+        heads=4,
+        block="serial",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        moe=MoEConfig(experts=4, shared_ffn_hidden=8),
+    )
     with pytest.raises(InteropError, match="a mixture-of-experts model exports as mixtral only"):
         write_export(cfg, _weights(GPT(cfg, seed=1)), tmp_path / "out", "bytes", step=0)

@@ -14,11 +14,31 @@ from megascale.model import GPT
 from megascale.model.attention import KVCache
 
 MODELS = {
-    "serial-llama-gqa": ModelConfig(vocab_size=64, seq_len=64, layers=2, hidden=32, heads=4, kv_heads=2,
-                                    block="serial", norm="rmsnorm", mlp="swiglu", bias=False),
+    "serial-llama-gqa": ModelConfig(
+        vocab_size=64,
+        seq_len=64,
+        layers=2,
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        block="serial",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+    ),
     "parallel-swa": ModelConfig(vocab_size=64, seq_len=64, layers=2, hidden=32, heads=4, window=6),
-    "learned-positions": ModelConfig(vocab_size=64, seq_len=24, layers=2, hidden=32, heads=4, block="serial",
-                                     positions="learned", norm="layernorm", mlp="gelu", bias=True),
+    "learned-positions": ModelConfig(
+        vocab_size=64,
+        seq_len=24,
+        layers=2,
+        hidden=32,
+        heads=4,
+        block="serial",
+        positions="learned",
+        norm="layernorm",
+        mlp="gelu",
+        bias=True,
+    ),
 }
 
 
@@ -51,7 +71,7 @@ def test_one_token_at_a_time_through_the_cache_gives_the_full_forwards_logits(na
         for block in model.blocks:
             block.attn.cache = KVCache(block.attn.window)
         got = [last_logits(model, tokens[:, :6], 0)]
-        got += [last_logits(model, tokens[:, i:i + 1], i) for i in range(6, 20)]
+        got += [last_logits(model, tokens[:, i : i + 1], i) for i in range(6, 20)]
     torch.testing.assert_close(torch.stack(got), want[5:], rtol=0, atol=1e-5)
 
 

@@ -26,25 +26,54 @@ def _refused(path, match: str) -> str:
     return message
 
 
-@pytest.mark.parametrize(("name", "config", "match"), [
-    ("qwen2_moe", lambda: transformers.Qwen2MoeConfig(**SMALL, num_experts=2, num_experts_per_tok=1,
-                                                      moe_intermediate_size=8, shared_expert_intermediate_size=8),
-     r"model_type 'qwen2_moe' is a mixture of experts \(num_experts=2\) that megascale does not map; of the "
-     r"mixtures of experts it imports mixtral"),
-    ("gemma", lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
-     r"model_type 'gemma' is not supported; megascale imports gpt2, gpt_neox, llama, mistral, mixtral, qwen2"),
-    ("yarn", lambda: transformers.LlamaConfig(**SMALL, rope_scaling={"rope_type": "yarn", "factor": 2.0,
-                                                                    "original_max_position_embeddings": 32}),
-     r"llama: rope_type 'yarn' \(supported: default, llama3\) has no megascale equivalent"),
-    ("head-dim", lambda: transformers.LlamaConfig(**SMALL, head_dim=16),
-     r"llama: head_dim=16 != hidden_size/num_attention_heads=8"),
-    ("qwen2-some-windows", lambda: transformers.Qwen2Config(**dict(SMALL, num_hidden_layers=2), use_sliding_window=True,
-                                                            sliding_window=8, max_window_layers=1),
-     r"qwen2: sliding-window attention in some layers only"),
-    ("gpt2-layer-scaled", lambda: transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=96,
-                                                          scale_attn_by_inverse_layer_idx=True),
-     r"gpt2: scale_attn_by_inverse_layer_idx=true has no megascale equivalent"),
-])
+@pytest.mark.parametrize(
+    ("name", "config", "match"),
+    [
+        (
+            "qwen2_moe",
+            lambda: transformers.Qwen2MoeConfig(
+                **SMALL,
+                num_experts=2,
+                num_experts_per_tok=1,
+                moe_intermediate_size=8,
+                shared_expert_intermediate_size=8,
+            ),
+            r"model_type 'qwen2_moe' is a mixture of experts \(num_experts=2\) that megascale does not map; of the "
+            r"mixtures of experts it imports mixtral",
+        ),
+        (
+            "gemma",
+            lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
+            r"model_type 'gemma' is not supported; megascale imports gpt2, gpt_neox, llama, mistral, mixtral, qwen2",
+        ),
+        (
+            "yarn",
+            lambda: transformers.LlamaConfig(
+                **SMALL, rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
+            ),
+            r"llama: rope_type 'yarn' \(supported: default, llama3\) has no megascale equivalent",
+        ),
+        (
+            "head-dim",
+            lambda: transformers.LlamaConfig(**SMALL, head_dim=16),
+            r"llama: head_dim=16 != hidden_size/num_attention_heads=8",
+        ),
+        (
+            "qwen2-some-windows",
+            lambda: transformers.Qwen2Config(
+                **dict(SMALL, num_hidden_layers=2), use_sliding_window=True, sliding_window=8, max_window_layers=1
+            ),
+            r"qwen2: sliding-window attention in some layers only",
+        ),
+        (
+            "gpt2-layer-scaled",
+            lambda: transformers.GPT2Config(
+                n_embd=32, n_layer=1, n_head=4, vocab_size=96, scale_attn_by_inverse_layer_idx=True
+            ),
+            r"gpt2: scale_attn_by_inverse_layer_idx=true has no megascale equivalent",
+        ),
+    ],
+)
 def test_unsupported_checkpoints_are_refused_by_name(name, config, match, tmp_path):
     _refused(saved(random_hf_model(config()), tmp_path / name), match)
 
@@ -63,8 +92,11 @@ def test_pickled_missing_and_misshapen_weights_are_refused(tmp_path):
     _refused(path, r"model.layers.1.mlp.up_proj.weight \(for megascale's blocks.1.mlp.fc.weight\) is not in the")
     tensors["model.layers.1.mlp.up_proj.weight"] = up[:-1]
     save_file(tensors, path / "model.safetensors")
-    _refused(path, r"gate_proj.weight \(48, 32\), model.layers.1.mlp.up_proj.weight \(47, 32\) do not make "
-                   r"megascale's blocks.1.mlp.fc.weight \(96, 32\), the shape config.json describes")
+    _refused(
+        path,
+        r"gate_proj.weight \(48, 32\), model.layers.1.mlp.up_proj.weight \(47, 32\) do not make "
+        r"megascale's blocks.1.mlp.fc.weight \(96, 32\), the shape config.json describes",
+    )
 
     _refused(tmp_path / "nowhere", r"is not a directory")
     (tmp_path / "empty").mkdir()
@@ -93,8 +125,9 @@ def test_import_writes_the_config_train_accepts_and_init_from_is_checked_first(t
     code = main(["train", "--config", str(tmp_path / "job" / "config.toml"), "--parallel.tp=4"])
     assert code == 2 and "must divide model.kv_heads=2" in capsys.readouterr().err
 
-    qwen_moe = transformers.Qwen2MoeConfig(**SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
-                                           shared_expert_intermediate_size=8)
+    qwen_moe = transformers.Qwen2MoeConfig(
+        **SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, shared_expert_intermediate_size=8
+    )
     moe = saved(random_hf_model(qwen_moe), tmp_path / "moe")
     assert main(["import", str(moe), "--out", str(tmp_path / "moe-job")]) == 2
     assert "mixture of experts" in capsys.readouterr().err
@@ -108,9 +141,22 @@ def test_trainer_starts_from_the_imported_weights(tmp_path):
     config = transformers.Qwen2Config(**dict(COMMON, vocab_size=257), num_key_value_heads=2, tie_word_embeddings=True)
     hf_dir = saved(random_hf_model(config), tmp_path / "hf")
     data = write_bytes_dataset(tmp_path / "tokens", make_docs(20))
-    assert main(["import", str(hf_dir), "--out", str(tmp_path / "job"), "--model.seq_len=16",
-                 f"--data.path={data}", "--train.global_batch=2", "--train.micro_batch=2",
-                 "--train.tensorboard=false"]) == 0
+    assert (
+        main(
+            [
+                "import",
+                str(hf_dir),
+                "--out",
+                str(tmp_path / "job"),
+                "--model.seq_len=16",
+                f"--data.path={data}",
+                "--train.global_batch=2",
+                "--train.micro_batch=2",
+                "--train.tensorboard=false",
+            ]
+        )
+        == 0
+    )
     want, _ = load_pretrained(hf_dir)
     trainer = Trainer(load_config(tmp_path / "job" / "config.toml"))
     try:
@@ -128,7 +174,18 @@ def test_a_tied_model_on_two_stages_is_refused_with_advice_import_takes(tmp_path
     err = capsys.readouterr().err
     assert "keep parallel.pp=1 and use parallel.tp or parallel.dp" in err and "tie_embeddings=false" not in err
     # what the old advice led to: an option that changes the weights, which import refuses
-    assert main(["import", str(hf_dir), "--out", str(tmp_path / "untied"), "--parallel.pp=2",
-                 "--model.tie_embeddings=false"]) == 2
+    assert (
+        main(
+            [
+                "import",
+                str(hf_dir),
+                "--out",
+                str(tmp_path / "untied"),
+                "--parallel.pp=2",
+                "--model.tie_embeddings=false",
+            ]
+        )
+        == 2
+    )
     assert "model.tie_embeddings is False here but True in that checkpoint" in capsys.readouterr().err
     assert main(["import", str(hf_dir), "--out", str(tmp_path / "tp"), "--parallel.tp=2"]) == 0  # the advice works

@@ -24,8 +24,24 @@ from tests.interop.conftest import close, saved
 
 pytestmark = pytest.mark.timeout(600)
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
-         "quietly", "hex", "bold", "jugglers"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hex",
+    "bold",
+    "jugglers",
+]
 
 
 def _corpus(lines: int) -> list[str]:
@@ -41,27 +57,65 @@ def _generated(argv: list[str], capsys) -> list[int]:
 @pytest.mark.slow
 def test_import_train_tp2_pp2_export_and_generate(tmp_path, capsys):
     corpus = _corpus(300)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(corpus, vocab=300),
-                                                     eos_token="<|endoftext|>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe_tokenizer(corpus, vocab=300), eos_token="<|endoftext|>"
+    )
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, max_position_embeddings=64, bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     hf_dir = saved(transformers.AutoModelForCausalLM.from_config(config), tmp_path / "hf")
     tokenizer.save_pretrained(hf_dir)
     (tmp_path / "corpus.txt").write_text("\n".join(corpus))
     tokens = tmp_path / "tokens"
-    prepare([str(tmp_path / "corpus.txt")], tokens, str(hf_dir / "tokenizer.json"), workers=1, progress=False,
-            say=lambda _: None)
+    prepare(
+        [str(tmp_path / "corpus.txt")],
+        tokens,
+        str(hf_dir / "tokenizer.json"),
+        workers=1,
+        progress=False,
+        say=lambda _: None,
+    )
 
     job = tmp_path / "job"
-    assert main(["import", str(hf_dir), "--out", str(job), "--model.seq_len=32", "--parallel.tp=2",
-                 "--parallel.pp=2", "--train.steps=5", "--train.global_batch=4", "--train.micro_batch=1",
-                 "--optim.lr=1e-2", "--optim.warmup_steps=1", f"--data.path={tokens}", "--train.eval_every=0",
-                 "--train.tensorboard=false", "--diagnostics.timers=false"]) == 0
+    assert (
+        main(
+            [
+                "import",
+                str(hf_dir),
+                "--out",
+                str(job),
+                "--model.seq_len=32",
+                "--parallel.tp=2",
+                "--parallel.pp=2",
+                "--train.steps=5",
+                "--train.global_batch=4",
+                "--train.micro_batch=1",
+                "--optim.lr=1e-2",
+                "--optim.warmup_steps=1",
+                f"--data.path={tokens}",
+                "--train.eval_every=0",
+                "--train.tensorboard=false",
+                "--diagnostics.timers=false",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    ran = subprocess.run([sys.executable, "-m", "megascale.cli", "train", "--config", str(job / "config.toml")],
-                         capture_output=True, text=True, timeout=420)
+    ran = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "train", "--config", str(job / "config.toml")],
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert ran.returncode == 0, ran.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (job / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 5 and losses[-1] < losses[0]
@@ -81,8 +135,9 @@ def test_import_train_tp2_pp2_export_and_generate(tmp_path, capsys):
     with torch.no_grad():
         sample = torch.tensor([ids + ids[::-1] * 4])
         close(hf(sample).logits, trained.eval()(sample))
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(ids):]
-    from_checkpoint = _generated(["generate", str(job / "run" / "checkpoints"), "--prompt", prompt,
-                                  "--max-new-tokens", "20", "--ids"], capsys)
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(ids) :]
+    from_checkpoint = _generated(
+        ["generate", str(job / "run" / "checkpoints"), "--prompt", prompt, "--max-new-tokens", "20", "--ids"], capsys
+    )
     from_export = _generated(["generate", str(out), "--prompt", prompt, "--max-new-tokens", "20", "--ids"], capsys)
     assert from_checkpoint == from_export == want.tolist()

@@ -75,8 +75,9 @@ def test_cp_sits_between_tp_and_dp():
     grid = RankGrid(pp=2, dp=2, tp=2, cp=3)
     assert grid.world_size == 24
     seen = [grid.coords(r) for r in range(24)]
-    assert seen == [Coords(pp=p, dp=d, tp=t, cp=c)
-                    for p, d, c, t in itertools.product(range(2), range(2), range(3), range(2))]
+    assert seen == [
+        Coords(pp=p, dp=d, tp=t, cp=c) for p, d, c, t in itertools.product(range(2), range(2), range(3), range(2))
+    ]
     assert all(grid.rank_of(**c._asdict()) == r for r, c in enumerate(seen))
     assert grid.group_of(0, "cp") == [0, 2, 4] and grid.group_of(0, "dp") == [0, 6]
     assert RankGrid.of(type("Layout", (), {"pp": 1, "dp": 2, "tp": 1})()).cp == 1  # degrees without cp

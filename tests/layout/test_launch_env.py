@@ -17,8 +17,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 def test_from_env_reads_the_launcher_once():
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
-    assert LaunchEnv.from_env(env) == LaunchEnv(rank=5, world_size=8, local_rank=1, local_world_size=4,
-                                                launched=True)
+    assert LaunchEnv.from_env(env) == LaunchEnv(rank=5, world_size=8, local_rank=1, local_world_size=4, launched=True)
     alone = LaunchEnv.from_env({})
     assert (alone.rank, alone.world_size, alone.local_world_size, alone.launched) == (0, 1, None, False)
     assert LaunchEnv.from_env({"RANK": "3", "WORLD_SIZE": "4"}).local_rank == 3  # no LOCAL_RANK: the rank
@@ -32,10 +31,13 @@ def test_node_ranks_follow_group_rank_or_the_rank():
     assert LaunchEnv.from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}).node == 1
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"RANK": "4", "WORLD_SIZE": "4"}, r"RANK=4 is out of range for WORLD_SIZE=4"),
-    ({"LOCAL_RANK": "one"}, r"\$LOCAL_RANK='one' must be an integer"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4"}, r"RANK=4 is out of range for WORLD_SIZE=4"),
+        ({"LOCAL_RANK": "one"}, r"\$LOCAL_RANK='one' must be an integer"),
+    ],
+)
 def test_bad_launch_environment_names_the_variable(env, message):
     with pytest.raises(ConfigError, match=message):
         LaunchEnv.from_env(env)

@@ -19,7 +19,11 @@ def test_gpu_bench_dry_run(tmp_path, cpu_compiler):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "2"}
     done = subprocess.run(
         [sys.executable, "bench/gpu/run.py", "--dry-run", "--only", SELECTED],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_dry_run.json").read_text())

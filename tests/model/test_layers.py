@@ -39,8 +39,18 @@ def _swiglu_by_hand(x, mlp):
 
 
 def _llama_block(block, **extra) -> Block:
-    cfg = ModelConfig(hidden=32, heads=4, kv_heads=2, ffn_hidden=48, norm="rmsnorm", mlp="swiglu",
-                      bias=False, positions="learned", block=block, **extra)
+    cfg = ModelConfig(
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=48,
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        positions="learned",
+        block=block,
+        **extra,
+    )
     cfg.validate()
     out = Block(cfg).double()
     torch.manual_seed(7)
@@ -82,15 +92,27 @@ def test_exact_and_tanh_gelu_differ():
     assert torch.equal(exact.blocks[0].mlp.activation(x), F.gelu(x))
 
 
-OPTIONS = list(itertools.product(("serial", "parallel"), ("layernorm", "rmsnorm"), ("gelu", "swiglu"), (0, 2),
-                                 (True, False)))
+OPTIONS = list(
+    itertools.product(("serial", "parallel"), ("layernorm", "rmsnorm"), ("gelu", "swiglu"), (0, 2), (True, False))
+)
 
 
 @pytest.mark.parametrize(("block", "norm", "mlp", "kv_heads", "bias"), OPTIONS)
 def test_parameter_count_matches_the_built_model(block, norm, mlp, kv_heads, bias):
     for norms, qkv_bias in ((1, False), (2, True)) if block == "parallel" else ((1, True),):
-        cfg = ModelConfig(hidden=32, heads=4, layers=2, seq_len=16, block=block, norm=norm, mlp=mlp,
-                          kv_heads=kv_heads, bias=bias, qkv_bias=qkv_bias, parallel_norms=norms)
+        cfg = ModelConfig(
+            hidden=32,
+            heads=4,
+            layers=2,
+            seq_len=16,
+            block=block,
+            norm=norm,
+            mlp=mlp,
+            kv_heads=kv_heads,
+            bias=bias,
+            qkv_bias=qkv_bias,
+            parallel_norms=norms,
+        )
         cfg.validate()
         assert sum(p.numel() for p in GPT(cfg).parameters()) == parameter_count(cfg)
 
@@ -105,18 +127,23 @@ def test_flops_count_swiglu_as_three_matrices_and_gqa_smaller_kv():
     assert gqa_swiglu == layers * 2 * ((h + kv) * h + h * h + 3 * h * f)
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (dict(heads=8, kv_heads=3), r"model.kv_heads=3 must divide model.heads=8"),
-    (dict(heads=4, rotary_fraction=0.1), r"even number of rotating dims"),
-    (dict(block="serial", parallel_norms=2), r"parallel_norms applies to block='parallel' only"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(heads=8, kv_heads=3), r"model.kv_heads=3 must divide model.heads=8"),
+        (dict(heads=4, rotary_fraction=0.1), r"even number of rotating dims"),
+        (dict(block="serial", parallel_norms=2), r"parallel_norms applies to block='parallel' only"),
+    ],
+)
 def test_impossible_options_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(hidden=32, **overrides).validate()
 
 
-@pytest.mark.parametrize(("preset", "published"), [
-    ("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496), ("mistral-7b", 7_241_732_096)])
+@pytest.mark.parametrize(
+    ("preset", "published"),
+    [("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496), ("mistral-7b", 7_241_732_096)],
+)
 def test_presets_have_the_published_parameter_counts(preset, published):
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / f"{preset}.toml")
     assert parameter_count(cfg.model) == published

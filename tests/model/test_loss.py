@@ -48,10 +48,12 @@ def test_chunked_equals_plain_under_bf16_autocast_and_bf16_weights():
         want = _value_and_grads(_plain, x, w, labels)
         got = _value_and_grads(lambda *a: chunked_cross_entropy(*a, 8), x, w, labels)
     assert got[1].dtype == got[2].dtype == torch.float32  # fp32 leaves get fp32 gradients
-    bf16 = [_value_and_grads(fn, *_inputs(torch.bfloat16)[:2], labels)
-            for fn in (_plain, lambda *a: chunked_cross_entropy(*a, 8))]
+    bf16 = [
+        _value_and_grads(fn, *_inputs(torch.bfloat16)[:2], labels)
+        for fn in (_plain, lambda *a: chunked_cross_entropy(*a, 8))
+    ]
     assert bf16[1][2].dtype == torch.bfloat16
-    for (g, e) in (got, want), (bf16[1], bf16[0]):
+    for g, e in (got, want), (bf16[1], bf16[0]):
         for a, b in zip(g, e, strict=True):  # bf16 GEMMs: a few ulps of bf16 of the tensor's scale
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.abs().max()))
 

@@ -14,8 +14,18 @@ from megascale.model.moe import MoE, balance_step, moe_layers
 
 
 def _cfg(**moe) -> ModelConfig:
-    cfg = ModelConfig(vocab_size=32, seq_len=8, layers=2, hidden=16, heads=2, ffn_hidden=24, mlp="swiglu",
-                      bias=False, norm="rmsnorm", moe=MoEConfig(**{"experts": 4, "ffn_hidden": 12, **moe}))
+    cfg = ModelConfig(
+        vocab_size=32,
+        seq_len=8,
+        layers=2,
+        hidden=16,
+        heads=2,
+        ffn_hidden=24,
+        mlp="swiglu",
+        bias=False,
+        norm="rmsnorm",
+        moe=MoEConfig(**{"experts": 4, "ffn_hidden": 12, **moe}),
+    )
     cfg.validate()
     return cfg
 
@@ -39,8 +49,9 @@ def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view_as(x)
 
 
-@pytest.mark.parametrize("moe", [dict(top_k=2), dict(top_k=2, router="sigmoid", shared_ffn_hidden=8),
-                                 dict(top_k=3, normalize=False)])
+@pytest.mark.parametrize(
+    "moe", [dict(top_k=2), dict(top_k=2, router="sigmoid", shared_ffn_hidden=8), dict(top_k=3, normalize=False)]
+)
 def test_moe_layer_is_the_gated_sum_of_each_tokens_top_k_experts(moe):
     layer = _layer(**moe)
     x = torch.randn(2, 8, 16)

@@ -13,8 +13,7 @@ from megascale.model.sliding_window import default_block, sliding_window_attenti
 
 def _qkv(seq, heads=4, kv_heads=2, dtype=torch.float64, dim=8):
     g = torch.Generator().manual_seed(seq)
-    return [torch.randn(2, n, seq, dim, generator=g, dtype=dtype).requires_grad_()
-            for n in (heads, kv_heads, kv_heads)]
+    return [torch.randn(2, n, seq, dim, generator=g, dtype=dtype).requires_grad_() for n in (heads, kv_heads, kv_heads)]
 
 
 def _with_grads(fn, q, k, v, grad_out):
@@ -24,8 +23,19 @@ def _with_grads(fn, q, k, v, grad_out):
 
 # (seq, window, block): windows inside a block, spanning several, multiples and not of the
 # block, sequences not a multiple of the block, windows of 1, of s - 1, of s and beyond
-CASES = [(64, 16, 16), (64, 17, 16), (100, 30, 16), (100, 1, 8), (37, 5, 16), (130, 64, 32),
-         (50, 49, 16), (50, 50, 16), (50, 400, 16), (7, 3, 16), (96, 40, 128)]
+CASES = [
+    (64, 16, 16),
+    (64, 17, 16),
+    (100, 30, 16),
+    (100, 1, 8),
+    (37, 5, 16),
+    (130, 64, 32),
+    (50, 49, 16),
+    (50, 50, 16),
+    (50, 400, 16),
+    (7, 3, 16),
+    (96, 40, 128),
+]
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
@@ -73,8 +83,9 @@ def test_memory_grows_linearly_with_the_sequence(monkeypatch):
     for seq in (1024, 2048):
         q, k, v = _qkv(seq, heads=2, kv_heads=2, dtype=torch.float32, dim=16)
         for w in (window, None):
-            peaks[seq, w] = peak_tensor_bytes(lambda q=q, k=k, v=v, w=w: causal_attention(q, k, v, w).sum().backward(),
-                                              external=(q, k, v))
+            peaks[seq, w] = peak_tensor_bytes(
+                lambda q=q, k=k, v=v, w=w: causal_attention(q, k, v, w).sum().backward(), external=(q, k, v)
+            )
         assert peaks[seq, window] < 1.5 * peaks[seq, None], peaks
     assert peaks[2048, window] / peaks[1024, window] < 2.1, peaks
 
@@ -102,8 +113,9 @@ def test_a_windowed_model_trains_the_same_with_the_sliding_kernel_and_the_refere
     assert losses["sliding"][-1] < losses["sliding"][0] - 0.3
 
 
-@pytest.mark.parametrize(("prefix", "seq", "window", "block"), [(16, 40, 16, 16), (5, 37, 9, 8), (40, 24, 12, 8),
-                                                                 (3, 20, 30, 16)])
+@pytest.mark.parametrize(
+    ("prefix", "seq", "window", "block"), [(16, 40, 16, 16), (5, 37, 9, 8), (40, 24, 12, 8), (3, 20, 30, 16)]
+)
 def test_keys_with_a_prefix_are_the_last_queries_of_the_longer_sequence(prefix, seq, window, block):
     """Context parallelism's halo: queries of positions prefix.. over keys from 0 equal the tail of
     attention over the whole sequence, and the prefix keys get the tail queries' gradients."""

@@ -14,8 +14,9 @@ from megascale.optim import Lamb
 B1, B2, EPS, LR, WD = 0.9, 0.95, 1e-6, 0.05, 0.1
 
 
-def reference_lamb(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
-                   decay: list[bool]) -> list[torch.Tensor]:
+def reference_lamb(
+    params: list[torch.Tensor], grads: list[list[torch.Tensor]], decay: list[bool]
+) -> list[torch.Tensor]:
     """Float64 LAMB: r = m^/(sqrt(v^)+eps); u = r + wd*w; w -= lr * ||w||/||u|| * u,
     with the ratio taken as 1 when either norm is zero."""
     w = [p.double().clone() for p in params]
@@ -46,14 +47,20 @@ def test_lamb_matches_float64_reference():
     ]
     decay = [True, False, True, False]
     steps = 6
-    grads = [[torch.randn(p.shape, generator=g) * (0.0 if i == 3 else 10.0 ** (i - 1))
-              for i, p in enumerate(params)] for _ in range(steps)]
+    grads = [
+        [torch.randn(p.shape, generator=g) * (0.0 if i == 3 else 10.0 ** (i - 1)) for i, p in enumerate(params)]
+        for _ in range(steps)
+    ]
 
     tensors = [p.clone() for p in params]
     opt = Lamb(
-        [{"params": [t for t, d in zip(tensors, decay, strict=True) if d], "weight_decay": WD},
-         {"params": [t for t, d in zip(tensors, decay, strict=True) if not d]}],
-        lr=LR, betas=(B1, B2), eps=EPS,
+        [
+            {"params": [t for t, d in zip(tensors, decay, strict=True) if d], "weight_decay": WD},
+            {"params": [t for t, d in zip(tensors, decay, strict=True) if not d]},
+        ],
+        lr=LR,
+        betas=(B1, B2),
+        eps=EPS,
     )
     for step_grads in grads:
         for t, gr in zip(tensors, step_grads, strict=True):

@@ -87,21 +87,52 @@ class Case:
 # so tp=2 splits whole groups), no biases.
 MODELS = {
     "gpt": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=12, heads=2, block="serial"),
-    "llama": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=16, heads=4, kv_heads=2, ffn_hidden=20,
-                         block="serial", norm="rmsnorm", mlp="swiglu", bias=False),
+    "llama": ModelConfig(
+        vocab_size=64,
+        seq_len=8,
+        layers=8,
+        hidden=16,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=20,
+        block="serial",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+    ),
     # sliding-window attention for context parallelism: cp=2 holds 8 positions a rank, window 5
     # needs the previous rank's last 4
-    "swa": ModelConfig(vocab_size=64, seq_len=16, layers=2, hidden=16, heads=4, kv_heads=2, window=5,
-                       block="serial"),
+    "swa": ModelConfig(vocab_size=64, seq_len=16, layers=2, hidden=16, heads=4, kv_heads=2, window=5, block="serial"),
     # Mixture of experts in blocks 1 and 3 (every=2): 4 SwiGLU experts, top-2, a shared expert,
     # the balancing loss and z-loss on. "moe-skew": top-1 with a routing bias (DeepSeek-V3
     # balancing, `SkewedValues`) that sends every token to expert 0: one ep rank gets all rows.
-    "moe": ModelConfig(vocab_size=64, seq_len=8, layers=4, hidden=16, heads=4, kv_heads=2, ffn_hidden=20,
-                       block="serial", norm="rmsnorm", mlp="swiglu", bias=False,
-                       moe=MoEConfig(experts=4, top_k=2, every=2, ffn_hidden=12, shared_ffn_hidden=8)),
-    "moe-skew": ModelConfig(vocab_size=64, seq_len=8, layers=2, hidden=16, heads=4, ffn_hidden=20, block="parallel",
-                            norm="rmsnorm", mlp="swiglu", bias=False,
-                            moe=MoEConfig(experts=4, top_k=1, normalize=False, bias_balancing=True)),
+    "moe": ModelConfig(
+        vocab_size=64,
+        seq_len=8,
+        layers=4,
+        hidden=16,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=20,
+        block="serial",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        moe=MoEConfig(experts=4, top_k=2, every=2, ffn_hidden=12, shared_ffn_hidden=8),
+    ),
+    "moe-skew": ModelConfig(
+        vocab_size=64,
+        seq_len=8,
+        layers=2,
+        hidden=16,
+        heads=4,
+        ffn_hidden=20,
+        block="parallel",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        moe=MoEConfig(experts=4, top_k=1, normalize=False, bias_balancing=True),
+    ),
 }
 
 
@@ -124,9 +155,7 @@ def values_for(case: Case, cfg: JobConfig) -> ValueSource | None:
 def job_config(case: Case, steps: int = STEPS) -> JobConfig:
     cfg = JobConfig(
         model=MODELS[case.model],
-        optim=OptimConfig(
-            name=case.optim, lr=case.lr, warmup_steps=2, weight_decay=0.1, grad_clip=0.3
-        ),
+        optim=OptimConfig(name=case.optim, lr=case.lr, warmup_steps=2, weight_decay=0.1, grad_clip=0.3),
         parallel=ParallelConfig(
             dp=case.dp,
             tp=case.tp,
@@ -160,18 +189,14 @@ def global_batches(cfg: JobConfig, steps: int) -> list[tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(SEED)
     out = []
     for _ in range(steps):
-        tokens = torch.randint(
-            0, cfg.model.vocab_size, (GLOBAL_BATCH, cfg.model.seq_len + 1), generator=g
-        )
+        tokens = torch.randint(0, cfg.model.vocab_size, (GLOBAL_BATCH, cfg.model.seq_len + 1), generator=g)
         labels = tokens[:, 1:].clone()
         labels[torch.rand(labels.shape, generator=g) < 0.2] = IGNORE_INDEX
         out.append((tokens[:, :-1], labels))
     return out
 
 
-def rank_batch(
-    inputs: torch.Tensor, labels: torch.Tensor, cfg: JobConfig, dp_rank: int
-) -> TokenBatch:
+def rank_batch(inputs: torch.Tensor, labels: torch.Tensor, cfg: JobConfig, dp_rank: int) -> TokenBatch:
     """This dp rank's contiguous slice of the global batch, as [micro_batches, micro, seq]."""
     per = GLOBAL_BATCH // cfg.parallel.dp
     sl = slice(dp_rank * per, (dp_rank + 1) * per)
@@ -211,8 +236,7 @@ def train(case: Case, mesh: ParallelMesh | None = None, steps: int = STEPS) -> d
     if runner.grad_sync is not None:
         runner.grad_sync.wait_params()
     # numpy, not tensors: tensors cross process boundaries as shared fds that die with the rank
-    pieces = [(name, shard_spec(p), p.detach().float().numpy().copy())
-              for name, p in runner.named_parameters()]
+    pieces = [(name, shard_spec(p), p.detach().float().numpy().copy()) for name, p in runner.named_parameters()]
     return {"losses": losses, "norms": norms, "pieces": pieces, "precision": {**precision(trainer), "moved": moved}}
 
 
@@ -230,14 +254,21 @@ def precision(trainer: StepTrainer) -> dict:
     """Where fp32 is kept: the parameters' dtypes, the optimizer's tensors and state in memory,
     and as the checkpoint's save path (`shared_pieces`) would write them."""
     named = trainer.runner.optimizer_tensors()
-    state = CheckpointState(model=trainer.runner, optimizer=trainer.optimizer, loader=None,
-                            train=trainer.train_state, rng=None)
+    state = CheckpointState(
+        model=trainer.runner, optimizer=trainer.optimizer, loader=None, train=trainer.train_state, rng=None
+    )
     pieces, _ = shared_pieces(state)
     return {
         "params": sorted({str(p.dtype) for _, p in trainer.runner.named_parameters()}),
         "masters": sorted({str(t.dtype) for _, t in named}),
-        "moments": sorted({str(v.dtype) for s in trainer.optimizer.state.values()
-                           for v in s.values() if torch.is_tensor(v) and v.dim() > 0}),
+        "moments": sorted(
+            {
+                str(v.dtype)
+                for s in trainer.optimizer.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            }
+        ),
         "checkpoint": sorted({(piece.field, str(piece.tensor.dtype)) for piece in pieces}),
     }
 

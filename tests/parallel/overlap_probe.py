@@ -109,12 +109,15 @@ def install(monkeypatch_setattr: Callable[[object, str, object], None], recorder
     `monkeypatch_setattr(obj, name, value)` installs a wrapper (a pytest monkeypatch, or a
     plain setattr in a spawned rank)."""
     for module, prefix in ((tp_comm, "tp"), (zero, "dp")):
-        monkeypatch_setattr(module, "all_gather_single",
-                            _wrapped(module.all_gather_single, f"{prefix}.all_gather", recorder, 1))
-        monkeypatch_setattr(module, "reduce_scatter_single",
-                            _wrapped(module.reduce_scatter_single, f"{prefix}.reduce_scatter", recorder, 1))
-    monkeypatch_setattr(expert, "all_to_all_single",
-                        _wrapped(expert.all_to_all_single, "ep.all_to_all", recorder, 1))
+        monkeypatch_setattr(
+            module, "all_gather_single", _wrapped(module.all_gather_single, f"{prefix}.all_gather", recorder, 1)
+        )
+        monkeypatch_setattr(
+            module,
+            "reduce_scatter_single",
+            _wrapped(module.reduce_scatter_single, f"{prefix}.reduce_scatter", recorder, 1),
+        )
+    monkeypatch_setattr(expert, "all_to_all_single", _wrapped(expert.all_to_all_single, "ep.all_to_all", recorder, 1))
     monkeypatch_setattr(dist, "isend", _wrapped(dist.isend, "pp.send", recorder, 0))
     monkeypatch_setattr(dist, "irecv", _wrapped(dist.irecv, "pp.recv", recorder, 0))
     return _Gemms(recorder)

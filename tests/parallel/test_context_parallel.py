@@ -79,6 +79,7 @@ def _record_order(group, rank: int, size: int) -> list[str]:
         def call(self, *args):
             events.append(name)
             return originals[name](self, *args)
+
         return call
 
     context.sliding_window_attention = recorded
@@ -102,16 +103,25 @@ def _job(ports: list[int]) -> dict:
         tokens = torch.randint(0, 64, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
         layouts = {"cp2": (mesh.cp_group, mesh.cp_rank, 2), "cp4": (dist.group.WORLD, mesh.rank, 4)}
         for positions, kv_heads, window in CASES:
-            cfg = ModelConfig(vocab_size=64, seq_len=SEQ, layers=2, hidden=32, heads=4, kv_heads=kv_heads,
-                              window=window, positions=positions)
+            cfg = ModelConfig(
+                vocab_size=64,
+                seq_len=SEQ,
+                layers=2,
+                hidden=32,
+                heads=4,
+                kv_heads=kv_heads,
+                window=window,
+                positions=positions,
+            )
             want_losses, want_grads = _train(cfg, tokens)
             for name, (group, rank, size) in layouts.items():
                 losses, grads = _train(cfg, tokens, group, rank, size)
                 case = f"{name}-{positions}"
                 out["errors"][case] = {
                     "loss": max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)),
-                    "grad": max((g[n] - w[n]).abs().max().item()
-                                for g, w in zip(grads, want_grads, strict=True) for n in w),
+                    "grad": max(
+                        (g[n] - w[n]).abs().max().item() for g, w in zip(grads, want_grads, strict=True) for n in w
+                    ),
                     "loss_moved": want_losses[0] - want_losses[-1],
                 }
         out["order"] = _record_order(dist.group.WORLD, mesh.rank, 4)

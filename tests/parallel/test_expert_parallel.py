@@ -23,8 +23,12 @@ from megascale.parallel.mesh import init_mesh
 from megascale.parallel.store import free_port
 from megascale.testing.launch import run_local
 
-CASES = [Case(dp=4, ep=2, model="moe", optim="lamb"), Case(dp=2, ep=2, pp=2, model="moe", optim="lamb"),
-         Case(dp=2, ep=2, tp=2, model="moe", optim="lamb"), Case(dp=4, ep=4, model="moe-skew", optim="lamb")]
+CASES = [
+    Case(dp=4, ep=2, model="moe", optim="lamb"),
+    Case(dp=2, ep=2, pp=2, model="moe", optim="lamb"),
+    Case(dp=2, ep=2, tp=2, model="moe", optim="lamb"),
+    Case(dp=4, ep=4, model="moe-skew", optim="lamb"),
+]
 STEPS = 4
 
 
@@ -84,8 +88,11 @@ def test_chunked_dispatch_keeps_all_to_alls_in_flight_while_experts_compute():
 def test_bad_expert_layouts_are_refused_with_the_valid_choices(dp, ep, experts, valid):
     cfg = JobConfig(model=ModelConfig(moe=MoEConfig(experts=experts)), parallel=ParallelConfig(dp=dp, ep=ep))
     cfg.train.global_batch = 16
-    with pytest.raises(ConfigError, match=rf"parallel.ep={ep} must divide parallel.dp={dp}.*model.moe.experts="
-                                          rf"{experts}.*valid parallel.ep: \{valid}"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"parallel.ep={ep} must divide parallel.dp={dp}.*model.moe.experts="
+        rf"{experts}.*valid parallel.ep: \{valid}",
+    ):
         cfg.validate()
 
 

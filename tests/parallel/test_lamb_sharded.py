@@ -45,8 +45,7 @@ def whole_params() -> dict[str, torch.Tensor]:
 
 def whole_grads(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return {n: torch.randn(shape, generator=g) * (i + 1) for i, (n, (shape, _, _))
-            in enumerate(PARAMS.items())}
+    return {n: torch.randn(shape, generator=g) * (i + 1) for i, (n, (shape, _, _)) in enumerate(PARAMS.items())}
 
 
 def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
@@ -76,9 +75,10 @@ def sharded_module(mesh, names: list[str]) -> nn.Module:
 
 
 def _shards(mesh, names: list[str]) -> list[tuple[str, torch.Tensor]]:
-    cfg = JobConfig(parallel=ParallelConfig(dp=mesh.dp_size, tp=mesh.tp_size, pp=mesh.pp_size,
-                                            dp_overlap=False),
-                    train=TrainConfig(global_batch=mesh.dp_size, micro_batch=1))
+    cfg = JobConfig(
+        parallel=ParallelConfig(dp=mesh.dp_size, tp=mesh.tp_size, pp=mesh.pp_size, dp_overlap=False),
+        train=TrainConfig(global_batch=mesh.dp_size, micro_batch=1),
+    )
     sync = ZeroGradSync([sharded_module(mesh, names)], cfg, mesh)
     return [(n.replace("_", ".", 1), t) for n, t in sync.optimizer_tensors()]
 
@@ -107,18 +107,16 @@ def _lamb_case(mesh) -> dict:
         naive_opt.step()
     want = reference()
     err = max((t - local_piece(want[n], shard_spec(t))).abs().max().item() for n, t in named)
-    naive_err = max((t - local_piece(want[n], shard_spec(t))).abs().max().item()
-                    for n, t in naive)
+    naive_err = max((t - local_piece(want[n], shard_spec(t))).abs().max().item() for n, t in naive)
     # clipping across dp and tp: the global norm of whole gradients, every element once
     _set_grads(named, 0)
-    whole_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in
-                                                     whole_grads(0).values()])).item()
+    whole_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in whole_grads(0).values()])).item()
     norm = clip_grad_norm_([t for _, t in named], max_norm=1.0).item()
     scale = 1.0 / (whole_norm + 1e-6)
-    clipped_ok = all(torch.allclose(t.grad, local_piece(whole_grads(0)[n] * scale, shard_spec(t)),
-                                    atol=1e-6) for n, t in named)
-    return {"err": err, "naive_err": naive_err, "norm": norm, "whole_norm": whole_norm,
-            "clipped_ok": clipped_ok}
+    clipped_ok = all(
+        torch.allclose(t.grad, local_piece(whole_grads(0)[n] * scale, shard_spec(t)), atol=1e-6) for n, t in named
+    )
+    return {"err": err, "naive_err": naive_err, "norm": norm, "whole_norm": whole_norm, "clipped_ok": clipped_ok}
 
 
 def _pp_clip_case(mesh) -> dict:
@@ -127,8 +125,7 @@ def _pp_clip_case(mesh) -> dict:
     named = _shards(mesh, names)
     _set_grads(named, 1)
     norm = global_grad_norm([t for _, t in named], across=[mesh.pp_group]).item()
-    whole_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in
-                                                     whole_grads(1).values()])).item()
+    whole_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in whole_grads(1).values()])).item()
     return {"norm": norm, "whole_norm": whole_norm}
 
 
@@ -136,8 +133,7 @@ def _worker(ports: list[int]) -> list[dict]:
     from megascale.parallel.mesh import init_mesh
 
     out = []
-    for (pp, dp, tp), case, port in zip(((1, 2, 2), (2, 2, 1)), (_lamb_case, _pp_clip_case),
-                                        ports, strict=True):
+    for (pp, dp, tp), case, port in zip(((1, 2, 2), (2, 2, 1)), (_lamb_case, _pp_clip_case), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         mesh = init_mesh(ParallelConfig(pp=pp, dp=dp, tp=tp, backend="gloo"), device="cpu")
         try:

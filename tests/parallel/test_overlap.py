@@ -33,8 +33,9 @@ STEPS = 3
 
 def _config(case: Case, overlap: bool, bf16: bool):
     cfg = job_config(case, STEPS)
-    parallel = replace(cfg.parallel, tp_overlap=overlap, dp_overlap=overlap,
-                       dp_bucket_mb=64 * 4 / 2**20)  # small buckets: several per step
+    parallel = replace(
+        cfg.parallel, tp_overlap=overlap, dp_overlap=overlap, dp_bucket_mb=64 * 4 / 2**20
+    )  # small buckets: several per step
     train = replace(cfg.train, dtype="bf16" if bf16 else "fp32")
     return replace(cfg, parallel=parallel, train=train)
 
@@ -89,8 +90,7 @@ def _rank(ports: list[int]) -> list[dict]:
     import os
 
     out = []
-    cases = [(Case(dp=2, tp=2), True, True), (Case(dp=2, tp=2), False, True),
-             (Case(dp=2, pp=2, vpp=2), True, False)]
+    cases = [(Case(dp=2, tp=2), True, True), (Case(dp=2, tp=2), False, True), (Case(dp=2, pp=2, vpp=2), True, False)]
     for (case, overlap, bf16), port in zip(cases, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         out.append(_record(case, overlap, bf16))

@@ -19,11 +19,32 @@ LAYOUT = "tp2pp2v2"
 @pytest.mark.slow
 def test_peer_bench_sides_train_the_same_model(tmp_path):
     out = tmp_path / "peers.json"
-    command = [sys.executable, "bench/peers.py", "--layouts", LAYOUT, "--no-startup", "--hidden", "32",
-               "--heads", "2", "--layers", "4", "--seq-len", "16", "--global-batch", "4", "--warmup", "1",
-               "--steps", "2", "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    command = [
+        sys.executable,
+        "bench/peers.py",
+        "--layouts",
+        LAYOUT,
+        "--no-startup",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--layers",
+        "4",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "4",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = json.loads(out.read_text())["layouts"][LAYOUT]
 

@@ -42,8 +42,10 @@ def _rank_main() -> list[float]:
         losses = []
         for batch in batches(job(p=2, v=2, m=2 * m), STEPS):  # dp rank d takes its m of them
             tokens = token_count(batch)
-            mine = type(batch)(batch.inputs[mesh.dp_rank * m:(mesh.dp_rank + 1) * m],
-                               batch.labels[mesh.dp_rank * m:(mesh.dp_rank + 1) * m])
+            mine = type(batch)(
+                batch.inputs[mesh.dp_rank * m : (mesh.dp_rank + 1) * m],
+                batch.labels[mesh.dp_rank * m : (mesh.dp_rank + 1) * m],
+            )
             loss_sum = runner.forward_backward(mine, tokens)
             runner.finish_grads()
             params = [t for _, t in runner.optimizer_tensors()]

@@ -174,10 +174,15 @@ def weight_order(mesh) -> dict:
         runner.forward_backward(batch, token_count(batch))
     finally:
         weight_grad.run = run
-    final_ok = all(torch.equal(g, p.grad) for g, p in zip(recorder.grads_at_hook[0], chunks[0].parameters(),
-                                                          strict=True))
-    return {"events": events, "calls": recorder.calls, "final_ok": final_ok,
-            "params": [n for n, _ in chunks[0].named_parameters()]}
+    final_ok = all(
+        torch.equal(g, p.grad) for g, p in zip(recorder.grads_at_hook[0], chunks[0].parameters(), strict=True)
+    )
+    return {
+        "events": events,
+        "calls": recorder.calls,
+        "final_ok": final_ok,
+        "params": [n for n, _ in chunks[0].named_parameters()],
+    }
 
 
 def _rank_main(cases: list[tuple[int, int, int, str]], out_dir: str | None = None) -> dict:
@@ -233,8 +238,7 @@ def _check_hooks_and_timers(results: list[dict]) -> None:
         hooks = res.pop("hooks")
         calls = hooks["calls"]
         assert calls.count(("before_forward", 0)) == calls.count(("before_forward", 1)) == m
-        assert [c for c in calls if c[0] == "after_backward"] == [("after_backward", 1),
-                                                                  ("after_backward", 0)]
+        assert [c for c in calls if c[0] == "after_backward"] == [("after_backward", 1), ("after_backward", 0)]
         assert calls[-1] == ("after_backward", 0)
         assert hooks["final_ok"], f"rank {rank}: after_backward came before a chunk's last backward"
         spans = [json.loads(line) for line in Path(hooks["path"]).read_text().splitlines()]
@@ -242,8 +246,7 @@ def _check_hooks_and_timers(results: list[dict]) -> None:
         bwd = [s for s in spans if s["name"] == "pp.backward"]
         assert len(fwd) == len(bwd) == m * v
         assert all(s["kind"] == "compute" for s in fwd + bwd)
-        assert {(s["attrs"]["mb"], s["attrs"]["chunk"]) for s in fwd} == {
-            (mb, c) for mb in range(m) for c in range(v)}
+        assert {(s["attrs"]["mb"], s["attrs"]["chunk"]) for s in fwd} == {(mb, c) for mb in range(m) for c in range(v)}
         p2p = [s for s in spans if s["kind"] == "p2p"]
         assert {s["name"] for s in p2p} >= {"pp.send", "pp.recv"}
         assert {s["attrs"]["peer"] for s in p2p if "peer" in s["attrs"]} == {1 - rank}

@@ -24,8 +24,20 @@ from megascale.parallel.pipeline.schedule import (
     simulate,
 )
 
-LAYOUTS = [(2, 1, 1), (2, 1, 4), (4, 1, 2), (4, 1, 8), (3, 1, 5), (2, 2, 2), (2, 2, 4),
-           (4, 2, 4), (4, 2, 8), (4, 3, 8), (2, 4, 8), (8, 2, 16)]
+LAYOUTS = [
+    (2, 1, 1),
+    (2, 1, 4),
+    (4, 1, 2),
+    (4, 1, 8),
+    (3, 1, 5),
+    (2, 2, 2),
+    (2, 2, 4),
+    (4, 2, 4),
+    (4, 2, 8),
+    (4, 3, 8),
+    (2, 4, 8),
+    (8, 2, 16),
+]
 ZB_LAYOUTS = [(2, 1, 1), (2, 1, 4), (4, 1, 2), (4, 1, 8), (3, 1, 5), (8, 1, 16)]
 CASES = [(k, p, v, m) for k in ("1f1b", "gpipe") for p, v, m in LAYOUTS]
 CASES += [("zb-h1", p, v, m) for p, v, m in ZB_LAYOUTS]
@@ -200,8 +212,9 @@ def test_zb_h1_defers_rank_r_weights_by_r_rounds():
 
 
 def _without(sched, rank: int, drop):
-    return replace(sched, ranks=tuple(tuple(a for a in acts if not (r == rank and drop(a)))
-                                      for r, acts in enumerate(sched.ranks)))
+    return replace(
+        sched, ranks=tuple(tuple(a for a in acts if not (r == rank and drop(a))) for r, acts in enumerate(sched.ranks))
+    )
 
 
 def test_checker_rejects_a_missing_or_misordered_weight_action():

@@ -123,8 +123,11 @@ def test_last_chunk_needs_labels():
 
 
 def test_config_rejects_layouts_the_schedule_cannot_fill():
-    cfg = JobConfig(model=ModelConfig(layers=8), parallel=ParallelConfig(pp=4, vpp=2),
-                    train=TrainConfig(global_batch=24, micro_batch=4))  # 6 micro-batches
+    cfg = JobConfig(
+        model=ModelConfig(layers=8),
+        parallel=ParallelConfig(pp=4, vpp=2),
+        train=TrainConfig(global_batch=24, micro_batch=4),
+    )  # 6 micro-batches
     with pytest.raises(ConfigError, match="multiple of parallel.pp=4"):
         cfg.validate()
     cfg.parallel.vpp, cfg.model.layers, cfg.parallel.pp_split = 1, 6, "even"

@@ -113,12 +113,23 @@ def guarded(cases: list[Case], ports: list[int], bad_rank: int) -> list[dict]:
                 record = trainer.train_step(rank_batch(inputs, labels, cfg, mesh.dp_rank))
                 trainer.step += "skipped" not in record
                 records.append(record)
-                moved.append(any(not torch.equal(b, t) for b, (_, t) in
-                                 zip(before, trainer.runner.optimizer_tensors(), strict=True)))
+                moved.append(
+                    any(
+                        not torch.equal(b, t)
+                        for b, (_, t) in zip(before, trainer.runner.optimizer_tensors(), strict=True)
+                    )
+                )
             trainer.runner.grad_sync.wait_params()
             finite = all(torch.isfinite(p).all() for _, p in trainer.runner.named_parameters())
-            out.append({"skipped": [r.get("skipped", 0) for r in records], "moved": moved, "finite": finite,
-                        "ranks": records[1].get("nonfinite_ranks"), "step": trainer.step})
+            out.append(
+                {
+                    "skipped": [r.get("skipped", 0) for r in records],
+                    "moved": moved,
+                    "finite": finite,
+                    "ranks": records[1].get("nonfinite_ranks"),
+                    "step": trainer.step,
+                }
+            )
         finally:
             mesh.destroy()
     return out

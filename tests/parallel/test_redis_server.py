@@ -51,9 +51,18 @@ def test_launcher_serves_redis_for_the_job_and_stops_it(tmp_path):
     """`megascale train --nproc 2` with redis_start: the ranks rendezvous on the server the
     launcher started (they would fail to reach the address otherwise), which is gone after."""
     port = free_port()
-    proc, _ = train_cli(tmp_path, "redis", ["--nproc", "2", "--parallel.dp=2", "--parallel.store='redis'",
-                                            "--parallel.redis_start=true",
-                                            f"--parallel.redis_url='redis://127.0.0.1:{port}/0'"])
+    proc, _ = train_cli(
+        tmp_path,
+        "redis",
+        [
+            "--nproc",
+            "2",
+            "--parallel.dp=2",
+            "--parallel.store='redis'",
+            "--parallel.redis_start=true",
+            f"--parallel.redis_url='redis://127.0.0.1:{port}/0'",
+        ],
+    )
     assert "store=redis" in proc.stdout + proc.stderr
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=port, socket_connect_timeout=1).ping()

@@ -47,16 +47,22 @@ def _side_group_ops(layout: tuple[int, int, int]) -> dict:
     mesh = init_mesh(ParallelConfig(pp=layout[0], dp=layout[1], tp=layout[2], backend="gloo"), device="cpu")
     try:
         counter, out = mesh.store, {}
-        for name, make in (("checkpoint", lambda: mesh.checkpoint_groups), ("replica", lambda: mesh.replica_groups),
-                           ("world", lambda: dist.new_group(list(range(mesh.world_size)), backend="gloo",
-                                                            use_local_synchronization=True))):
+        for name, make in (
+            ("checkpoint", lambda: mesh.checkpoint_groups),
+            ("replica", lambda: mesh.replica_groups),
+            (
+                "world",
+                lambda: dist.new_group(list(range(mesh.world_size)), backend="gloo", use_local_synchronization=True),
+            ),
+        ):
             counter.reset()
             make()
             out[name] = counter.total_ops
         comm = Comm(mesh.grid, mesh.rank, mesh.replica_groups)
         out["sum"] = comm.all_reduce([mesh.rank], "sum")[0]
-        out["ring"] = sorted(comm.exchange({(mesh.rank + 1) % mesh.world_size: torch.ones(mesh.rank + 1,
-                                                                                          dtype=torch.uint8)}).items())
+        out["ring"] = sorted(
+            comm.exchange({(mesh.rank + 1) % mesh.world_size: torch.ones(mesh.rank + 1, dtype=torch.uint8)}).items()
+        )
         out["ring"] = [(src, int(t.numel())) for src, t in out["ring"]]
         return out
     finally:

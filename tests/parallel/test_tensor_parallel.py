@@ -46,9 +46,7 @@ def model_config(**overrides) -> ModelConfig:
 def job_config(model: ModelConfig, tp: int, sp: bool, overlap: bool, chunks: int = 2) -> JobConfig:
     return JobConfig(
         model=model,
-        parallel=ParallelConfig(
-            tp=tp, sequence_parallel=sp, tp_overlap=overlap, tp_overlap_chunks=chunks
-        ),
+        parallel=ParallelConfig(tp=tp, sequence_parallel=sp, tp_overlap=overlap, tp_overlap_chunks=chunks),
     )
 
 
@@ -102,9 +100,7 @@ def _cases(tp: int) -> list[tuple[str, ModelConfig, bool, bool, int]]:
     # vocabulary not divisible by tp (replicated embedding/head), learned positions, tied
     # embeddings, no biases, uneven chunks
     for block, sp in itertools.product(("serial", "parallel"), (True, False)):
-        odd = model_config(
-            vocab_size=67, positions="learned", tie_embeddings=True, bias=False, block=block
-        )
+        odd = model_config(vocab_size=67, positions="learned", tie_embeddings=True, bias=False, block=block)
         cases.append((f"tp={tp} {block} vocab=67 learned tied no-bias sp={sp}", odd, sp, True, 3))
     tied = model_config(tie_embeddings=True, positions="learned", block="parallel")
     cases.append((f"tp={tp} parallel vocab-parallel tied learned", tied, True, True, 4))
@@ -113,10 +109,24 @@ def _cases(tp: int) -> list[tuple[str, ModelConfig, bool, bool, int]]:
     # the fused parallel block; GPT-NeoX's norm per branch, exact GeLU and partial rotary
     llama = dict(heads=8, kv_heads=4, norm="rmsnorm", mlp="swiglu", ffn_hidden=96, bias=False)
     scaling = RopeScaling(kind="llama3", factor=4.0, original_max_positions=16)
-    cases.append((f"tp={tp} llama gqa swiglu rmsnorm rope-scaled",
-                  model_config(block="serial", rope_scaling=scaling, **llama), True, True, 2))
-    cases.append((f"tp={tp} parallel llama swa qkv-bias",
-                  model_config(block="parallel", window=8, qkv_bias=True, **llama), True, True, 2))
+    cases.append(
+        (
+            f"tp={tp} llama gqa swiglu rmsnorm rope-scaled",
+            model_config(block="serial", rope_scaling=scaling, **llama),
+            True,
+            True,
+            2,
+        )
+    )
+    cases.append(
+        (
+            f"tp={tp} parallel llama swa qkv-bias",
+            model_config(block="parallel", window=8, qkv_bias=True, **llama),
+            True,
+            True,
+            2,
+        )
+    )
     neox = model_config(block="parallel", parallel_norms=2, mlp="gelu_exact", rotary_fraction=0.25)
     cases.append((f"tp={tp} neox two norms partial rotary no-sp", neox, False, True, 2))
     return cases
@@ -191,9 +201,7 @@ def test_parity_matrix(tp):
 
 def test_tp1_rewrite_in_process():
     """The tensor-parallel layers with a group of one rank (no collectives) match the model."""
-    for block, sp, overlap in itertools.product(
-        ("serial", "parallel"), (True, False), (True, False)
-    ):
+    for block, sp, overlap in itertools.product(("serial", "parallel"), (True, False), (True, False)):
         mcfg = model_config(block=block, window=8)
         tokens, labels = batch(mcfg.vocab_size, seed=1)
         torch.manual_seed(0)

@@ -17,8 +17,7 @@ from megascale.parallel import weight_grad
 
 VARIANTS = {
     "serial-layernorm": {},
-    "fused-parallel-rmsnorm-swiglu-learned": dict(block="parallel", norm="rmsnorm", mlp="swiglu",
-                                                  positions="learned"),
+    "fused-parallel-rmsnorm-swiglu-learned": dict(block="parallel", norm="rmsnorm", mlp="swiglu", positions="learned"),
     "no-bias": dict(bias=False),
 }
 # the loss computes the head's gradient in its forward; learned positions are an add

@@ -50,9 +50,7 @@ def _layout_check() -> dict:
         named = sync.optimizer_tensors()
         out["names"] = [n for n, _ in named] == [n for n, _ in module.named_parameters()]
         # each shard is the spec'd piece of the parameter, and knows it is split over dp
-        out["pieces_ok"] = all(
-            torch.equal(s, local_piece(whole[n], shard_spec(s))) for n, s in named
-        )
+        out["pieces_ok"] = all(torch.equal(s, local_piece(whole[n], shard_spec(s))) for n, s in named)
         out["groups_ok"] = all(shard_spec(s).groups == (mesh.dp_group,) for _, s in named)
         out["matrix"] = {n: shard_spec(s).matrix for n, s in named}
         # gradients: rank r contributes (r + 1) * g, so the shard must hold the dp-sum
@@ -72,8 +70,7 @@ def _layout_check() -> dict:
         sync.finish()
         total = dp * (dp + 1) / 2
         out["grad_ok"] = all(
-            torch.allclose(s.grad, local_piece(total * g[n], shard_spec(s)), atol=1e-6)
-            for n, s in named
+            torch.allclose(s.grad, local_piece(total * g[n], shard_spec(s)), atol=1e-6) for n, s in named
         )
         out["param_grads_freed"] = all(p.grad is None for p in module.parameters())
         # parameters are refreshed from updated shards, padding never leaks in
@@ -81,9 +78,7 @@ def _layout_check() -> dict:
             s.data.add_(1.0)
         sync.after_step()
         sync.before_forward(0)
-        out["refresh_ok"] = all(
-            torch.allclose(p, whole[n] + 1) for n, p in module.named_parameters()
-        )
+        out["refresh_ok"] = all(torch.allclose(p, whole[n] + 1) for n, p in module.named_parameters())
         # prefetch order over two chunks: chunk 0 right after the step, chunk 1 when chunk 0's
         # forward starts (each while the previous work runs), both waited before use
         two = ZeroGradSync([Odd(), Odd()], cfg, mesh)
@@ -110,8 +105,11 @@ def _layout_check() -> dict:
             low.finish()
             buckets = low._chunks[0].buckets
             out[f"bf16_comm_{reduce}"] = all(
-                b.send.dtype == REDUCE_DTYPES[reduce] and b.gathered.dtype == b.low.dtype == torch.bfloat16
-                and b.grad.dtype == b.shard.dtype == torch.float32 for b in buckets)
+                b.send.dtype == REDUCE_DTYPES[reduce]
+                and b.gathered.dtype == b.low.dtype == torch.bfloat16
+                and b.grad.dtype == b.shard.dtype == torch.float32
+                for b in buckets
+            )
             out[f"bf16_grad_ok_{reduce}"] = all(
                 torch.allclose(s.grad, local_piece(total * g[n], shard_spec(s)), rtol=2e-2, atol=2e-2)
                 for n, s in low.optimizer_tensors()
@@ -120,8 +118,9 @@ def _layout_check() -> dict:
                 s.data.add_(1.0)
             low.after_step()
             low.before_forward(0)
-            out[f"bf16_refresh_ok_{reduce}"] = all(torch.equal(p, (before[n].float() + 1).to(torch.bfloat16))
-                                                   for n, p in half.named_parameters())
+            out[f"bf16_refresh_ok_{reduce}"] = all(
+                torch.equal(p, (before[n].float() + 1).to(torch.bfloat16)) for n, p in half.named_parameters()
+            )
         dist.barrier()
         return out
     finally:
@@ -162,8 +161,7 @@ def _check_layout(layouts: list[dict]) -> None:
 @pytest.mark.slow
 def test_dp2_matches_one_process(reference):
     # overlap changes when collectives run, not the arithmetic: one synchronous case suffices
-    cases = [Case(dp=2, optim="adamw"), Case(dp=2, optim="lamb"),
-             Case(dp=2, optim="adamw", overlap=False)]
+    cases = [Case(dp=2, optim="adamw"), Case(dp=2, optim="lamb"), Case(dp=2, optim="adamw", overlap=False)]
     _check_layout(_run(2, cases, reference))
 
 
@@ -175,9 +173,7 @@ def test_dp4_matches_one_process(reference):
 
 def test_reference_is_not_trivially_matched(reference):
     """The comparison can fail: a different optimizer gives different losses."""
-    assert reference["adamw"]["losses"][-1] != pytest.approx(
-        reference["lamb"]["losses"][-1], rel=LOSS_RTOL
-    )
+    assert reference["adamw"]["losses"][-1] != pytest.approx(reference["lamb"]["losses"][-1], rel=LOSS_RTOL)
 
 
 @pytest.mark.slow

@@ -16,8 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def tiny() -> Workload:
     """The hand-computed model: 2 serial layers, hidden 8, 2 heads, MLP 32, vocab 100, seq 16."""
-    model = ModelConfig(vocab_size=100, seq_len=16, layers=2, hidden=8, heads=2, block="serial",
-                        positions="learned")
+    model = ModelConfig(vocab_size=100, seq_len=16, layers=2, hidden=8, heads=2, block="serial", positions="learned")
     return Workload(model=model, global_batch=8, dtype="bf16", optimizer="adamw")
 
 
@@ -29,8 +28,7 @@ def gpt175b() -> Workload:
 @pytest.fixture
 def medium() -> Workload:
     """A 1.3B-class model that fits anywhere, so memory never forces recomputation."""
-    model = ModelConfig(vocab_size=51200, seq_len=2048, layers=24, hidden=2048, heads=16,
-                        positions="learned")
+    model = ModelConfig(vocab_size=51200, seq_len=2048, layers=24, hidden=2048, heads=16, positions="learned")
     return Workload(model=model, global_batch=512)
 
 

@@ -37,27 +37,43 @@ SwitchName=spine Level=1 LinkSpeed=1 Switches=tor[0-1]
 
 
 def k8s_node(name: str, tor: str, block: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
                 "kubernetes.io/hostname": name,
                 "topology.k8s.aws/network-node-layer-3": tor,
-                "topology.k8s.aws/network-node-layer-2": block}}}
+                "topology.k8s.aws/network-node-layer-2": block,
+            },
+        },
+    }
 
 
 def test_slurm_host_lists_and_topology():
     assert expand_hostlist("gpu[01-03,07],login1,n[8-10]-ib") == [
-        "gpu01", "gpu02", "gpu03", "gpu07", "login1", "n8-ib", "n9-ib", "n10-ib"]
+        "gpu01",
+        "gpu02",
+        "gpu03",
+        "gpu07",
+        "login1",
+        "n8-ib",
+        "n9-ib",
+        "n10-ib",
+    ]
     hosts = {h.name: (h.tor, h.pod) for h in parse_scontrol_topology(SCONTROL)}
-    assert hosts == {"gpu01": (0, 2), "gpu02": (0, 2), "gpu03": (1, 2), "gpu04": (1, 2),
-                     "gpu07": (1, 2)}
+    assert hosts == {"gpu01": (0, 2), "gpu02": (0, 2), "gpu03": (1, 2), "gpu04": (1, 2), "gpu07": (1, 2)}
     with pytest.raises(ConfigError, match="topology/tree"):
         parse_scontrol_topology("SwitchName=s Level=1 Switches=a")
 
 
 def test_kubernetes_node_labels(tmp_path):
-    doc = {"apiVersion": "v1", "kind": "List",
-           "items": [k8s_node("a", "nn-1", "b-1"), k8s_node("b", "nn-2", "b-1"),
-                     k8s_node("c", "nn-1", "b-1")]}
+    doc = {
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": [k8s_node("a", "nn-1", "b-1"), k8s_node("b", "nn-2", "b-1"), k8s_node("c", "nn-1", "b-1")],
+    }
     hosts = parse_k8s_nodes(doc)
     assert hosts[0].tor == hosts[2].tor != hosts[1].tor and len({h.pod for h in hosts}) == 1
     path = tmp_path / "nodes.json"
@@ -112,8 +128,11 @@ def test_ranks_receive_the_planned_order_and_env(tmp_path, monkeypatch):
     job = Job(tmp_path / "run", fault=PAUSE, spares=0, extra=("--topology", f"file:{topo}"))
     job.start()
     try:
-        status = job.wait_for(lambda s: sum(r.get("alive") and (r.get("step") or 0) >= 1
-                                            for n in s["nodes"].values() for r in n["ranks"]) == 4)
+        status = job.wait_for(
+            lambda s: (
+                sum(r.get("alive") and (r.get("step") or 0) >= 1 for n in s["nodes"].values() for r in n["ranks"]) == 4
+            )
+        )
         node_of = {r["rank"]: node for node, info in status["nodes"].items() for r in info["ranks"]}
         assert {node_of[0], node_of[1]} == {"node1"} and {node_of[2], node_of[3]} == {"node0"}
         assert status["nodes"]["node1"]["slot"] == 0

@@ -27,18 +27,20 @@ from megascale.plan.stragglers import jitter_from_run
 SPEED = {0: 0.95, 1: 1.05}  # rank 1's compute is 10% longer than rank 0's
 
 
-def write_run(run_dir, cluster, compute_x=2.0, optimizer_x=3.0, comm_x=1.5, data_s=0.004,
-              steps=4):
-    cfg = load_config(None, ["--parallel.dp=2", "--train.global_batch=8", "--train.micro_batch=2",
-                             f"--train.run_dir={run_dir}"])
+def write_run(run_dir, cluster, compute_x=2.0, optimizer_x=3.0, comm_x=1.5, data_s=0.004, steps=4):
+    cfg = load_config(
+        None, ["--parallel.dp=2", "--train.global_batch=8", "--train.micro_batch=2", f"--train.run_dir={run_dir}"]
+    )
     dump_config(cfg, run_dir / "config.toml")
     layout = Layout(dp=2, micro_batch=2, zero=2)
     est = estimate(Workload.from_job(cfg), layout, cluster, Features.from_job(cfg))
     t = est.terms
-    spans = [("data", "data", data_s), ("forward", "compute", compute_x * t["compute"]),
-             ("dp.reduce_scatter", "comm",
-              comm_x * (t["tp_exposed"] + t["dp_exposed"] + t["other"])),
-             ("optimizer", "optimizer", optimizer_x * t["optimizer"])]
+    spans = [
+        ("data", "data", data_s),
+        ("forward", "compute", compute_x * t["compute"]),
+        ("dp.reduce_scatter", "comm", comm_x * (t["tp_exposed"] + t["dp_exposed"] + t["other"])),
+        ("optimizer", "optimizer", optimizer_x * t["optimizer"]),
+    ]
     for rank in (0, 1):
         timers = Timers(rank, {"pp": 0, "dp": rank, "tp": 0}, f"node{rank}", run_dir)
         for step in range(steps):
@@ -70,10 +72,8 @@ def test_calibration_recovers_the_constants(run_dir):
     # the optimizer fixed the memory bandwidth (element-wise work streams through it too)
     cfg = load_config(path / "config.toml")
     slower_memory = replace(cpu, gpu=replace(cpu.gpu, hbm_bytes_per_s=cpu.gpu.hbm_bytes_per_s / 3))
-    before = estimate(Workload.from_job(cfg), Layout(dp=2, micro_batch=2), slower_memory,
-                      Features.from_job(cfg)).terms
-    first = estimate(Workload.from_job(cfg), Layout(dp=2, micro_batch=2), cpu,
-                     Features.from_job(cfg)).terms
+    before = estimate(Workload.from_job(cfg), Layout(dp=2, micro_batch=2), slower_memory, Features.from_job(cfg)).terms
+    first = estimate(Workload.from_job(cfg), Layout(dp=2, micro_batch=2), cpu, Features.from_job(cfg)).terms
     assert terms["compute"].measured_s[0] == pytest.approx(2.1 * first["compute"], rel=1e-4)
     k = 2.1 * first["compute"] / before["compute"]
     assert terms["compute"].factor == pytest.approx(k, rel=1e-4)
@@ -93,8 +93,20 @@ def test_jitter_from_run_feeds_the_straggler_term(run_dir, capsys):
     calibrate([str(path)], run_dir[1])  # builds the timer database
     jitter = jitter_from_run(default_db_path(path))
     assert jitter.expected_max(2) == pytest.approx(0.95 * 0.25 + 1.05 * 0.75)
-    code = main(["plan", "--gpus", "64", "--batch", "64", "--model", str(default_config_path()),
-                 "--jitter-from", str(path), "--explain"])
+    code = main(
+        [
+            "plan",
+            "--gpus",
+            "64",
+            "--batch",
+            "64",
+            "--model",
+            str(default_config_path()),
+            "--jitter-from",
+            str(path),
+            "--explain",
+        ]
+    )
     assert code == 0
     assert "measured (" in capsys.readouterr().out
 

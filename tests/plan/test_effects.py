@@ -70,13 +70,15 @@ def test_collision_closed_form_on_hand_counted_cases():
     assert congestion.collision_slowdown(2, 8, 2) == 1.0
 
 
-@pytest.mark.parametrize("layout", [Layout(dp=64, tp=8, pp=4), Layout(dp=128, tp=8, pp=2),
-                                    Layout(dp=8, tp=8, pp=8)], ids=Layout.label)
+@pytest.mark.parametrize(
+    "layout", [Layout(dp=64, tp=8, pp=4), Layout(dp=128, tp=8, pp=2), Layout(dp=8, tp=8, pp=8)], ids=Layout.label
+)
 @pytest.mark.parametrize("rails,nodes_per_tor", [(8, 64), (1, 8)])
 def test_collision_closed_form_agrees_with_the_flow_simulation(a100, layout, rails, nodes_per_tor):
     """The closed form against ecmp.simulate drawing every flow's hash, on the planner's placement."""
-    cluster = a100.with_network(flows_per_connection=1, rails=rails, nodes_per_tor=nodes_per_tor,
-                                tors_per_pod=32 if rails == 1 else 4)
+    cluster = a100.with_network(
+        flows_per_connection=1, rails=rails, nodes_per_tor=nodes_per_tor, tors_per_pod=32 if rails == 1 else 4
+    )
     placed = placement.place(layout, placement.synthetic_hosts(cluster, layout.world // 8), 8)
     for kind, traffic in (("pp", congestion.pp_traffic), ("dp", congestion.dp_traffic)):
         closed = traffic(cluster, layout.dp, layout.tp, layout.pp).slowdown
@@ -93,8 +95,7 @@ def test_bandwidth_falls_with_scale_and_collisions_are_switchable(gpt175b, a100)
     layout = Layout(dp=192, tp=8, pp=8, v=6)
     work = replace(gpt175b, global_batch=6144)
     on = estimate(work, layout, a100, Features.none())
-    off = estimate(work, layout, a100, replace(Features.none(),
-                                               effects=Effects.without(["collisions"])))
+    off = estimate(work, layout, a100, replace(Features.none(), effects=Effects.without(["collisions"])))
     assert on.terms["pp_exposed"] > 1.5 * off.terms["pp_exposed"]
     assert "slowdown" in on.inputs["collisions_pp"]
 
@@ -104,9 +105,11 @@ def test_interleaving_stops_paying_when_each_chunk_costs(medium, a100):
     work = replace(medium, global_batch=64)
     free = search(work, 32, a100, IDEAL, space)[0]
     assert free.layout.v == max(v for v in (1, 2, 3, 6) if 24 // 4 % v == 0)
-    costly = replace(IDEAL, impl=Implementation(chunk_overhead_us=3000.0),
-                     effects=Effects.without(["stragglers", "collisions", "contention",
-                                              "launch_gaps", "host"]))
+    costly = replace(
+        IDEAL,
+        impl=Implementation(chunk_overhead_us=3000.0),
+        effects=Effects.without(["stragglers", "collisions", "contention", "launch_gaps", "host"]),
+    )
     best = search(work, 32, a100, costly, space)[0]
     assert best.layout.v < free.layout.v
     micro = best.micro_batches
@@ -120,8 +123,7 @@ def test_contention_charges_the_hidden_communication(gpt175b, a100):
     hidden = sum(est.totals.values()) - t["tp_exposed"] - t["pp_exposed"] - t["dp_exposed"]
     assert hidden > 0
     assert t["contention"] == pytest.approx(0.1 * hidden)
-    off = Features(impl=Implementation(overlap_contention=0.1),
-                   effects=Effects.without(["contention"]))
+    off = Features(impl=Implementation(overlap_contention=0.1), effects=Effects.without(["contention"]))
     assert estimate(gpt175b, layout, a100, off).terms["contention"] == 0.0
 
 
@@ -130,8 +132,7 @@ def test_launch_gaps_count_the_kernels(tiny, a100):
     est = estimate(tiny, Layout(dp=1, micro_batch=2), a100, gap)
     # 2 layers x 14 kernels x (forward + 2x backward) x 5 us, per micro-batch, 4 micro-batches
     assert est.terms["launch_gaps"] == pytest.approx(4 * 2 * 14 * 3 * 5e-6)
-    unfused = estimate(tiny, Layout(dp=1, micro_batch=2), a100,
-                       replace(gap, fused_elementwise=False))
+    unfused = estimate(tiny, Layout(dp=1, micro_batch=2), a100, replace(gap, fused_elementwise=False))
     assert unfused.terms["launch_gaps"] == pytest.approx(2 * est.terms["launch_gaps"])
     assert unfused.detail["elementwise_fwd"] == pytest.approx(2 * est.detail["elementwise_fwd"])
 

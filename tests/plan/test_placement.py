@@ -21,8 +21,13 @@ from megascale.plan.placement import (
     synthetic_hosts,
 )
 
-LAYOUTS = [Layout(dp=16, tp=8, pp=4), Layout(dp=32, tp=4, pp=2, v=2), Layout(dp=8, tp=2, pp=8),
-           Layout(dp=64, tp=1, pp=1), Layout(dp=3, tp=8, pp=2)]
+LAYOUTS = [
+    Layout(dp=16, tp=8, pp=4),
+    Layout(dp=32, tp=4, pp=2, v=2),
+    Layout(dp=8, tp=2, pp=8),
+    Layout(dp=64, tp=1, pp=1),
+    Layout(dp=3, tp=8, pp=2),
+]
 
 
 def ragged_hosts(nodes: int, seed: int) -> list[Host]:

@@ -34,14 +34,14 @@ def test_held_out_error_within_the_stated_bound():
         assert abs(r["error_points"]) <= HELD_OUT_POINTS, r
 
 
-@pytest.mark.parametrize("fold", json.loads((ROOT / "bench/results/plan_loso.json").read_text())["folds"],
-                         ids=lambda f: f["left_out"])
+@pytest.mark.parametrize(
+    "fold", json.loads((ROOT / "bench/results/plan_loso.json").read_text())["folds"], ids=lambda f: f["left_out"]
+)
 def test_left_out_source_predicted_within_bound(fold):
     """Each source's rows, predicted with the constants fitted on the other sources (the
     committed fit of bench/plan_loso.py), stay within the stated bounds."""
     assert set(fold["constants"]) == set(FITTED)
-    errors = [abs(r["error_points"]) for r in
-              evaluate_rows(None, source_rows(fold["left_out"]), fold["constants"])]
+    errors = [abs(r["error_points"]) for r in evaluate_rows(None, source_rows(fold["left_out"]), fold["constants"])]
     assert max(errors) <= LOSO_MAX_POINTS and statistics.mean(errors) <= LOSO_MEAN_POINTS, errors
 
 

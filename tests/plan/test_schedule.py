@@ -38,16 +38,22 @@ def test_more_gpus_never_raise_efficiency_same_shape(medium, a100):
         assert all(b <= a + 1e-12 for a, b in itertools.pairwise(mfus)), (tp, pp, mfus)
 
 
-@pytest.mark.parametrize("workload,counts", [("medium", (8, 16, 32, 64, 128, 256, 512)),
-                                             ("gpt175b", (256, 512, 1024, 2048))])
+@pytest.mark.parametrize(
+    "workload,counts", [("medium", (8, 16, 32, 64, 128, 256, 512)), ("gpt175b", (256, 512, 1024, 2048))]
+)
 def test_more_gpus_never_raise_best_efficiency(request, a100, workload, counts):
     work = request.getfixturevalue(workload)
     best = [search(work, n, a100)[0].mfu for n in counts]
     assert all(b <= a + 1e-9 for a, b in itertools.pairwise(best)), best
 
 
-OVERLAPS = ({"tp_overlap": True}, {"pp_overlap": True}, {"dp_overlap": True},
-            {"data_overlap": True}, {"dp_overlap": True, "data_overlap": True})
+OVERLAPS = (
+    {"tp_overlap": True},
+    {"pp_overlap": True},
+    {"dp_overlap": True},
+    {"data_overlap": True},
+    {"dp_overlap": True, "data_overlap": True},
+)
 
 
 def test_turning_an_overlap_on_never_slows_the_step(gpt175b, medium, a100):

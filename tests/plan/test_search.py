@@ -29,8 +29,9 @@ def test_presets_load_and_extend():
 
 def test_cluster_errors_name_the_key(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text((ROOT / "configs/clusters/a100-8x200g.toml").read_text()
-                   .replace("memory_gib = 80", "memory_gib = -1"))
+    bad.write_text(
+        (ROOT / "configs/clusters/a100-8x200g.toml").read_text().replace("memory_gib = 80", "memory_gib = -1")
+    )
     with pytest.raises(ConfigError, match="gpu.memory_gib"):
         load_cluster(str(bad))
     with pytest.raises(ConfigError, match="presets"):
@@ -85,9 +86,29 @@ def test_ablation_turns_each_on(gpt175b, a100):
 
 def test_cli_plan_prints_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--cluster", "a100-8x200g",
-                 "--gpus", "256", "--batch", "768", "--top", "3", "--explain",
-                 "--placement", "--ecmp", "--ecmp-trials", "3", "--env", "--json", str(out)])
+    code = main(
+        [
+            "plan",
+            "--model",
+            str(ROOT / "configs/gpt-175b.toml"),
+            "--cluster",
+            "a100-8x200g",
+            "--gpus",
+            "256",
+            "--batch",
+            "768",
+            "--top",
+            "3",
+            "--explain",
+            "--placement",
+            "--ecmp",
+            "--ecmp-trials",
+            "3",
+            "--env",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0
     assert "MFU" in text and "bubble / busy" in text and "NCCL_IB_TIMEOUT" in text
@@ -99,18 +120,49 @@ def test_cli_plan_prints_and_writes_json(tmp_path, capsys):
 
 def test_cli_explain_layout_skips_the_search(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--gpus", "256",
-                 "--batch", "768", "--explain", "dp=4,tp=8,pp=8,v=2", "--json", str(out)])
+    code = main(
+        [
+            "plan",
+            "--model",
+            str(ROOT / "configs/gpt-175b.toml"),
+            "--gpus",
+            "256",
+            "--batch",
+            "768",
+            "--explain",
+            "dp=4,tp=8,pp=8,v=2",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     assert "ranking" not in data
-    assert data["explain"]["layout"] == {"dp": 4, "tp": 8, "pp": 8, "v": 2, "micro_batch": 1,
-                                         "zero": 2, "recompute": "none"}
+    assert data["explain"]["layout"] == {
+        "dp": 4,
+        "tp": 8,
+        "pp": 8,
+        "v": 2,
+        "micro_batch": 1,
+        "zero": 2,
+        "recompute": "none",
+    }
 
 
 def test_cli_rejects_bad_layout(capsys):
-    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--gpus", "256",
-                 "--batch", "768", "--explain", "dp=4,tp=3,pp=8"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            str(ROOT / "configs/gpt-175b.toml"),
+            "--gpus",
+            "256",
+            "--batch",
+            "768",
+            "--explain",
+            "dp=4,tp=3,pp=8",
+        ]
+    )
     assert code == 2
     assert "tp" in capsys.readouterr().out
 
@@ -125,19 +177,33 @@ def test_oversubscription_limits_only_sparse_groups(a100):
     dense = (256, 8)  # dp=256 over tp=8: 8 members under each 8-node ToR
     sparse = (4, 512)  # 4 members 64 nodes apart: one per ToR
     assert group_link(over, *dense).bytes_per_s == group_link(a100, *dense).bytes_per_s
-    assert group_link(over, *sparse).bytes_per_s == pytest.approx(
-        group_link(a100, *sparse).bytes_per_s / 4)
+    assert group_link(over, *sparse).bytes_per_s == pytest.approx(group_link(a100, *sparse).bytes_per_s / 4)
     assert group_link(a100, *sparse, network_slowdown=2.0).bytes_per_s == pytest.approx(
-        group_link(a100, *sparse).bytes_per_s / 2)
+        group_link(a100, *sparse).bytes_per_s / 2
+    )
 
 
 def test_cli_placement_from_host_file(tmp_path, capsys):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("".join(f"n{i} {i % 5} 0\n" for i in range(40)))  # 5 ToRs, interleaved
     order = tmp_path / "order.txt"
-    code = main(["plan", "--model", str(ROOT / "configs/gpt-175b.toml"), "--gpus", "256",
-                 "--batch", "768", "--top", "1", "--hosts", str(hosts), "--placement-out",
-                 str(order)])
+    code = main(
+        [
+            "plan",
+            "--model",
+            str(ROOT / "configs/gpt-175b.toml"),
+            "--gpus",
+            "256",
+            "--batch",
+            "768",
+            "--top",
+            "1",
+            "--hosts",
+            str(hosts),
+            "--placement-out",
+            str(order),
+        ]
+    )
     assert code == 0
     names = order.read_text().split()
     assert len(names) == 32 and len(set(names)) == 32

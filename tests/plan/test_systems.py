@@ -39,7 +39,7 @@ def test_system_errors_name_the_key(tmp_path):
     bad.write_text('extends = "megascale"\n[operators]\nattention = "magic"\n')
     with pytest.raises(ConfigError, match="operators.attention"):
         load_system(str(bad))
-    bad.write_text('[implementation]\nlaunch_gap = 3\n')
+    bad.write_text("[implementation]\nlaunch_gap = 3\n")
     with pytest.raises(ConfigError, match="unknown key.*launch_gap"):
         load_system(str(bad))
     with pytest.raises(ConfigError, match="presets"):
@@ -52,8 +52,7 @@ def test_flop_conventions_by_hand(tiny):
     assert training_flops_per_token(m, "causal") == 3 * (3072 + 544 + 1600)
     full_attention = 2 * 2 * 2 * 16 * 8  # layers x 2 GEMMs x 2 FLOPs x seq x hidden
     assert training_flops_per_token(m, "full") == 3 * (3072 + full_attention + 1600)
-    assert training_flops_per_token(m, "megatron", "full") == (
-        4 * (3072 + full_attention) + 3 * 1600)
+    assert training_flops_per_token(m, "megatron", "full") == (4 * (3072 + full_attention) + 3 * 1600)
     windowed = replace(m, window=4)
     assert training_flops_per_token(windowed, "full") == 3 * (3072 + 2 * 2 * 2 * 4 * 8 + 1600)
 
@@ -86,8 +85,19 @@ def test_layout_agrees_with_the_search(gpt175b, a100):
 
 def test_cli_layout_and_system(tmp_path, capsys):
     out = tmp_path / "p.json"
-    args = ["plan", "--model", GPT175, "--gpus", "256", "--batch", "768",
-            "--layout", "tp=8,pp=8,v=6,mb=1,rc=none", "--json", str(out)]
+    args = [
+        "plan",
+        "--model",
+        GPT175,
+        "--gpus",
+        "256",
+        "--batch",
+        "768",
+        "--layout",
+        "tp=8,pp=8,v=6,mb=1,rc=none",
+        "--json",
+        str(out),
+    ]
     assert main([*args, "--system", "megatron"]) == 0
     megatron = json.loads(out.read_text())["layout"]
     assert main([*args, "--system", "megascale"]) == 0
@@ -114,8 +124,7 @@ def test_ablation_on_a_fixed_layout(gpt175b, a100):
     first = rows[1]
     assert first.alone.step_time == first.cumulative.step_time
     adam_target = replace(target, optimizer="adamw")
-    final = estimate(adam_target.apply(replace(work, global_batch=256)), layout, a100,
-                     target.features)
+    final = estimate(adam_target.apply(replace(work, global_batch=256)), layout, a100, target.features)
     assert rows[-2].cumulative.step_time == pytest.approx(final.step_time)
     mfus = [r.cumulative.mfu_in("full") for r in rows]
     assert mfus[-1] > mfus[0] + 0.1
@@ -123,9 +132,27 @@ def test_ablation_on_a_fixed_layout(gpt175b, a100):
 
 def test_cli_ablate_uses_the_given_layout(tmp_path):
     out = tmp_path / "a.json"
-    assert main(["plan", "--model", GPT175, "--gpus", "256", "--batch", "768", "--layout",
-                 "dp=4,tp=8,pp=8,v=6,mb=1,zero=1", "--ablate", "--lamb-scale", "3",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                GPT175,
+                "--gpus",
+                "256",
+                "--batch",
+                "768",
+                "--layout",
+                "dp=4,tp=8,pp=8,v=6,mb=1,zero=1",
+                "--ablate",
+                "--lamb-scale",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["ablation"]
     assert rows[0]["name"] == "baseline" and len(rows) == len(ABLATION) + 2
 

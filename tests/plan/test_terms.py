@@ -63,8 +63,8 @@ def test_activation_and_buffer_memory(tiny, a100):
     logits = tokens * 100 * (2 + 4)
     assert mem.buffers == grad_and_gathered + logits
     assert mem.total == pytest.approx(
-        2 * TOTAL + 2 * TOTAL + 6 * TOTAL + 2 * per_layer + grad_and_gathered + logits
-        + a100.gpu.reserved_bytes)
+        2 * TOTAL + 2 * TOTAL + 6 * TOTAL + 2 * per_layer + grad_and_gathered + logits + a100.gpu.reserved_bytes
+    )
 
 
 def test_in_flight_micro_batches():
@@ -92,8 +92,7 @@ def test_terms_match_the_real_model(block, positions):
     from megascale.model import GPT, Block
     from megascale.plan.layout import Workload
 
-    cfg = ModelConfig(vocab_size=100, seq_len=64, layers=2, hidden=64, heads=4, block=block,
-                      positions=positions)
+    cfg = ModelConfig(vocab_size=100, seq_len=64, layers=2, hidden=64, heads=4, block=block, positions=positions)
     work = Workload(cfg, global_batch=8, dtype="fp32")
     split = param_split(work)
     assert split.stage(2, 1) == sum(p.numel() for p in GPT(cfg).parameters())

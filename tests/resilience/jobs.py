@@ -17,23 +17,53 @@ from megascale.resilience.ettr import final_records
 
 REPO = Path(__file__).resolve().parents[2]
 # 2 nodes x 2 ranks, dp=4, a tiny model: seconds of training; start-up dominates on 2 cores.
-TRAIN = ["--parallel.dp=4", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
-         "--model.seq_len=64", "--train.global_batch=8", "--train.micro_batch=2", "--train.steps=16",
-         "--checkpoint.every=4", "--checkpoint.peer_every=2", "--train.tensorboard=false", "--train.eval_every=0",
-         "--diagnostics.flight_recorder=false"]
-RESILIENCE = ["--resilience.hang_floor_s=5", "--resilience.heartbeat_timeout_s=4",
-              "--resilience.startup_timeout_s=120", "--resilience.restart_budget=3"]
+TRAIN = [
+    "--parallel.dp=4",
+    "--model.layers=2",
+    "--model.hidden=64",
+    "--model.heads=4",
+    "--model.seq_len=64",
+    "--train.global_batch=8",
+    "--train.micro_batch=2",
+    "--train.steps=16",
+    "--checkpoint.every=4",
+    "--checkpoint.peer_every=2",
+    "--train.tensorboard=false",
+    "--train.eval_every=0",
+    "--diagnostics.flight_recorder=false",
+]
+RESILIENCE = [
+    "--resilience.hang_floor_s=5",
+    "--resilience.heartbeat_timeout_s=4",
+    "--resilience.startup_timeout_s=120",
+    "--resilience.restart_budget=3",
+]
 # Rank 0 pauses after step 2 (inside the warm-up, so no hang): a window for outside actions.
 PAUSE = "sleep:rank=0:step=2:seconds=12"
 
 
 class Job:
-    def __init__(self, run_dir: Path, fault: str = "", spares: int = 1, netns: bool = False,
-                 extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, run_dir: Path, fault: str = "", spares: int = 1, netns: bool = False, extra: tuple[str, ...] = ()
+    ) -> None:
         self.run_dir, self.fault = run_dir, fault
-        self.args = [sys.executable, "-m", "megascale.cli", "launch", "--nodes", "2", "--ranks-per-node", "2",
-                     "--spares", str(spares), *(["--netns"] if netns else []), *TRAIN, *RESILIENCE,
-                     f"--train.run_dir={run_dir}", *extra]
+        self.args = [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "launch",
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "2",
+            "--spares",
+            str(spares),
+            *(["--netns"] if netns else []),
+            *TRAIN,
+            *RESILIENCE,
+            f"--train.run_dir={run_dir}",
+            *extra,
+        ]
         self.procs: list[subprocess.Popen] = []
         self._client: ApiClient | None = None
 

@@ -21,8 +21,15 @@ KEYWORDS = ["Traceback (most recent call last)"]
 
 
 def rank(number: int, exitcode: int | None = None, exited_at: float | None = None) -> dict:
-    return {"rank": number, "local_rank": number % 2, "pid": 1000 + number, "alive": exitcode is None,
-            "exitcode": exitcode, "exited_at": exited_at, "step": 6}
+    return {
+        "rank": number,
+        "local_rank": number % 2,
+        "pid": 1000 + number,
+        "alive": exitcode is None,
+        "exitcode": exitcode,
+        "exited_at": exited_at,
+        "step": 6,
+    }
 
 
 def report(node: str, at: float, ranks: list[dict], errors: list[dict] = ()) -> dict:
@@ -43,8 +50,12 @@ def findings(reports: dict[str, dict]) -> list[Finding]:
 
 # rank 1 (node0) is SIGKILLed at T0; gloo fails on every peer, which exit 1 within ~0.3 s
 # and print a traceback; node1's heartbeat arrives first.
-NODE1_FIRST = report("node1", T0 + 0.5, [rank(2, 1, T0 + 0.15), rank(3, 1, T0 + 0.3)],
-                     [{"rank": 2, "text": "Traceback (most recent call last):"}])
+NODE1_FIRST = report(
+    "node1",
+    T0 + 0.5,
+    [rank(2, 1, T0 + 0.15), rank(3, 1, T0 + 0.3)],
+    [{"rank": 2, "text": "Traceback (most recent call last):"}],
+)
 NODE0_BEFORE = report("node0", T0 - 0.1, [rank(0), rank(1)])
 NODE0_AFTER = report("node0", T0 + 0.9, [rank(0, 1, T0 + 0.2), rank(1, -9, T0)])
 
@@ -60,21 +71,29 @@ def test_the_killed_rank_is_blamed_and_its_peers_are_collateral():
     assert (verdict.blamed.node, verdict.blamed.rank, verdict.blamed.kind) == ("node0", 1, "abnormal_exit")
     assert "killed by signal 9" in verdict.blamed.detail
     assert sorted((f.rank, f.kind) for f in verdict.collateral) == [
-        (0, "abnormal_exit"), (2, "abnormal_exit"), (2, "error_keyword"), (3, "abnormal_exit")]
+        (0, "abnormal_exit"),
+        (2, "abnormal_exit"),
+        (2, "error_keyword"),
+        (3, "abnormal_exit"),
+    ]
     assert verdict.also == []
 
 
 def test_an_exception_is_blamed_by_time_when_everyone_exits_1():
-    reports = {"node0": report("node0", T0 + 1, [rank(0, 1, T0 + 0.2), rank(1, 1, T0 + 0.25)]),
-               "node1": report("node1", T0 + 1, [rank(2, 1, T0), rank(3, 1, T0 + 0.3)])}
+    reports = {
+        "node0": report("node0", T0 + 1, [rank(0, 1, T0 + 0.2), rank(1, 1, T0 + 0.25)]),
+        "node1": report("node1", T0 + 1, [rank(2, 1, T0), rank(3, 1, T0 + 0.3)]),
+    }
     verdict = attribute(findings(reports), reports, waited_enough=False)
     assert (verdict.blamed.node, verdict.blamed.rank) == ("node1", 2)
     assert len(verdict.collateral) == 3
 
 
 def test_without_exit_times_a_signal_death_wins_and_a_second_kill_is_not_collateral():
-    reports = {"node0": report("node0", T0 + 1, [rank(0, 1), rank(1, -9)]),
-               "node1": report("node1", T0 + 1, [rank(2, -9), rank(3, 1)])}
+    reports = {
+        "node0": report("node0", T0 + 1, [rank(0, 1), rank(1, -9)]),
+        "node1": report("node1", T0 + 1, [rank(2, -9), rank(3, 1)]),
+    }
     verdict = attribute(findings(reports), reports, waited_enough=False)
     assert (verdict.blamed.node, verdict.blamed.rank) == ("node0", 1)
     assert [(f.node, f.rank) for f in verdict.also] == [("node1", 2)]
@@ -91,13 +110,16 @@ def test_a_silent_node_is_not_waited_for_once_it_is_lost():
 def test_the_driver_blames_and_counts_only_the_first_death(tmp_path):
     """max_node_faults=1: blaming the collateral node would evict a healthy node."""
     cfg = load_config(None, ["--parallel.dp=4", "--train.steps=16", "--resilience.max_node_faults=1"])
-    state = JobState(job_id="j", nodes_wanted=2, ranks_per_node=2, layout={"dp": 4, "tp": 1, "pp": 1},
-                     run_dir=str(tmp_path))
+    state = JobState(
+        job_id="j", nodes_wanted=2, ranks_per_node=2, layout={"dp": 4, "tp": 1, "pp": 1}, run_dir=str(tmp_path)
+    )
     driver = Driver(cfg, state, JobStore(tmp_path / "driver.sqlite"))
     driver.rcfg.error_keywords = KEYWORDS
     for node, address in (("node0", "10.0.0.1"), ("node1", "10.0.0.2")):
-        assert driver.on_register(via_api(protocol.Register, {"node_id": node, "address": address,
-                                                              "host": node}))[0] == 200
+        assert (
+            driver.on_register(via_api(protocol.Register, {"node_id": node, "address": address, "host": node}))[0]
+            == 200
+        )
     now = time.time()
     driver.tick(now)
     assert state.phase == "running"

@@ -37,9 +37,11 @@ def test_judge_names_the_node_with_the_failing_test():
 
 
 def test_judge_blames_the_end_whose_every_link_fails():
-    results = {"n0": _report("n0", pairs=[("n1", False), ("n2", True)]),
-               "n1": None,  # cut off: no result at all
-               "n2": _report("n2", pairs=[("n0", True), ("n1", False)])}
+    results = {
+        "n0": _report("n0", pairs=[("n1", False), ("n2", True)]),
+        "n1": None,  # cut off: no result at all
+        "n2": _report("n2", pairs=[("n0", True), ("n1", False)]),
+    }
     verdict = judge(results, 0.7)
     assert list(verdict["failed"]) == ["n1"]
     results["n1"] = _report("n1", pairs=[("n0", False), ("n2", False)])
@@ -66,8 +68,10 @@ def test_placement_shrinks_dp_and_refuses_what_cannot_fit():
     assert layout_for(cfg, 2, 2) == {"dp": 4, "tp": 1, "pp": 1}
     assert layout_for(cfg, 1, 2)["dp"] == 2
     assert usable_nodes(cfg, 3, 2, 2) == 2
-    cfg = load_config(None, ["--parallel.dp=2", "--parallel.tp=2", "--model.heads=4",
-                             "--train.global_batch=8", "--train.micro_batch=2"])
+    cfg = load_config(
+        None,
+        ["--parallel.dp=2", "--parallel.tp=2", "--model.heads=4", "--train.global_batch=8", "--train.micro_batch=2"],
+    )
     with pytest.raises(PlacementError, match="tp\\*pp"):
         layout_for(cfg, 1, 1)
 
@@ -80,8 +84,11 @@ def test_fault_specs_parse_and_fire_only_in_their_attempt(tmp_path):
         parse_faults("explode:rank=0:step=1")
     with pytest.raises(ValueError, match="rank= and step="):
         parse_faults("kill:step=1")
-    env = {"MEGASCALE_FAULT": "raise:rank=0:step=2", "MEGASCALE_RESTART_ATTEMPT": "1",
-           "MEGASCALE_STATUS_DIR": str(tmp_path)}
+    env = {
+        "MEGASCALE_FAULT": "raise:rank=0:step=2",
+        "MEGASCALE_RESTART_ATTEMPT": "1",
+        "MEGASCALE_STATUS_DIR": str(tmp_path),
+    }
     assert StepHook(0, env).faults == {}
     env["MEGASCALE_RESTART_ATTEMPT"] = "0"
     assert list(StepHook(0, env).faults) == [2]

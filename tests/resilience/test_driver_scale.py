@@ -26,25 +26,61 @@ pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]  # CPU-cost ratios: 
 
 def driver_for(tmp_path, nodes: int, ranks_per_node: int, *flags: str) -> Driver:
     world = nodes * ranks_per_node
-    cfg = load_config(None, [f"--parallel.dp={world}", f"--train.global_batch={world}", "--train.micro_batch=1",
-                             "--train.steps=1000000000", "--resilience.hang_floor_s=600", *flags])
-    state = JobState("j", nodes, ranks_per_node, {"dp": world, "tp": 1, "pp": 1}, train_config=config_text(cfg),
-                     run_dir=str(tmp_path))
+    cfg = load_config(
+        None,
+        [
+            f"--parallel.dp={world}",
+            f"--train.global_batch={world}",
+            "--train.micro_batch=1",
+            "--train.steps=1000000000",
+            "--resilience.hang_floor_s=600",
+            *flags,
+        ],
+    )
+    state = JobState(
+        "j",
+        nodes,
+        ranks_per_node,
+        {"dp": world, "tp": 1, "pp": 1},
+        train_config=config_text(cfg),
+        run_dir=str(tmp_path),
+    )
     return Driver(cfg, state, JobStore(tmp_path / "driver.sqlite"))
 
 
 def register(driver: Driver, index: int) -> None:
-    status, _ = driver.on_register(via_api(protocol.Register, {"node_id": f"n{index}", "address": f"10.0.{index >> 8}."
-                                                             f"{index & 255}", "host": f"h{index}"}))
+    status, _ = driver.on_register(
+        via_api(
+            protocol.Register,
+            {"node_id": f"n{index}", "address": f"10.0.{index >> 8}.{index & 255}", "host": f"h{index}"},
+        )
+    )
     assert status == 200
 
 
 def beat(node: str, ranks: list[int], step: int, recent: list[tuple[int, float]]) -> dict:
     """A heartbeat as the API hands it to the handler (schema-checked and completed)."""
-    return via_api(protocol.Heartbeat, {
-        "node_id": node, "time": time.time(), "attempt": 0, "net_shared": True,
-        "ranks": [{"rank": r, "local_rank": i, "pid": 100 + r, "alive": True, "step": step, "step_time": 0.1,
-                   "recent": recent} for i, r in enumerate(ranks)]})
+    return via_api(
+        protocol.Heartbeat,
+        {
+            "node_id": node,
+            "time": time.time(),
+            "attempt": 0,
+            "net_shared": True,
+            "ranks": [
+                {
+                    "rank": r,
+                    "local_rank": i,
+                    "pid": 100 + r,
+                    "alive": True,
+                    "step": step,
+                    "step_time": 0.1,
+                    "recent": recent,
+                }
+                for i, r in enumerate(ranks)
+            ],
+        },
+    )
 
 
 def cpu(fn) -> float:
@@ -89,10 +125,26 @@ def test_one_heartbeat_with_16384_step_times_does_not_stall_the_control_loop(tmp
     register(driver, 0)
     driver.tick(time.time())
     ranks = list(range(256))
-    body = via_api(protocol.Heartbeat, {
-        "node_id": "n0", "time": time.time(), "attempt": 0, "net_shared": True,
-        "ranks": [{"rank": r, "local_rank": r, "pid": 100 + r, "alive": True, "step": 16_384,
-                   "recent": [[64 * r + k, 0.1] for k in range(64)]} for r in ranks]})
+    body = via_api(
+        protocol.Heartbeat,
+        {
+            "node_id": "n0",
+            "time": time.time(),
+            "attempt": 0,
+            "net_shared": True,
+            "ranks": [
+                {
+                    "rank": r,
+                    "local_rank": r,
+                    "pid": 100 + r,
+                    "alive": True,
+                    "step": 16_384,
+                    "recent": [[64 * r + k, 0.1] for k in range(64)],
+                }
+                for r in ranks
+            ],
+        },
+    )
     spent = cpu(lambda: (driver.on_heartbeat(body), driver.tick(time.time())))
     assert spent < 0.5, f"{spent:.2f} s of CPU for one heartbeat and one tick"
     assert driver.state.phase == "running"

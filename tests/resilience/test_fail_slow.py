@@ -21,8 +21,11 @@ from tests.resilience.jobs import PAUSE, max_step, node_of_rank
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 W, WINDOWS = 3, 2
-STRAGGLER = (f"--resilience.straggler_window_steps={W}", f"--resilience.straggler_windows={WINDOWS}",
-             "--resilience.straggler_action=replace")
+STRAGGLER = (
+    f"--resilience.straggler_window_steps={W}",
+    f"--resilience.straggler_windows={WINDOWS}",
+    "--resilience.straggler_action=replace",
+)
 
 
 @pytest.mark.skipif(cpu_quota_available() is not None, reason=f"{cpu_quota_available()}")

@@ -60,9 +60,11 @@ def test_rank_sigkill_restarts_every_rank_when_in_place_is_off(job_factory, refe
 # Five faults, one after the other (each keyed by the attempt it fires in): a SIGKILLed rank, an
 # exception, a SIGSTOPped rank (a hang), two ranks on two nodes at once with the checkpoint writer
 # of a third rank, and a bit flipped in the peer copies of a rank just before it dies.
-SEQUENCE = ("kill:rank=1:step=3; raise:rank=2:step=5:attempt=1; stop:rank=3:step=7:attempt=2; "
-            "kill:rank=0:step=10:attempt=3; kill:rank=3:step=10:attempt=3; killwriter:rank=2:step=10:attempt=3; "
-            "corrupt:rank=3:step=13:attempt=4; kill:rank=1:step=13:attempt=4")
+SEQUENCE = (
+    "kill:rank=1:step=3; raise:rank=2:step=5:attempt=1; stop:rank=3:step=7:attempt=2; "
+    "kill:rank=0:step=10:attempt=3; kill:rank=3:step=10:attempt=3; killwriter:rank=2:step=10:attempt=3; "
+    "corrupt:rank=3:step=13:attempt=4; kill:rank=1:step=13:attempt=4"
+)
 
 
 @pytest.mark.slow
@@ -73,8 +75,10 @@ def test_rank_faults_in_sequence_recover_in_place(job_factory, reference):
     job.start()
     summary = job.finish(timeout_s=400)
     faults = summary["faults"]
-    assert [f["kind"] for f in faults][:3] in (["abnormal_exit", "abnormal_exit", "hang"],
-                                               ["abnormal_exit", "error_keyword", "hang"]), faults
+    assert [f["kind"] for f in faults][:3] in (
+        ["abnormal_exit", "abnormal_exit", "hang"],
+        ["abnormal_exit", "error_keyword", "hang"],
+    ), faults
     assert len(faults) == 5 and all(f["path"] == "in_place" and f["recovery_s"] is not None for f in faults), faults
     assert faults[2]["selfcheck"]["run"] is False and faults[2]["selfcheck"]["inputs"]["culprits"][0]["rank"] == 3
     assert {f["rank"] for f in [faults[3], *faults[3]["also"]]} == {0, 3}  # both ranks, two nodes
@@ -91,6 +95,7 @@ def test_rank_faults_in_sequence_recover_in_place(job_factory, reference):
 def assert_same_final_state(job, reference) -> None:
     """The last checkpoint holds byte for byte the fault-free run's parameters, optimizer state,
     RNG and data position: no step was lost or applied twice."""
+
     def files(run_dir):
         manifest = json.loads((run_dir / "checkpoints" / "step_000000016" / "manifest.json").read_text())
         return {name: info["sha256"] for name, info in manifest["files"].items()}
@@ -101,19 +106,39 @@ def assert_same_final_state(job, reference) -> None:
 def test_executor_killed_spare_takes_over_and_the_node_stays_out(job_factory, reference):
     job = job_factory(fault=PAUSE)
     job.start()
-    status = job.wait_for(lambda s: s["phase"] == "running" and any(
-        (r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"]))
+    status = job.wait_for(
+        lambda s: (
+            s["phase"] == "running" and any((r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"])
+        )
+    )
     victim = node_of_rank(status, 2)
     spare = next(name for name, n in status["nodes"].items() if n["role"] == "spare")
     os.kill(status["nodes"][victim]["pid"], signal.SIGKILL)
     evicted = job.wait_for(lambda s: victim in s["evicted"])
     assert evicted["nodes"][spare]["role"] == "active"  # the spare took the slot
     # The evicted node tries to come back: refused (exit code 3).
-    back = subprocess.run([sys.executable, "-m", "megascale.cli", "executor", "--driver", job.client.url,
-                           "--secret-dir", str(job.run_dir / "resilience" / "secret"), "--node-id", victim,
-                           "--address", "127.0.0.1",
-                           "--workdir", str(job.run_dir / "again")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    back = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "executor",
+            "--driver",
+            job.client.url,
+            "--secret-dir",
+            str(job.run_dir / "resilience" / "secret"),
+            "--node-id",
+            victim,
+            "--address",
+            "127.0.0.1",
+            "--workdir",
+            str(job.run_dir / "again"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert back.returncode == 3, back.stderr[-2000:]
     summary = job.finish()
     fault = recovered(summary)
@@ -126,8 +151,11 @@ def test_executor_killed_spare_takes_over_and_the_node_stays_out(job_factory, re
 def test_driver_restarted_mid_run_job_continues(job_factory, reference):
     job = job_factory(fault=PAUSE)
     first = job.start()
-    job.wait_for(lambda s: s["phase"] == "running" and any(
-        (r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"]))
+    job.wait_for(
+        lambda s: (
+            s["phase"] == "running" and any((r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"])
+        )
+    )
     first.send_signal(signal.SIGKILL)
     first.wait()
     time.sleep(2.0)  # executors now knock on a closed door; the ranks keep training
@@ -141,8 +169,7 @@ def test_driver_restarted_mid_run_job_continues(job_factory, reference):
 def test_slow_node_is_an_alert_not_an_eviction(job_factory, reference):
     # Rank 2 (node 1) is stopped for 0.9 s of every second from step 6 on, by SIGSTOP/SIGCONT.
     # Step times swing 10x on this shared machine, so the alert threshold is 2x here (3x default).
-    job = job_factory(fault="throttle:rank=2:step=6:stop=0.9:period=1.0",
-                      extra=("--resilience.slow_factor=2",))
+    job = job_factory(fault="throttle:rank=2:step=6:stop=0.9:period=1.0", extra=("--resilience.slow_factor=2",))
     job.start()
     summary = job.finish()
     assert summary["restarts"] == 0 and summary["faults"] == [] and summary["evicted"] == [], summary
@@ -155,8 +182,11 @@ def test_slow_node_is_an_alert_not_an_eviction(job_factory, reference):
 def test_network_cut_detected_named_by_selfcheck_evicted_spare_takes_over(job_factory, reference):
     job = job_factory(fault=PAUSE, netns=True)
     job.start()
-    status = job.wait_for(lambda s: s["phase"] == "running" and any(
-        (r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"]))
+    status = job.wait_for(
+        lambda s: (
+            s["phase"] == "running" and any((r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"])
+        )
+    )
     victim = node_of_rank(status, 2)
     netns = Netns(status["job_id"][:4])
     cut_link(netns, int(victim.removeprefix("node")))
@@ -178,11 +208,28 @@ def test_network_cut_detected_named_by_selfcheck_evicted_spare_takes_over(job_fa
 
 
 def test_bad_config_fails_before_any_rank_starts(tmp_path):
-    for bad, message in ((["--model.heads=5"], "model.heads"),
-                         ([f"--checkpoint.dir={tmp_path}/missing"], "checkpoint.dir")):
-        out = subprocess.run([sys.executable, "-m", "megascale.cli", "launch", "--nodes", "2",
-                              "--ranks-per-node", "2", f"--train.run_dir={tmp_path}/run", *bad],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    for bad, message in (
+        (["--model.heads=5"], "model.heads"),
+        ([f"--checkpoint.dir={tmp_path}/missing"], "checkpoint.dir"),
+    ):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megascale.cli",
+                "launch",
+                "--nodes",
+                "2",
+                "--ranks-per-node",
+                "2",
+                f"--train.run_dir={tmp_path}/run",
+                *bad,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
@@ -190,8 +237,11 @@ def test_bad_config_fails_before_any_rank_starts(tmp_path):
 def test_manual_eviction_without_spares_shrinks_dp(job_factory, reference):
     job = job_factory(fault=PAUSE, spares=0)
     job.start()
-    status = job.wait_for(lambda s: s["phase"] == "running" and any(
-        (r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"]))
+    status = job.wait_for(
+        lambda s: (
+            s["phase"] == "running" and any((r.get("step") or 0) >= 2 for n in s["nodes"].values() for r in n["ranks"])
+        )
+    )
     victim = node_of_rank(status, 2)
     assert job.client.call("POST", "/v1/evict", {"node_id": victim, "reason": "operator"}) == {"ok": True}
     summary = job.finish()

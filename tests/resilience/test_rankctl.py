@@ -12,8 +12,10 @@ import textwrap
 
 from megascale.resilience.rankctl import is_peer_failure
 
-ASSIGN = ('{"kind": "assign", "config": "/w/attempt0/rank/config.toml", "log": "/w/attempt0/rank00001.log", '
-          '"env": {"RANK": "1", "WORLD_SIZE": "4", "MEGASCALE_RESTART_ATTEMPT": "0"}}')
+ASSIGN = (
+    '{"kind": "assign", "config": "/w/attempt0/rank/config.toml", "log": "/w/attempt0/rank00001.log", '
+    '"env": {"RANK": "1", "WORLD_SIZE": "4", "MEGASCALE_RESTART_ATTEMPT": "0"}}'
+)
 
 # A thread waits in recv() on a connection to a peer that is alive but silent (a SIGSTOPped rank,
 # a cut link); the executor's `abort` arrives on the pipe; the wait must end at once. Run in its
@@ -45,8 +47,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_abort_frees_a_wait_on_a_silent_peer_and_messages_are_checked():
-    out = subprocess.run([sys.executable, "-c", SCRIPT, ASSIGN], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, ASSIGN],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["Assign 1 True [b''] True", "None"], out.stdout
     assert "refused a malformed message from the executor: " in out.stderr  # the bogus line, named

@@ -22,23 +22,56 @@ from tests.resilience.test_attribution import via_api
 KILLED = {"kind": "abnormal_exit", "node": "node0", "rank": 1, "detail": "rank 1 on node0: killed by signal 9"}
 
 
-@pytest.mark.parametrize(("fault", "faults", "runs", "rule"), [
-    (KILLED, 1, False, "process fault"),
-    ({"kind": "error_keyword", "node": "node1", "rank": 2,
-      "detail": "rank 2 on node1 logged 'Traceback (most recent call last)': ..."}, 1, False, "process fault"),
-    ({"kind": "heartbeat_lost", "node": "node1", "detail": "no heartbeat from node1 for 4.1 s"}, 1, True, "heartbeats"),
-    ({"kind": "traffic_zero", "node": "node1", "detail": "no traffic"}, 1, True, "traffic"),
-    ({"kind": "error_keyword", "node": "node1", "rank": 2,
-      "detail": "rank 2 on node1 logged 'NCCL error': NCCL error in: ... unhandled system error"}, 1, True,
-     "transport"),
-    ({"kind": "hang", "detail": "no step progress for 5.2 s"}, 0, True, "may be the network"),
-    ({"kind": "hang", "detail": "no step progress", "culprits": [{"node": "node1", "rank": 3, "state": "stopped"}]},
-     0, False, "stopped or gone"),
-    (KILLED, 2, True, "repeated faults"),
-    ({**KILLED, "limit": 10}, 2, False, "process fault"),  # with max_node_faults=10 only the 9th is "repeated"
-    ({**KILLED, "limit": 10}, 9, True, "repeated faults"),
-    ({**KILLED, "also": [{"kind": "heartbeat_lost", "node": "node1", "detail": "..."}]}, 1, True, "heartbeats"),
-])
+@pytest.mark.parametrize(
+    ("fault", "faults", "runs", "rule"),
+    [
+        (KILLED, 1, False, "process fault"),
+        (
+            {
+                "kind": "error_keyword",
+                "node": "node1",
+                "rank": 2,
+                "detail": "rank 2 on node1 logged 'Traceback (most recent call last)': ...",
+            },
+            1,
+            False,
+            "process fault",
+        ),
+        (
+            {"kind": "heartbeat_lost", "node": "node1", "detail": "no heartbeat from node1 for 4.1 s"},
+            1,
+            True,
+            "heartbeats",
+        ),
+        ({"kind": "traffic_zero", "node": "node1", "detail": "no traffic"}, 1, True, "traffic"),
+        (
+            {
+                "kind": "error_keyword",
+                "node": "node1",
+                "rank": 2,
+                "detail": "rank 2 on node1 logged 'NCCL error': NCCL error in: ... unhandled system error",
+            },
+            1,
+            True,
+            "transport",
+        ),
+        ({"kind": "hang", "detail": "no step progress for 5.2 s"}, 0, True, "may be the network"),
+        (
+            {
+                "kind": "hang",
+                "detail": "no step progress",
+                "culprits": [{"node": "node1", "rank": 3, "state": "stopped"}],
+            },
+            0,
+            False,
+            "stopped or gone",
+        ),
+        (KILLED, 2, True, "repeated faults"),
+        ({**KILLED, "limit": 10}, 2, False, "process fault"),  # with max_node_faults=10 only the 9th is "repeated"
+        ({**KILLED, "limit": 10}, 9, True, "repeated faults"),
+        ({**KILLED, "also": [{"kind": "heartbeat_lost", "node": "node1", "detail": "..."}]}, 1, True, "heartbeats"),
+    ],
+)
 def test_selfcheck_runs_only_when_the_evidence_points_at_the_machine(fault, faults, runs, rule):
     decision = selfcheck_decision(fault, faults, max_node_faults=fault.get("limit", 2))
     assert decision.run is runs and rule in decision.rule, decision
@@ -51,9 +84,17 @@ SKIP = CheckDecision(False, "process fault")
 
 
 def path(fault, check=SKIP, spares=("node2",), live=("node0", "node1", "node2"), **kw):
-    args = {"enabled": True, "fault": fault, "check": check, "slots": NODES,
-            "spares": list(spares), "ranks_per_node": 2, "node_faults": {}, "max_node_faults": 2,
-            "live": set(live)} | kw
+    args = {
+        "enabled": True,
+        "fault": fault,
+        "check": check,
+        "slots": NODES,
+        "spares": list(spares),
+        "ranks_per_node": 2,
+        "node_faults": {},
+        "max_node_faults": 2,
+        "live": set(live),
+    } | kw
     return recovery_path(**args)
 
 
@@ -75,19 +116,29 @@ def test_a_lost_node_is_replaced_by_the_spare_and_checked_meanwhile():
 
 
 def test_a_stopped_process_is_the_hang_s_culprit():
-    hang = {"kind": "hang", "node": None, "rank": None, "detail": "no progress",
-            "culprits": [{"node": "node1", "rank": 3, "state": "stopped"}]}
+    hang = {
+        "kind": "hang",
+        "node": None,
+        "rank": None,
+        "detail": "no progress",
+        "culprits": [{"node": "node1", "rank": 3, "state": "stopped"}],
+    }
     decision = path(hang, selfcheck_decision(hang, 0, 2))
     assert decision.path == IN_PLACE and decision.replaced == {3: "node1"}
 
 
-@pytest.mark.parametrize(("kwargs", "why"), [
-    ({"enabled": False}, "in_place is off"),
-    ({"fault": {"kind": "hang", "node": None, "rank": None, "detail": ""}}, "no node is blamed"),
-    ({"fault": {"kind": "heartbeat_lost", "node": "node1", "rank": None, "detail": ""}, "spares": ()},
-     "layout would change"),
-    ({"live": ("node0", "node2")}, "not reporting"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"enabled": False}, "in_place is off"),
+        ({"fault": {"kind": "hang", "node": None, "rank": None, "detail": ""}}, "no node is blamed"),
+        (
+            {"fault": {"kind": "heartbeat_lost", "node": "node1", "rank": None, "detail": ""}, "spares": ()},
+            "layout would change",
+        ),
+        ({"live": ("node0", "node2")}, "not reporting"),
+    ],
+)
 def test_the_fast_path_falls_back_to_restarting_everything_and_says_why(kwargs, why):
     decision = path(kwargs.pop("fault", KILLED), **kwargs)
     assert decision.path == RESTART and why in decision.reason
@@ -95,12 +146,21 @@ def test_the_fast_path_falls_back_to_restarting_everything_and_says_why(kwargs, 
 
 def test_phases_of_a_recovery_come_from_the_events():
     fault = {"event": "fault", "time": 100.0, "attempt": 2, "detected": 100.0, "last_progress": 99.5}
-    events = [fault,
-              {"event": "stopped", "time": 100.4, "attempt": 2},
-              {"event": "decide", "time": 100.5, "attempt": 2, "path": IN_PLACE, "reason": "r",
-               "selfcheck": {"run": False}},
-              {"event": "resumed", "time": 103.0, "fault_detected": 100.0, "resumed": 103.0, "joined": 101.5,
-               "restored": 102.0, "source": "memory", "restore_step": 8}]
+    events = [
+        fault,
+        {"event": "stopped", "time": 100.4, "attempt": 2},
+        {"event": "decide", "time": 100.5, "attempt": 2, "path": IN_PLACE, "reason": "r", "selfcheck": {"run": False}},
+        {
+            "event": "resumed",
+            "time": 103.0,
+            "fault_detected": 100.0,
+            "resumed": 103.0,
+            "joined": 101.5,
+            "restored": 102.0,
+            "source": "memory",
+            "restore_step": 8,
+        },
+    ]
     phases = recovery_phases(fault, events)
     assert phases["path"] == IN_PLACE and phases["restore_source"] == "memory" and phases["restore_step"] == 8
     got = {k: round(phases[f"{k}_s"], 3) for k in ("detect", "stop", "decide", "replace", "restore", "first_step")}
@@ -110,19 +170,29 @@ def test_phases_of_a_recovery_come_from_the_events():
 
 # ---------------------------------------------------------------------- the driver, in-process
 def heartbeat(node: str, at: float, ranks: list[dict], attempt: int = 0, done: dict | None = None) -> dict:
-    return via_api(protocol.Heartbeat, {"node_id": node, "time": at, "attempt": attempt, "ranks": ranks,
-                                        "done": done or {}})
+    return via_api(
+        protocol.Heartbeat, {"node_id": node, "time": at, "attempt": attempt, "ranks": ranks, "done": done or {}}
+    )
 
 
 def rank(number: int, step: int = 6, exitcode: int | None = None, exited_at: float | None = None, **more) -> dict:
-    return {"rank": number, "local_rank": number % 2, "pid": 1000 + number, "alive": exitcode is None,
-            "exitcode": exitcode, "exited_at": exited_at, "step": step, **more}
+    return {
+        "rank": number,
+        "local_rank": number % 2,
+        "pid": 1000 + number,
+        "alive": exitcode is None,
+        "exitcode": exitcode,
+        "exited_at": exited_at,
+        "step": step,
+        **more,
+    }
 
 
 def started_driver(tmp_path, *flags: str) -> tuple[Driver, float]:
     cfg = load_config(None, ["--parallel.dp=4", "--train.steps=16", "--resilience.spares=0", *flags])
-    state = JobState(job_id="j", nodes_wanted=2, ranks_per_node=2, layout={"dp": 4, "tp": 1, "pp": 1},
-                     run_dir=str(tmp_path))
+    state = JobState(
+        job_id="j", nodes_wanted=2, ranks_per_node=2, layout={"dp": 4, "tp": 1, "pp": 1}, run_dir=str(tmp_path)
+    )
     driver = Driver(cfg, state, JobStore(tmp_path / "driver.sqlite"))
     for node, address in (("node0", "10.0.0.1"), ("node1", "10.0.0.2")):
         driver.on_register(via_api(protocol.Register, {"node_id": node, "address": address, "host": node}))
@@ -211,8 +281,11 @@ def test_a_killed_rank_is_replaced_and_the_others_rejoin(tmp_path):
     pauses = commands(driver, "pause")
     assert (pauses["node0"]["kill"], pauses["node1"]["kill"]) == ([1], []) and "node2" not in pauses
     # rank 3 died meanwhile: it is replaced too, where it was
-    answer(driver, now + 2, {"node0": {"ok": True, "paused": [0], "dead": [1]},
-                             "node1": {"ok": True, "paused": [2], "dead": [3]}})
+    answer(
+        driver,
+        now + 2,
+        {"node0": {"ok": True, "paused": [0], "dead": [1]}, "node1": {"ok": True, "paused": [2], "dead": [3]}},
+    )
     driver.tick(now + 2.1)
     assert driver.state.phase == "running" and driver.state.attempt == 1 and driver.state.restarts == 1
     starts = commands(driver, "start")
@@ -250,13 +323,20 @@ def test_a_transport_error_takes_the_node_out_for_a_selfcheck_beside_the_job(tmp
     driver, now = fast_driver(tmp_path)
     line = {"rank": 2, "text": "NCCL error in: ProcessGroupNCCL.cpp: unhandled system error"}
     driver.on_heartbeat(heartbeat("node0", now + 1, [rank(0), rank(1)]))
-    driver.on_heartbeat(via_api(protocol.Heartbeat, {"node_id": "node1", "time": now + 1, "attempt": 0,
-                                                     "ranks": [rank(2), rank(3)], "errors": [line]}))
+    driver.on_heartbeat(
+        via_api(
+            protocol.Heartbeat,
+            {"node_id": "node1", "time": now + 1, "attempt": 0, "ranks": [rank(2), rank(3)], "errors": [line]},
+        )
+    )
     driver.on_heartbeat(heartbeat("node2", now + 1, []))
     driver.tick(now + 1.5)
     assert driver.state.phase == "recovering" and commands(driver, "pause")["node1"]["kill"] == [2, 3]
-    answer(driver, now + 2, {"node0": {"ok": True, "paused": [0, 1], "dead": []},
-                             "node1": {"ok": True, "paused": [], "dead": [2, 3]}})
+    answer(
+        driver,
+        now + 2,
+        {"node0": {"ok": True, "paused": [0, 1], "dead": []}, "node1": {"ok": True, "paused": [], "dead": [2, 3]}},
+    )
     driver.tick(now + 2.1)
     assert driver.state.nodes["node1"].role == "suspect" and driver.state.nodes["node2"].role == "active"
     check = commands(driver, "selfcheck")["node1"]

@@ -14,19 +14,25 @@ from megascale.resilience.silence import SilenceWatch
 
 
 def test_abnormal_exit_by_signal_or_code_but_not_success_or_running():
-    ranks = [{"rank": 0, "exitcode": None}, {"rank": 1, "exitcode": -9}, {"rank": 2, "exitcode": 0},
-             {"rank": 3, "exitcode": 1}]
+    ranks = [
+        {"rank": 0, "exitcode": None},
+        {"rank": 1, "exitcode": -9},
+        {"rank": 2, "exitcode": 0},
+        {"rank": 3, "exitcode": 1},
+    ]
     found = abnormal_exits("node0", ranks)
     assert [(f.rank, f.severity) for f in found] == [(1, "fault"), (3, "fault")]
     assert "signal 9" in found[0].detail and "exit code 1" in found[1].detail
 
 
 def test_error_keyword_matches_configured_keywords_only():
-    lines = [{"rank": 2, "text": "Traceback (most recent call last):"},
-             {"rank": 2, "text": "step 5 loss 3.2"}, {"rank": 3, "text": "NCCL error: unhandled"}]
+    lines = [
+        {"rank": 2, "text": "Traceback (most recent call last):"},
+        {"rank": 2, "text": "step 5 loss 3.2"},
+        {"rank": 3, "text": "NCCL error: unhandled"},
+    ]
     found = error_lines("node1", lines, ["Traceback (most recent call last)", "NCCL error"])
-    assert [(f.kind, f.rank, f.node) for f in found] == [("error_keyword", 2, "node1"),
-                                                           ("error_keyword", 3, "node1")]
+    assert [(f.kind, f.rank, f.node) for f in found] == [("error_keyword", 2, "node1"), ("error_keyword", 3, "node1")]
     assert error_lines("node1", lines, ["CUDA error"]) == []
 
 

@@ -47,15 +47,21 @@ def test_a_node_at_half_its_peers_speed_fails_and_jitter_passes():
 
 
 def test_only_the_same_hardware_is_compared():
-    results = {"a": _report("a", "cuda:H100", gemm=900.0), "b": _report("b", "cuda:H100", gemm=880.0),
-               "c": _report("c", "cuda:A100", gemm=300.0)}
+    results = {
+        "a": _report("a", "cuda:H100", gemm=900.0),
+        "b": _report("b", "cuda:H100", gemm=880.0),
+        "c": _report("c", "cuda:A100", gemm=300.0),
+    }
     assert relative(results, RATIO) == {}
 
 
 def test_the_node_whose_every_link_is_slow_is_named_not_its_peers():
     """Ring a-b-c: c's link is slowed, so pairs b-c and c-a are slow and a-b fast."""
-    results = {"a": _report("a", links={"b": 100.0, "c": 50.0}), "b": _report("b", links={"a": 100.0, "c": 50.0}),
-               "c": _report("c", links={"a": 50.0, "b": 50.0})}
+    results = {
+        "a": _report("a", links={"b": 100.0, "c": 50.0}),
+        "b": _report("b", links={"a": 100.0, "c": 50.0}),
+        "c": _report("c", links={"a": 50.0, "b": 50.0}),
+    }
     assert list(relative(results, RATIO)) == ["c"] and "best link" in relative(results, RATIO)["c"]
     two = {"a": _report("a", links={"b": 50.0}), "b": _report("b", links={"a": 50.0})}
     assert relative(two, RATIO) == {}  # one link, two ends: which end is slow cannot be told
@@ -85,16 +91,23 @@ def _selfcheck(node: str, out: Path, *extra: str, ns: str | None = None) -> subp
 
 
 def _judge(files: list[Path]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megascale.cli", "selfcheck", "--judge", *map(str, files)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "selfcheck", "--judge", *map(str, files)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 # A simulated node: one process that runs one timed repeat of a self-check test when asked.
-WORKER = ("import json, sys, time\nfrom megascale.resilience import selfcheck\nselfcheck.REPEATS = 1\n"
-          "for line in sys.stdin:\n"
-          "    cpu, wall = time.process_time(), time.perf_counter()\n"
-          "    value = getattr(selfcheck, line.strip())()\n"
-          "    print(json.dumps([value, (time.process_time() - cpu) / (time.perf_counter() - wall)]), flush=True)\n")
+WORKER = (
+    "import json, sys, time\nfrom megascale.resilience import selfcheck\nselfcheck.REPEATS = 1\n"
+    "for line in sys.stdin:\n"
+    "    cpu, wall = time.process_time(), time.perf_counter()\n"
+    "    value = getattr(selfcheck, line.strip())()\n"
+    "    print(json.dumps([value, (time.process_time() - cpu) / (time.perf_counter() - wall)]), flush=True)\n"
+)
 LOCAL = ("memory_bandwidth", "loopback_bandwidth", "gemm")
 
 
@@ -107,8 +120,17 @@ class Fleet:
 
     def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.procs = [subprocess.Popen([sys.executable, "-c", WORKER], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True) for _ in range(3)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(3)
+        ]
 
     def ask(self, node: int, test: str) -> tuple[float, float]:
         """(figure, cores the node's process got while it ran the test)."""
@@ -124,15 +146,28 @@ class Fleet:
         for test in LOCAL:
             for turn in range(turns):
                 got = 1.0
-                for node in ([0, 1, 2] if before else [(turn + k) % 3 for k in range(3)]):
+                for node in [0, 1, 2] if before else [(turn + k) % 3 for k in range(3)]:
                     if before:
                         before(node, test, got)
                     value, got = self.ask(node, test)
                     best[node][test] = max(best[node].get(test, 0.0), value)
-        return {f"n{i}": {"ok": True, "report": {
-            "node": f"n{i}", "host": "local", "pid": p.pid, "hardware": "cpu:this machine", "passed": True,
-            "failed": [], "tests": [{"name": t, "value": v, "unit": selfcheck.UNITS[t], "passed": True}
-                                    for t, v in best[i].items()]}} for i, p in enumerate(self.procs)}
+        return {
+            f"n{i}": {
+                "ok": True,
+                "report": {
+                    "node": f"n{i}",
+                    "host": "local",
+                    "pid": p.pid,
+                    "hardware": "cpu:this machine",
+                    "passed": True,
+                    "failed": [],
+                    "tests": [
+                        {"name": t, "value": v, "unit": selfcheck.UNITS[t], "passed": True} for t, v in best[i].items()
+                    ],
+                },
+            }
+            for i, p in enumerate(self.procs)
+        }
 
     def close(self) -> None:
         for p in self.procs:
@@ -182,8 +217,10 @@ def test_a_link_slowed_to_half_is_found_by_the_pair_tests(tmp_path):
         def check(name: str) -> tuple[list[Path], dict]:
             plans = build(nodes, 1, cfg)
             files = [tmp_path / f"{name}-{i}.json" for i in range(3)]
-            procs = [_selfcheck(f"n{i}", f, "--plan", json.dumps(plans[f"n{i}"]), ns=spec.name(i))
-                     for i, f in enumerate(files)]
+            procs = [
+                _selfcheck(f"n{i}", f, "--plan", json.dumps(plans[f"n{i}"]), ns=spec.name(i))
+                for i, f in enumerate(files)
+            ]
             for p in procs:
                 p.wait(120)
             reports = {}

@@ -21,8 +21,10 @@ W, WINDOWS, WARMUP = 4, 2, 2
 
 def rule(nodes: int = 4, per_node: int = 2, layout: dict | None = None, threshold: float = 1.3) -> StragglerRule:
     r = StragglerRule(threshold, WINDOWS, W, WARMUP)
-    r.reset({k: f"node{k // per_node}" for k in range(nodes * per_node)},
-            layout or {"dp": nodes * per_node, "tp": 1, "pp": 1})
+    r.reset(
+        {k: f"node{k // per_node}" for k in range(nodes * per_node)},
+        layout or {"dp": nodes * per_node, "tp": 1, "pp": 1},
+    )
     return r
 
 
@@ -147,8 +149,11 @@ def test_the_driver_replaces_a_straggler_with_a_spare_in_place(tmp_path):
     assert fault["kind"] == "straggler" and fault["node"] == "node1" and fault["selfcheck"]["run"] is False
     pauses = commands(driver, "pause")
     assert (pauses["node0"]["kill"], pauses["node1"]["kill"]) == ([], [2, 3])
-    answer(driver, at + 1, {"node0": {"ok": True, "paused": [0, 1], "dead": []},
-                            "node1": {"ok": True, "paused": [], "dead": [2, 3]}})
+    answer(
+        driver,
+        at + 1,
+        {"node0": {"ok": True, "paused": [0, 1], "dead": []}, "node1": {"ok": True, "paused": [], "dead": [2, 3]}},
+    )
     driver.tick(at + 1.1)
     nodes = driver.state.nodes
     assert driver.state.phase == "running" and nodes["node1"].role == "evicted"

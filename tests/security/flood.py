@@ -21,15 +21,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-async def _one(port: int, source: str, raw: bytes, pipelined: int, stop_at: float, delay: float,
-               seen: Counter[str]) -> None:
+async def _one(
+    port: int, source: str, raw: bytes, pipelined: int, stop_at: float, delay: float, seen: Counter[str]
+) -> None:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     await asyncio.sleep(delay)
     while time.monotonic() < stop_at:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(
-                "127.0.0.1", port, ssl=ctx, local_addr=(source, 0)), 5)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection("127.0.0.1", port, ssl=ctx, local_addr=(source, 0)), 5
+            )
             writer.write(raw * pipelined)
             while time.monotonic() < stop_at and (line := await asyncio.wait_for(reader.readline(), 5)):
                 if line.startswith(b"HTTP/1.1 "):
@@ -51,8 +53,21 @@ async def _flood(port: int, source: str, raw: bytes, connections: int, seconds: 
 
 
 def start(port: int, source: str, raw: bytes, connections: int, seconds: float, pipelined: int = 1) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.security.flood", str(port), source, str(connections),
-                             str(seconds), str(pipelined)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.security.flood",
+            str(port),
+            source,
+            str(connections),
+            str(seconds),
+            str(pipelined),
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     proc.stdin.write(raw)
     proc.stdin.close()
     return proc

@@ -33,23 +33,46 @@ REQUEST_TIMEOUT_S = 1.0
 
 
 class LiveDriver:
-    def __init__(self, run_dir: Path, fd_limit: int = FD_LIMIT, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                 peer_check: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        fd_limit: int = FD_LIMIT,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        peer_check: bool = False,
+    ) -> None:
         self.run_dir = run_dir
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = run_dir.parent / "driver.log"
-        args = [sys.executable, "-m", "megascale.cli", "launch", "--external", "--nodes", "1",
-                "--ranks-per-node", "1", "--parallel.dp=1", "--train.steps=1000000", "--parallel.store=redis",
-                f"--parallel.redis_url=redis://:{REDIS_PASSWORD}@127.0.0.1:1/0",
-                "--resilience.hang_floor_s=3600", "--resilience.heartbeat_timeout_s=5",
-                "--resilience.startup_timeout_s=3600", f"--resilience.api_request_timeout_s={request_timeout_s}",
-                f"--train.run_dir={run_dir}",
-                # the attacks claim addresses (10.x, 127.0.0.2) from this one process on 127.0.0.1
-                f"--resilience.peer_address_check={str(peer_check).lower()}"]
+        args = [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "launch",
+            "--external",
+            "--nodes",
+            "1",
+            "--ranks-per-node",
+            "1",
+            "--parallel.dp=1",
+            "--train.steps=1000000",
+            "--parallel.store=redis",
+            f"--parallel.redis_url=redis://:{REDIS_PASSWORD}@127.0.0.1:1/0",
+            "--resilience.hang_floor_s=3600",
+            "--resilience.heartbeat_timeout_s=5",
+            "--resilience.startup_timeout_s=3600",
+            f"--resilience.api_request_timeout_s={request_timeout_s}",
+            f"--train.run_dir={run_dir}",
+            # the attacks claim addresses (10.x, 127.0.0.2) from this one process on 127.0.0.1
+            f"--resilience.peer_address_check={str(peer_check).lower()}",
+        ]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
-                                                                               (fd_limit, fd_limit)))
+            self.proc = subprocess.Popen(
+                args,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit)),
+            )
         deadline = time.monotonic() + 60
         while not (run_dir / "resilience" / "driver.json").is_file():
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
@@ -117,8 +140,11 @@ class SimulatedNode(threading.Thread):
         self.credential = ""
 
     def run(self) -> None:
-        reply = self.client.call("POST", "/v1/register", {"node_id": self.node_id, "address": self.address,
-                                                          "host": "simulated", "pid": os.getpid()})
+        reply = self.client.call(
+            "POST",
+            "/v1/register",
+            {"node_id": self.node_id, "address": self.address, "host": "simulated", "pid": os.getpid()},
+        )
         self.client.token = self.credential = reply["credential"]  # as the executor does
         self.registered.set()
         while not self.done.wait(0.5):
@@ -139,11 +165,26 @@ class SimulatedNode(threading.Thread):
 
     def heartbeat(self) -> dict[str, Any]:
         self.step += 1
-        rank = {"rank": 0, "local_rank": 0, "pid": os.getpid(), "alive": True, "step": self.step,
-                "step_time": 0.1, "recent": [[self.step, 0.1]]}
-        return {"node_id": self.node_id, "seq": self.step, "time": time.time(), "address": self.address,
-                "host": "simulated", "attempt": 0 if self.start_command else None,
-                "ranks": [rank] if self.start_command else [], "net_shared": True, "done": dict(self.results)}
+        rank = {
+            "rank": 0,
+            "local_rank": 0,
+            "pid": os.getpid(),
+            "alive": True,
+            "step": self.step,
+            "step_time": 0.1,
+            "recent": [[self.step, 0.1]],
+        }
+        return {
+            "node_id": self.node_id,
+            "seq": self.step,
+            "time": time.time(),
+            "address": self.address,
+            "host": "simulated",
+            "attempt": 0 if self.start_command else None,
+            "ranks": [rank] if self.start_command else [],
+            "net_shared": True,
+            "done": dict(self.results),
+        }
 
     def stop(self) -> None:
         self.done.set()
@@ -175,8 +216,9 @@ def raw_request(port: int, raw: bytes, timeout_s: float = 5.0) -> tuple[int, dic
         return read_response(sock)
 
 
-def request_bytes(method: str, path: str, body: bytes = b"", token: str | None = None,
-                  headers: dict[str, str] | None = None) -> bytes:
+def request_bytes(
+    method: str, path: str, body: bytes = b"", token: str | None = None, headers: dict[str, str] | None = None
+) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: driver", f"Content-Length: {len(body)}"]
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")

@@ -49,8 +49,18 @@ def driver(tmp_path_factory):
 
 def test_requests_without_a_valid_bearer_token_are_refused_and_logged(driver):
     token = driver.token
-    for header in (None, "", "Bearer", "Bearer ", f"Basic {token}", f"Token {token}", token,
-                   f"Bearer {token[:-1]}", f"Bearer {token}x", f"Bearer  {token[:20]}"):
+    for header in (
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        f"Basic {token}",
+        f"Token {token}",
+        token,
+        f"Bearer {token[:-1]}",
+        f"Bearer {token}x",
+        f"Bearer  {token[:20]}",
+    ):
         extra = {} if header is None else {"Authorization": header}
         status, body = raw_request(driver.port, request_bytes("POST", "/v1/stop", b"{}", headers=extra))
         assert status == 401 and "token" in body["error"], (header, status, body)
@@ -67,7 +77,9 @@ def test_malformed_bodies_from_a_token_holder_get_a_400_naming_the_defect(driver
         "ranks.0: Input should be an object": {**beat, "ranks": ["abc"]},
         "ranks.0.rank: Input should be a valid integer": {**beat, "ranks": [{**beat["ranks"][0], "rank": "0"}]},
         "ranks.0.step: Input should be greater than or equal to 0": {
-            **beat, "ranks": [{**beat["ranks"][0], "step": -1}]},
+            **beat,
+            "ranks": [{**beat["ranks"][0], "step": -1}],
+        },
         "done.x.[key]: String should match pattern": {**beat, "done": {"x": {"ok": True}}},
         "attempt: Input should be a valid integer": {**beat, "attempt": "0"},
         "errors.0.text: Input should be a valid string": {**beat, "errors": [{"rank": 0, "text": 5}]},
@@ -80,12 +92,23 @@ def test_malformed_bodies_from_a_token_holder_get_a_400_naming_the_defect(driver
         with pytest.raises(ApiError) as err:
             node.call("POST", "/v1/heartbeat", body)
         assert err.value.status == 400 and expected in str(err.value), (expected, err.value)
-    for raw in (b'"a string"', b"[" * 5000 + b"]" * 5000, b'{"node_id": "node-a", "time": NaN}',
-                b'{"node_id": "node-a", "time": 1e400}', b"\xff\xfe not json", b"{" * 100_000):
+    for raw in (
+        b'"a string"',
+        b"[" * 5000 + b"]" * 5000,
+        b'{"node_id": "node-a", "time": NaN}',
+        b'{"node_id": "node-a", "time": 1e400}',
+        b"\xff\xfe not json",
+        b"{" * 100_000,
+    ):
         status, body = raw_request(driver.port, request_bytes("POST", "/v1/heartbeat", raw, driver.node.credential))
         assert status == 400 and body["error"].startswith("bad request"), (raw[:40], status, body)
-    for path, body in (("/v1/evict", {"node_id": 5}), ("/v1/evict", {}), ("/v1/stop", {"reason": ["x"]}),
-                       ("/v1/register", {"node_id": NODE}), ("/v1/stop", {"reason": "x", "also": 1})):
+    for path, body in (
+        ("/v1/evict", {"node_id": 5}),
+        ("/v1/evict", {}),
+        ("/v1/stop", {"reason": ["x"]}),
+        ("/v1/register", {"node_id": NODE}),
+        ("/v1/stop", {"reason": "x", "also": 1}),
+    ):
         with pytest.raises(ApiError) as err:
             (node if path == "/v1/register" else driver.client).call("POST", path, body)
         assert err.value.status == 400, (path, body)
@@ -96,8 +119,10 @@ def test_malformed_bodies_from_a_token_holder_get_a_400_naming_the_defect(driver
 
 
 def test_a_body_announced_but_never_sent_does_not_hold_the_driver(driver):
-    head = (f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.node.credential}\r\n"
-            "Content-Length: 1000\r\n\r\n").encode()
+    head = (
+        f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.node.credential}\r\n"
+        "Content-Length: 1000\r\n\r\n"
+    ).encode()
     stalled = [attacker_tls(driver.port) for _ in range(20)]
     for sock in stalled:
         sock.sendall(head + b'{"node_id"')  # 10 of the 1000 bytes promised
@@ -114,13 +139,19 @@ def test_a_body_announced_but_never_sent_does_not_hold_the_driver(driver):
     driver.untouched()
 
 
-@pytest.mark.parametrize(("raw", "status"), [
-    (b"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer TOKEN\r\nContent-Length: -5\r\n\r\n", 400),
-    (b"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer TOKEN\r\nContent-Length: 100000000\r\n\r\n",
-     413),
-    (b"GET /v1/status HTTP/1.1\r\nHost: d\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
-    (b"NOT HTTP AT ALL\r\n\r\n", 400),
-])
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer TOKEN\r\nContent-Length: -5\r\n\r\n", 400),
+        (
+            b"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer TOKEN\r\n"
+            b"Content-Length: 100000000\r\n\r\n",
+            413,
+        ),
+        (b"GET /v1/status HTTP/1.1\r\nHost: d\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400),
+    ],
+)
 def test_impossible_lengths_and_oversized_heads_are_refused_at_once(driver, raw, status):
     started = time.monotonic()
     assert raw_request(driver.port, raw.replace(b"TOKEN", driver.node.credential.encode()))[0] == status
@@ -130,8 +161,12 @@ def test_impossible_lengths_and_oversized_heads_are_refused_at_once(driver, raw,
 
 def test_a_100_mb_body_is_cut_off_at_the_cap(driver):
     sock = attacker_tls(driver.port)
-    sock.sendall((f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.node.credential}\r\n"
-                  "Transfer-Encoding: chunked\r\n\r\n").encode())
+    sock.sendall(
+        (
+            f"POST /v1/heartbeat HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {driver.node.credential}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n"
+        ).encode()
+    )
     chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
     with contextlib.suppress(OSError):  # the driver hangs up after the cap; the rest is refused
         for _ in range(100):
@@ -212,20 +247,23 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-
 # ---------------------------------------------------------------------- property-based fuzzing
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=16)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=16,
+)
 
 
 def _mutations(valid: dict, nested: str | None = None) -> st.SearchStrategy:
     """Random JSON, or `valid` with one field replaced by random JSON, dropped, or one added."""
     keys = sorted(valid)
-    out = [JSON,
-           st.builds(lambda k, v: {**valid, k: v}, st.sampled_from(keys), JSON),
-           st.builds(lambda k: {x: y for x, y in valid.items() if x != k}, st.sampled_from(keys)),
-           st.builds(lambda k, v: {**valid, k: v}, st.text(min_size=1, max_size=8), JSON)]
+    out = [
+        JSON,
+        st.builds(lambda k, v: {**valid, k: v}, st.sampled_from(keys), JSON),
+        st.builds(lambda k: {x: y for x, y in valid.items() if x != k}, st.sampled_from(keys)),
+        st.builds(lambda k, v: {**valid, k: v}, st.text(min_size=1, max_size=8), JSON),
+    ]
     if nested:
         inner = valid[nested][0]
         out.append(st.builds(lambda k, v: {**valid, nested: [{**inner, k: v}]}, st.sampled_from(sorted(inner)), JSON))
@@ -242,16 +280,29 @@ def _refused(schema, body) -> bool:
 
 @pytest.mark.parametrize("path", ["/v1/register", "/v1/heartbeat", "/v1/evict", "/v1/stop"])
 def test_fuzzed_bodies_get_a_400_and_change_nothing(driver, path):
-    schema = {"/v1/register": protocol.Register, "/v1/heartbeat": protocol.Heartbeat,
-              "/v1/evict": protocol.Evict, "/v1/stop": protocol.Stop}[path]
-    valid = {"/v1/register": {"node_id": NODE, "address": "127.0.0.1", "host": "simulated", "pid": 1},
-             "/v1/heartbeat": driver.node.heartbeat(), "/v1/evict": {"node_id": NODE, "reason": "fuzz"},
-             "/v1/stop": {"reason": "fuzz"}}[path]
-    client = driver.client_as({"/v1/register": driver.join_token, "/v1/heartbeat": driver.node.credential}.get(
-        path, driver.token))
+    schema = {
+        "/v1/register": protocol.Register,
+        "/v1/heartbeat": protocol.Heartbeat,
+        "/v1/evict": protocol.Evict,
+        "/v1/stop": protocol.Stop,
+    }[path]
+    valid = {
+        "/v1/register": {"node_id": NODE, "address": "127.0.0.1", "host": "simulated", "pid": 1},
+        "/v1/heartbeat": driver.node.heartbeat(),
+        "/v1/evict": {"node_id": NODE, "reason": "fuzz"},
+        "/v1/stop": {"reason": "fuzz"},
+    }[path]
+    client = driver.client_as(
+        {"/v1/register": driver.join_token, "/v1/heartbeat": driver.node.credential}.get(path, driver.token)
+    )
 
-    @settings(max_examples=50, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+    @settings(
+        max_examples=50,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+    )
     @given(_mutations(valid, "ranks" if path == "/v1/heartbeat" else None))
     def refused_with_400(body):
         assume(body is not None and _refused(schema, body))  # a valid body would register, evict or stop

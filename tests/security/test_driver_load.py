@@ -27,8 +27,9 @@ FLOOD = 3000
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    live = LiveDriver(tmp_path_factory.mktemp("load") / "run", fd_limit=8192, request_timeout_s=10.0,
-                      peer_check=True)  # the defaults
+    live = LiveDriver(
+        tmp_path_factory.mktemp("load") / "run", fd_limit=8192, request_timeout_s=10.0, peer_check=True
+    )  # the defaults
     try:
         yield live
     finally:
@@ -48,8 +49,11 @@ def test_3000_idle_connections_without_a_token_cost_the_node_no_heartbeat(driver
     try:
         for i in range(FLOOD):
             with contextlib.suppress(OSError):  # closed by the driver (a flood it sheds): the attack goes on
-                idle.append(attacker_tls(driver.port) if i % 10 == 0 else
-                            socket.create_connection(("127.0.0.1", driver.port), timeout=5))
+                idle.append(
+                    attacker_tls(driver.port)
+                    if i % 10 == 0
+                    else socket.create_connection(("127.0.0.1", driver.port), timeout=5)
+                )
         held = len(os.listdir(f"/proc/{driver.proc.pid}/fd"))
         time.sleep(6.0)
         ended = time.monotonic()
@@ -73,8 +77,9 @@ def test_a_flood_from_one_peer_costs_that_peer_not_the_others(driver):
     for a loaded machine) and the operator's status (its kept-alive connection) within 4 s
     throughout. Before the per-caller budgets node-a went 5.5 s unanswered (3 beats in 10 s)."""
     node_b = ApiClient.for_run(driver.run_dir, operator=False)
-    credential = node_b.call("POST", "/v1/register", {"node_id": "node-b", "address": "127.0.0.1",
-                                                      "host": "flood", "pid": 1})["credential"]
+    credential = node_b.call(
+        "POST", "/v1/register", {"node_id": "node-b", "address": "127.0.0.1", "host": "flood", "pid": 1}
+    )["credential"]
     rank = {"rank": 0, "local_rank": 0, "pid": 1, "alive": True, "step": 1, "recent": [[1, 0.1]] * 64}
     body = json.dumps({"node_id": "node-b", "ranks": [dict(rank, rank=i) for i in range(1024)]}).encode()
     heavy = request_bytes("POST", "/v1/heartbeat", body, token=credential)
@@ -92,8 +97,10 @@ def test_a_flood_from_one_peer_costs_that_peer_not_the_others(driver):
 
     began = time.monotonic()
     stop_at = began + 10.0
-    floods = [flood.start(driver.port, "127.0.0.2", heavy, 100, 10.0, pipelined=2),
-              flood.start(driver.port, "127.0.0.3", wrong, 20, 10.0)]
+    floods = [
+        flood.start(driver.port, "127.0.0.2", heavy, 100, 10.0, pipelined=2),
+        flood.start(driver.port, "127.0.0.3", wrong, 20, 10.0),
+    ]
     watcher = threading.Thread(target=operator, daemon=True)
     watcher.start()
     heavy_seen, wrong_seen = (flood.result(proc) for proc in floods)
@@ -115,16 +122,21 @@ def test_a_node_registers_only_the_address_it_connects_from(driver):
     and from 127.0.0.2 alike; the address it does connect from is admitted."""
     body = {"node_id": "node-c", "host": "x", "pid": 1}
     for address in ("10.66.0.1", "127.0.0.2", "0:0:0:0:0:ffff:a42:1"):  # the last: 10.66.0.1 as IPv6
-        status, reply = raw_request(driver.port, request_bytes(
-            "POST", "/v1/register", json.dumps({**body, "address": address}).encode(), driver.join_token))
+        status, reply = raw_request(
+            driver.port,
+            request_bytes("POST", "/v1/register", json.dumps({**body, "address": address}).encode(), driver.join_token),
+        )
         assert status == 403 and "connects from 127.0.0.1" in reply["error"], (address, status, reply)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     for address, expected in (("127.0.0.1", 403), ("127.0.0.2", 200)):
         sock = socket.create_connection(("127.0.0.1", driver.port), source_address=("127.0.0.2", 0))
         with ctx.wrap_socket(sock) as tls:
-            tls.sendall(request_bytes("POST", "/v1/register", json.dumps({**body, "address": address}).encode(),
-                                      driver.join_token))
+            tls.sendall(
+                request_bytes(
+                    "POST", "/v1/register", json.dumps({**body, "address": address}).encode(), driver.join_token
+                )
+            )
             assert read_response(tls)[0] == expected, address
     status = driver.status()
     assert status["nodes"]["node-c"]["address"] == "127.0.0.2" and status["master"]["addr"] == "127.0.0.1"
@@ -149,8 +161,14 @@ def test_requests_whose_clients_left_are_dropped_unrun_and_the_queue_is_bounded(
         return 200, {"ok": True}
 
     routes = {("GET", "/v1/x"): Route(handler, callers=frozenset({OPERATOR}))}
-    server = ApiServer("127.0.0.1", 0, Identities(secret, "j").authenticate, routes, server_context(secret),
-                       Limits(handler_threads=1, max_pending=8)).start()
+    server = ApiServer(
+        "127.0.0.1",
+        0,
+        Identities(secret, "j").authenticate,
+        routes,
+        server_context(secret),
+        Limits(handler_threads=1, max_pending=8),
+    ).start()
     request = request_bytes("GET", "/v1/x", token=secret.operator)
     try:
         first = attacker_tls(server.port)

@@ -28,9 +28,15 @@ PASSWORD = "redis-password-for-the-ranks-only"
 
 
 def start_command(**fields) -> dict:
-    return {"id": "start-0123456789ab", "kind": "start", "attempt": 0, "ranks": [0],
-            "env": {"WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
-            "config": "[train]\nsteps = 1\n", **fields}
+    return {
+        "id": "start-0123456789ab",
+        "kind": "start",
+        "attempt": 0,
+        "ranks": [0],
+        "env": {"WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+        "config": "[train]\nsteps = 1\n",
+        **fields,
+    }
 
 
 class Impostor(ThreadingHTTPServer):
@@ -46,8 +52,10 @@ class Impostor(ThreadingHTTPServer):
 
             def do_POST(self) -> None:  # noqa: N802
                 server.requests.append((self.path, self.headers.get("Authorization")))
-                body = (b'{"role": "active", "commands": [%s], "ack": []}'
-                        % json.dumps(start_command(env={"LD_PRELOAD": "/tmp/evil.so"})).encode())
+                body = (
+                    b'{"role": "active", "commands": [%s], "ack": []}'
+                    % json.dumps(start_command(env={"LD_PRELOAD": "/tmp/evil.so"})).encode()
+                )
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -89,17 +97,21 @@ def test_plain_http_driver_urls_are_refused(secret):
         ApiClient("http://127.0.0.1:1", secret.token, secret.cert_pem)
 
 
-@pytest.mark.parametrize(("command", "defect"), [
-    (start_command(env={"LD_PRELOAD": "/tmp/evil.so"}), "env.LD_PRELOAD"),
-    (start_command(plan_env={"NCCL_NET_PLUGIN": "/tmp/evil.so"}), "plan_env.NCCL_NET_PLUGIN"),
-    (start_command(args=["--train.run_dir=/etc"]), "args: Extra inputs"),
-    (start_command(cwd="/"), "cwd: Extra inputs"),
-    ({"id": "shell-0123456789ab", "kind": "shell", "argv": ["sh"]}, "does not match any of the expected tags"),
-    ({"id": "selfcheck-0123456789ab", "kind": "selfcheck", "plan": {"pairs": [], "python": "x"}}, "plan.python"),
-])
+@pytest.mark.parametrize(
+    ("command", "defect"),
+    [
+        (start_command(env={"LD_PRELOAD": "/tmp/evil.so"}), "env.LD_PRELOAD"),
+        (start_command(plan_env={"NCCL_NET_PLUGIN": "/tmp/evil.so"}), "plan_env.NCCL_NET_PLUGIN"),
+        (start_command(args=["--train.run_dir=/etc"]), "args: Extra inputs"),
+        (start_command(cwd="/"), "cwd: Extra inputs"),
+        ({"id": "shell-0123456789ab", "kind": "shell", "argv": ["sh"]}, "does not match any of the expected tags"),
+        ({"id": "selfcheck-0123456789ab", "kind": "selfcheck", "plan": {"pairs": [], "python": "x"}}, "plan.python"),
+    ],
+)
 def test_commands_outside_the_schema_are_refused_and_reported(tmp_path, secret, command, defect):
-    executor = Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1",
-                        tmp_path / "work")
+    executor = Executor(
+        ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1", tmp_path / "work"
+    )
     executor._dispatch(command)
     result = executor.done[command["id"]]
     assert result["ok"] is False and "refused by the executor" in result["error"] and defect in result["error"]
@@ -108,8 +120,9 @@ def test_commands_outside_the_schema_are_refused_and_reported(tmp_path, secret, 
 
 def test_a_rank_sees_no_secret_in_its_argv_or_environment(tmp_path, secret, monkeypatch):
     monkeypatch.setenv(REDIS_PASSWORD_ENV, PASSWORD)  # as an executor given it by its scheduler
-    executor = Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1",
-                        tmp_path / "work")
+    executor = Executor(
+        ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1", tmp_path / "work"
+    )
     executor._dispatch(start_command(redis_password=PASSWORD))
     deadline = time.monotonic() + 20
     while executor.attempt is None or not executor.attempt.ranks:
@@ -128,8 +141,12 @@ def test_a_rank_sees_no_secret_in_its_argv_or_environment(tmp_path, secret, monk
     private = tmp_path / "work" / "attempt0" / "rank"
     config, password_file = private / "config.toml", private / "redis_password"
     assert config.read_text() == "[train]\nsteps = 1\n" and password_file.read_text() == PASSWORD
-    given = Executor.rank_env(StartCommand.model_validate(start_command(redis_password=PASSWORD)), 0,
-                              executor.attempt.status_dir, {REDIS_PASSWORD_FILE_ENV: str(password_file)})
+    given = Executor.rank_env(
+        StartCommand.model_validate(start_command(redis_password=PASSWORD)),
+        0,
+        executor.attempt.status_dir,
+        {REDIS_PASSWORD_FILE_ENV: str(password_file)},
+    )
     assert PASSWORD not in json.dumps(given) and given[REDIS_PASSWORD_FILE_ENV] == str(password_file)
     for path in (config, password_file, executor.attempt.ranks[0].log_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
@@ -142,8 +159,9 @@ def test_a_link_planted_in_the_work_directory_is_not_written_through(tmp_path, s
     attempt = tmp_path / "work" / "attempt0"
     attempt.mkdir(parents=True)
     (attempt / "rank00000.log").symlink_to(victim)
-    executor = Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1",
-                        tmp_path / "work")
+    executor = Executor(
+        ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1", tmp_path / "work"
+    )
     executor._dispatch(start_command())
     deadline = time.monotonic() + 10
     while "start-0123456789ab" not in executor.done:
@@ -168,14 +186,14 @@ def test_a_work_directory_another_user_made_first_is_refused(tmp_path, secret):
         for path in (workdir, workdir / "attempt0"):
             os.chown(path, 65534, 65534)
         with pytest.raises(UnsafePathError, match="belongs to uid 65534"):
-            Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1",
-                     workdir)
+            Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1", workdir)
     open_to_all = tmp_path / "open"
     open_to_all.mkdir()
     open_to_all.chmod(0o777)  # world-writable without the sticky bit: anyone can swap its entries
     with pytest.raises(UnsafePathError, match="writable by every user"):
-        Executor(ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1",
-                 open_to_all / "node0")
+        Executor(
+            ApiClient("https://127.0.0.1:1", secret.token, secret.cert_pem), "node0", "127.0.0.1", open_to_all / "node0"
+        )
     assert victim.read_text() == "root's file\n"
 
 

@@ -48,8 +48,7 @@ def refused(client: ApiClient, method: str, path: str, body=None) -> ApiError:
 
 def killed_report(node_id: str) -> dict:
     """What made the victim's executor kill its healthy rank: its rank 'died of SIGKILL'."""
-    rank = {"rank": 0, "local_rank": 0, "pid": 1, "alive": False, "exitcode": -9, "exited_at": time.time(),
-            "step": 1}
+    rank = {"rank": 0, "local_rank": 0, "pid": 1, "alive": False, "exitcode": -9, "exited_at": time.time(), "step": 1}
     return {"node_id": node_id, "time": time.time(), "attempt": 0, "ranks": [rank], "net_shared": True}
 
 
@@ -59,13 +58,16 @@ def test_a_node_cannot_report_or_poll_for_another(driver):
         for _ in range(2):  # two forged faults evicted the victim before
             err = refused(driver.client_as(credential), "POST", "/v1/heartbeat", killed_report(NODE))
             assert err.status == 403, (who, err)
-        status, body = raw_request(driver.port, request_bytes(
-            "POST", "/v1/heartbeat", json.dumps(killed_report(NODE)).encode(), credential))
+        status, body = raw_request(
+            driver.port, request_bytes("POST", "/v1/heartbeat", json.dumps(killed_report(NODE)).encode(), credential)
+        )
         assert status == 403 and "commands" not in body, (who, body)  # a poll gets none of its commands
-    assert "not for a join credential" in str(refused(driver.client_as(driver.join_token), "POST", "/v1/heartbeat",
-                                                      killed_report(NODE)))
-    assert f"speaks for {OTHER}, not for {NODE}" in str(refused(driver.client_as(driver.other.credential), "POST",
-                                                                "/v1/heartbeat", killed_report(NODE)))
+    assert "not for a join credential" in str(
+        refused(driver.client_as(driver.join_token), "POST", "/v1/heartbeat", killed_report(NODE))
+    )
+    assert f"speaks for {OTHER}, not for {NODE}" in str(
+        refused(driver.client_as(driver.other.credential), "POST", "/v1/heartbeat", killed_report(NODE))
+    )
     driver.untouched()
     assert driver.status()["nodes"][NODE]["ranks"][0]["alive"] is True
 
@@ -90,10 +92,19 @@ def test_forged_node_credentials_are_refused(driver):
     own = driver.node.credential
     _, tag, _ = own.split(".")
     other_mac = driver.other.credential.rsplit(".", 1)[1]
-    for forged in (f"node.{tag}.{other_mac}", own[:-1], own + "0", f"node.{tag}.", f"node.{tag}", "node..",
-                   "node." + "A" * 500 + "." + other_mac, own.replace("node.", "nodes.", 1)):
-        status, body = raw_request(driver.port, request_bytes(
-            "POST", "/v1/heartbeat", json.dumps(killed_report(NODE)).encode(), forged))
+    for forged in (
+        f"node.{tag}.{other_mac}",
+        own[:-1],
+        own + "0",
+        f"node.{tag}.",
+        f"node.{tag}",
+        "node..",
+        "node." + "A" * 500 + "." + other_mac,
+        own.replace("node.", "nodes.", 1),
+    ):
+        status, body = raw_request(
+            driver.port, request_bytes("POST", "/v1/heartbeat", json.dumps(killed_report(NODE)).encode(), forged)
+        )
         assert status == 401 and "token" in body["error"], (forged, status, body)
     driver.untouched()
 
@@ -101,8 +112,11 @@ def test_forged_node_credentials_are_refused(driver):
 def test_operator_actions_need_the_operator_credential(driver):
     for credential in (driver.join_token, driver.node.credential, driver.other.credential):
         client = driver.client_as(credential)
-        for method, path, body in (("POST", "/v1/stop", {"reason": "forged"}), ("GET", "/v1/status", None),
-                                   ("POST", "/v1/evict", {"node_id": NODE, "reason": "forged"})):
+        for method, path, body in (
+            ("POST", "/v1/stop", {"reason": "forged"}),
+            ("GET", "/v1/status", None),
+            ("POST", "/v1/evict", {"node_id": NODE, "reason": "forged"}),
+        ):
             err = refused(client, method, path, body)
             assert err.status == 403 and f"{method} {path} is not for a" in str(err), (path, err)
     driver.untouched()

@@ -18,14 +18,18 @@ pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (run scripts/install_chromium.sh)"),
 ]
 # Each payload, if it ran, would change the title to one the page's own text does not contain.
-PAYLOADS = {"pp": "<script>document.title = 'PW' + 'NED:pp'</script>",
-            "host": "<img src=x onerror=\"document.title = 'PW' + 'NED:host'\">",
-            "tp": "</td></tr></table><svg onload=\"document.title = 'PW' + 'NED:tp'\">"}
+PAYLOADS = {
+    "pp": "<script>document.title = 'PW' + 'NED:pp'</script>",
+    "host": "<img src=x onerror=\"document.title = 'PW' + 'NED:host'\">",
+    "tp": "</td></tr></table><svg onload=\"document.title = 'PW' + 'NED:tp'\">",
+}
 
 
 def test_report_of_a_crafted_run_runs_no_injected_script(tmp_path):
-    timers = [Timers(r, {"pp": PAYLOADS["pp"], "dp": r, "tp": PAYLOADS["tp"]}, f"{PAYLOADS['host']}{r}", tmp_path)
-              for r in range(2)]
+    timers = [
+        Timers(r, {"pp": PAYLOADS["pp"], "dp": r, "tp": PAYLOADS["tp"]}, f"{PAYLOADS['host']}{r}", tmp_path)
+        for r in range(2)
+    ]
     for step in range(4):
         for t in timers:
             now = time.perf_counter()
@@ -36,10 +40,25 @@ def test_report_of_a_crafted_run_runs_no_injected_script(tmp_path):
     report = build_report(tmp_path)
     page = report.html.read_text()
     assert "&lt;script&gt;document.title" in page  # the value is on the page, as text
-    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                          "--no-first-run", "--disable-component-update", "--disable-sync",
-                          f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=2000", "--dump-dom",
-                          report.html.as_uri()], capture_output=True, text=True, timeout=90)
+    dom = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--no-first-run",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=2000",
+            "--dump-dom",
+            report.html.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert "<title>megascale report</title>" in dom.stdout, dom.stderr[-2000:]
     assert "PWNED" not in dom.stdout
     assert "<script" not in page and "<img src=x" not in page and "<svg" not in page

@@ -26,24 +26,41 @@ def broken(directory, part: str, content: bytes | None = None, mode: int = 0o600
     return path
 
 
-@pytest.mark.parametrize(("part", "content", "mode", "message"), [
-    (TOKEN, b"", 0o600, "has 0 characters; at least 32"),
-    (TOKEN, b"\n  \n", 0o600, "has 0 characters"),
-    (TOKEN, b"short-token\n", 0o600, "has 11 characters"),
-    (TOKEN, None, 0o644, "mode 0644: other users can read"),
-    (TOKEN, None, 0o620, "mode 0620"),
-    (KEY, None, 0o604, "TLS key"),
-    (CERT, b"not a certificate", 0o600, "not a PEM certificate"),
-])
+@pytest.mark.parametrize(
+    ("part", "content", "mode", "message"),
+    [
+        (TOKEN, b"", 0o600, "has 0 characters; at least 32"),
+        (TOKEN, b"\n  \n", 0o600, "has 0 characters"),
+        (TOKEN, b"short-token\n", 0o600, "has 11 characters"),
+        (TOKEN, None, 0o644, "mode 0644: other users can read"),
+        (TOKEN, None, 0o620, "mode 0620"),
+        (KEY, None, 0o604, "TLS key"),
+        (CERT, b"not a certificate", 0o600, "not a PEM certificate"),
+    ],
+)
 def test_an_unsafe_secret_stops_the_driver_before_it_listens(tmp_path, part, content, mode, message):
     secret_dir = ensure_secret(tmp_path / "secret")
     broken(secret_dir, part, content, mode)
     with pytest.raises(SecretError, match=message):
         load_secret(secret_dir, need_key=True)
     if part == TOKEN and content == b"":  # the attack that switched authentication off, end to end
-        out = subprocess.run([sys.executable, "-m", "megascale.cli", "launch", "--external", "--nodes", "1",
-                              f"--train.run_dir={tmp_path / 'run'}", f"--resilience.secret_dir={secret_dir}"],
-                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megascale.cli",
+                "launch",
+                "--external",
+                "--nodes",
+                "1",
+                f"--train.run_dir={tmp_path / 'run'}",
+                f"--resilience.secret_dir={secret_dir}",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert not (tmp_path / "run" / "resilience" / "driver.json").exists()  # never served
 
@@ -56,8 +73,13 @@ def test_a_missing_token_file_is_an_error_not_an_open_door(tmp_path):
 
 
 def test_the_secret_command_makes_private_files_kubernetes_can_take(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "megascale.cli", "secret", str(tmp_path / "s"),
-                          "--name", "megascale-driver"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "secret", str(tmp_path / "s"), "--name", "megascale-driver"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "kubectl create secret generic" in out.stdout, out.stderr
     assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o700
     for part in (TOKEN, OPERATOR, CERT, KEY):
@@ -65,8 +87,11 @@ def test_the_secret_command_makes_private_files_kubernetes_can_take(tmp_path):
     secret = load_secret(tmp_path / "s", need_key=True)
     from cryptography import x509
 
-    names = x509.load_pem_x509_certificate(secret.cert_pem).extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    names = (
+        x509.load_pem_x509_certificate(secret.cert_pem)
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value.get_values_for_type(x509.DNSName)
+    )
     assert "megascale-driver" in names and "localhost" in names
 
 
@@ -79,8 +104,13 @@ def test_the_written_config_is_private(tmp_path):
 
 
 def _launch(tmp_path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megascale.cli", "launch", "--external", "--nodes", "1", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "megascale.cli", "launch", "--external", "--nodes", "1", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 @pytest.mark.parametrize("part", [TOKEN, CERT])
@@ -90,9 +120,24 @@ def test_a_fifo_in_place_of_a_secret_file_is_refused_at_once(tmp_path, part):
     os.mkfifo(secret_dir / part, 0o600)  # opened for reading, it would wait for a writer forever
     with pytest.raises(SecretError, match="not a regular file"):
         load_secret(secret_dir, need_key=False)
-    out = subprocess.run([sys.executable, "-m", "megascale.cli", "executor", "--driver", "https://127.0.0.1:1",
-                          "--secret-dir", str(secret_dir), "--workdir", str(tmp_path / "work")],
-                         cwd=REPO, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "executor",
+            "--driver",
+            "https://127.0.0.1:1",
+            "--secret-dir",
+            str(secret_dir),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "is not a regular file" in out.stderr, out.stderr
 
 
@@ -107,8 +152,11 @@ def test_a_key_that_does_not_match_the_certificate_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run" / "resilience" / "driver.json").exists()
 
 
-@pytest.mark.parametrize(("mode", "refused"), [(0o777, True), (0o770, True), (0o1777, False), (0o700, False)],
-                         ids=["0777", "0770", "1777", "0700"])
+@pytest.mark.parametrize(
+    ("mode", "refused"),
+    [(0o777, True), (0o770, True), (0o1777, False), (0o700, False)],
+    ids=["0777", "0770", "1777", "0700"],
+)
 def test_a_secret_directory_others_can_write_is_refused(tmp_path, mode, refused):
     secret_dir = ensure_secret(tmp_path / "secret")
     secret_dir.chmod(mode)  # 1777: how Kubernetes mounts a Secret volume (others cannot swap our files)

@@ -15,8 +15,14 @@ from test_train import _trainer
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 0.01
-SMALL = ["--train.steps=200", "--model.layers=1", "--model.hidden=32", "--model.seq_len=32", "--train.eval_every=0",
-         "--train.log_every=50"]
+SMALL = [
+    "--train.steps=200",
+    "--model.layers=1",
+    "--model.hidden=32",
+    "--model.seq_len=32",
+    "--train.eval_every=0",
+    "--train.log_every=50",
+]
 
 
 def _losses(path, *extra) -> list[float]:

@@ -13,19 +13,40 @@ from megascale.config import default_config_path, load_config
 from megascale.train.metrics import StepClock, memory_record, progress_line, tag
 from megascale.train.trainer import Trainer
 
-TINY = ["--model.layers=2", "--model.hidden=32", "--model.heads=4", "--model.seq_len=32",
-        "--train.global_batch=4", "--train.micro_batch=2", "--train.eval_every=0",
-        "--checkpoint.every=0", "--checkpoint.resume=none"]
+TINY = [
+    "--model.layers=2",
+    "--model.hidden=32",
+    "--model.heads=4",
+    "--model.seq_len=32",
+    "--train.global_batch=4",
+    "--train.micro_batch=2",
+    "--train.eval_every=0",
+    "--checkpoint.every=0",
+    "--checkpoint.resume=none",
+]
 
 
 def test_tags_are_grouped_and_the_line_shows_memory_and_eta():
     assert [tag(k) for k in ("loss", "eval_loss", "mfu", "mem_rss_peak_gib", "time_comm")] == [
-        "train/loss", "eval/loss", "perf/mfu", "memory/rss_peak_gib", "time/comm"]
+        "train/loss",
+        "eval/loss",
+        "perf/mfu",
+        "memory/rss_peak_gib",
+        "time/comm",
+    ]
     clock = StepClock(window=2)
     assert clock.eta_s(10.0, 5) == 50.0 and clock.eta_s(2.0, 4) == 24.0  # mean of the last two
     assert clock.eta_s(2.0, 3) == 6.0  # the slow first step has left the window
-    rec = {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1e4, "step_time": 0.1,
-           "data_wait": 0.0, "eta_s": 3725.0, **memory_record(torch.device("cpu"))}
+    rec = {
+        "loss": 2.0,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 1e4,
+        "step_time": 0.1,
+        "data_wait": 0.0,
+        "eta_s": 3725.0,
+        **memory_record(torch.device("cpu")),
+    }
     line = progress_line(7, 100, rec)
     assert "eta 1h02m" in line and f"rss {rec['mem_rss_peak_gib']:.2f} GiB" in line
     assert 0.05 < rec["mem_rss_peak_gib"] < 64  # this process, in GiB (ru_maxrss is KiB on Linux)
@@ -40,16 +61,15 @@ def _wandb_history(run_file) -> list[dict]:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
             rec = pb.Record()
             rec.ParseFromString(pending)
             pending = b""
             if rec.WhichOneof("record_type") == "history":
-                records.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
-                                for i in rec.history.item})
+                records.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item})
     return records
 
 
@@ -57,9 +77,18 @@ def test_trackers_get_grouped_tags_and_wandb_works_offline(tmp_path, capsys, mon
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")  # what the trainer sets; undone after the test
-    cfg = load_config(default_config_path(), TINY + [
-        f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}",
-        "--train.steps=3", "--train.tensorboard=true", "--train.wandb=true", "--train.wandb_mode=offline"])
+    cfg = load_config(
+        default_config_path(),
+        TINY
+        + [
+            f"--train.run_dir={tmp_path / 'run'}",
+            f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}",
+            "--train.steps=3",
+            "--train.tensorboard=true",
+            "--train.wandb=true",
+            "--train.wandb_mode=offline",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
         losses = trainer.fit()

@@ -16,9 +16,17 @@ from megascale.optim import build_optimizer
 from megascale.train.numerics import TrainingHalted
 
 POISONED = 32  # loader position of the poisoned batch (step 33's): two steps after a checkpoint
-SPIKE = ["--train.steps=36", "--train.eval_every=0", "--train.spike_window=8", "--checkpoint.every=10",
-         "--optim.lr=1e-2", "--optim.warmup_steps=0", "--optim.decay_steps=200", "--checkpoint.async_save=false",
-         "--train.log_every=100"]
+SPIKE = [
+    "--train.steps=36",
+    "--train.eval_every=0",
+    "--train.spike_window=8",
+    "--checkpoint.every=10",
+    "--optim.lr=1e-2",
+    "--optim.warmup_steps=0",
+    "--optim.decay_steps=200",
+    "--checkpoint.async_save=false",
+    "--train.log_every=100",
+]
 
 
 def _fit(trainer) -> list[float]:
@@ -77,7 +85,7 @@ def test_a_logged_spike_is_trained_on(tmp_path, never_saw_it):
     _feed(trainer, drop=False)
     losses = _fit(trainer)
     assert [r["step"] for r in _metrics(tmp_path) if r.get("spike")] == [POISONED + 1]
-    assert losses[:POISONED] == never_saw_it[:POISONED] and losses[POISONED + 1:] != never_saw_it[POISONED + 1:]
+    assert losses[:POISONED] == never_saw_it[:POISONED] and losses[POISONED + 1 :] != never_saw_it[POISONED + 1 :]
 
 
 def _poison_grads(trainer, attempts: set[int], value: float) -> None:
@@ -97,12 +105,19 @@ def _poison_grads(trainer, attempts: set[int], value: float) -> None:
 
 
 def test_a_non_finite_gradient_skips_the_step_and_too_many_stop_the_run(tmp_path):
-    trainer = _trainer(tmp_path, "--train.steps=12", "--train.eval_every=0", "--checkpoint.every=4",
-                       "--checkpoint.async_save=false", "--train.max_skipped_steps=3")
+    trainer = _trainer(
+        tmp_path,
+        "--train.steps=12",
+        "--train.eval_every=0",
+        "--checkpoint.every=4",
+        "--checkpoint.async_save=false",
+        "--train.max_skipped_steps=3",
+    )
     _poison_grads(trainer, {3} | set(range(7, 20)), math.inf)
     before = {}
-    trainer.step_hooks.append(lambda step, _: before.update(
-        {step: [t.detach().clone() for _, t in trainer.runner.optimizer_tensors()]}))
+    trainer.step_hooks.append(
+        lambda step, _: before.update({step: [t.detach().clone() for _, t in trainer.runner.optimizer_tensors()]})
+    )
     with pytest.raises(TrainingHalted, match=r"3 consecutive steps .* last good checkpoint is step 4 in .*step_0+4"):
         _fit(trainer)
     records = _metrics(tmp_path)
@@ -113,18 +128,24 @@ def test_a_non_finite_gradient_skips_the_step_and_too_many_stop_the_run(tmp_path
     assert records[2]["nonfinite_ranks"] == [0] and records[2]["skipped_total"] == 1
     for step, tensors in before.items():
         assert all(torch.isfinite(t).all() for t in tensors), step
-    saved, _ = whole_tensors(str(tmp_path / "run" / "checkpoints" / "step_000000004"),
-                             fields=("value", "optim.exp_avg", "optim.exp_avg_sq"))
+    saved, _ = whole_tensors(
+        str(tmp_path / "run" / "checkpoints" / "step_000000004"), fields=("value", "optim.exp_avg", "optim.exp_avg_sq")
+    )
     assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in saved.values())
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("--train.param_dtype=fp16", "train.param_dtype='fp16' is not supported: fp16 needs a dynamic loss scaler"),
-    ("--train.dtype=fp16", "train.dtype='fp16' is not supported"),
-    ("--train.reduce_dtype=fp8", "train.reduce_dtype must be one of ['fp32', 'bf16']"),
-    ("--train.spike_action=rollback", "train.spike_action='rollback' restores the last checkpoint: it needs "
-                                      "checkpoint.every > 0"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--train.param_dtype=fp16", "train.param_dtype='fp16' is not supported: fp16 needs a dynamic loss scaler"),
+        ("--train.dtype=fp16", "train.dtype='fp16' is not supported"),
+        ("--train.reduce_dtype=fp8", "train.reduce_dtype must be one of ['fp32', 'bf16']"),
+        (
+            "--train.spike_action=rollback",
+            "train.spike_action='rollback' restores the last checkpoint: it needs checkpoint.every > 0",
+        ),
+    ],
+)
 def test_bad_precision_settings_are_refused_by_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(default_config_path(), ["--checkpoint.every=0", override])

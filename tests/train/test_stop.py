@@ -25,10 +25,20 @@ from megascale.train.stop import StopOnSignal
 
 pytestmark = pytest.mark.timeout(400)
 
-TINY = ["--model.layers=2", "--model.hidden=32", "--model.heads=2", "--model.seq_len=32",
-        "--train.global_batch=4", "--train.micro_batch=1", "--train.device=cpu",
-        "--train.eval_every=0", "--train.tensorboard=false", "--checkpoint.every=0",
-        "--parallel.dp=2", "--train.steps=100000"]
+TINY = [
+    "--model.layers=2",
+    "--model.hidden=32",
+    "--model.heads=2",
+    "--model.seq_len=32",
+    "--train.global_batch=4",
+    "--train.micro_batch=1",
+    "--train.device=cpu",
+    "--train.eval_every=0",
+    "--train.tensorboard=false",
+    "--checkpoint.every=0",
+    "--parallel.dp=2",
+    "--train.steps=100000",
+]
 
 
 def test_first_signal_is_recorded_and_agreed():
@@ -63,8 +73,18 @@ def _launch(run_dir: Path, *extra: str, env_extra: dict[str, str] | None = None)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "megascale.cli", "train", "--nproc", "2", *TINY,
-           f"--train.run_dir={run_dir}", f"--data.cache_dir={run_dir.parent / 'cache'}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megascale.cli",
+        "train",
+        "--nproc",
+        "2",
+        *TINY,
+        f"--train.run_dir={run_dir}",
+        f"--data.cache_dir={run_dir.parent / 'cache'}",
+        *extra,
+    ]
     out = open(run_dir.parent / f"{run_dir.name}.out", "wb")  # noqa: SIM115 - lives as long as the run
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -11,14 +11,26 @@ import pytest
 from megascale.config import default_config_path, load_config
 from megascale.train.trainer import Trainer
 
-TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.seq_len=64",
-        "--model.window=32", "--train.global_batch=8", "--train.micro_batch=4", "--optim.lr=3e-3",
-        "--train.tensorboard=false", "--checkpoint.every=0", "--checkpoint.resume=none"]
+TINY = [
+    "--model.layers=2",
+    "--model.hidden=64",
+    "--model.heads=4",
+    "--model.seq_len=64",
+    "--model.window=32",
+    "--train.global_batch=8",
+    "--train.micro_batch=4",
+    "--optim.lr=3e-3",
+    "--train.tensorboard=false",
+    "--checkpoint.every=0",
+    "--checkpoint.resume=none",
+]
 
 
 def _trainer(tmp_path, *extra):
-    cfg = load_config(default_config_path(), TINY + [
-        f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}", *extra])
+    cfg = load_config(
+        default_config_path(),
+        TINY + [f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}", *extra],
+    )
     return Trainer(cfg)
 
 
@@ -77,11 +89,14 @@ def test_cuda_requested_without_cuda_is_a_clear_error(tmp_path):
         _trainer(tmp_path, "--train.device=cuda")
 
 
-@pytest.mark.parametrize("extra", [
-    ["--train.dtype=bf16"],
-    ["--train.dtype=bf16", "--train.param_dtype=bf16"],
-    ["--train.recompute=full", "--train.fuse_input_gemm=true"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--train.dtype=bf16"],
+        ["--train.dtype=bf16", "--train.param_dtype=bf16"],
+        ["--train.recompute=full", "--train.fuse_input_gemm=true"],
+    ],
+)
 def test_precision_and_recompute_options_train_close_to_fp32(tmp_path, extra):
     def run(name, *opts):
         trainer = _trainer(tmp_path / name, "--train.steps=3", "--train.eval_every=0", *opts)
@@ -97,15 +112,29 @@ def test_precision_and_recompute_options_train_close_to_fp32(tmp_path, extra):
         assert abs(a - b) <= (1e-5 if exact else 0.05) * abs(a), (reference, other)
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("--data.path=/nonexistent/tokens", "DataError: data directory /nonexistent/tokens does not exist"),
-    ("--train.attention=flex", "ConfigError: train.attention='flex' trains only on CUDA"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--data.path=/nonexistent/tokens", "DataError: data directory /nonexistent/tokens does not exist"),
+        ("--train.attention=flex", "ConfigError: train.attention='flex' trains only on CUDA"),
+    ],
+)
 def test_cli_reports_bad_input_in_one_line(tmp_path, override, message):
     done = subprocess.run(
-        [sys.executable, "-m", "megascale.cli", "train", "--train.device=cpu", "--train.steps=1",
-         f"--train.run_dir={tmp_path}", override],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "train",
+            "--train.device=cpu",
+            "--train.steps=1",
+            f"--train.run_dir={tmp_path}",
+            override,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -114,8 +143,12 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, override, message):
 def test_a_run_resumed_at_its_last_step_still_reports_the_step(tmp_path):
     """The driver learns a rank's step from its step hook: a rank that resumes at the final step
     runs no step, and without this report it looked like a rank that exited before training."""
-    extra = ("--train.steps=2", "--checkpoint.every=2", "--checkpoint.resume=auto",
-             f"--checkpoint.dir={tmp_path / 'ckpt'}")
+    extra = (
+        "--train.steps=2",
+        "--checkpoint.every=2",
+        "--checkpoint.resume=auto",
+        f"--checkpoint.dir={tmp_path / 'ckpt'}",
+    )
     first = _trainer(tmp_path, *extra)
     try:
         first.fit()

@@ -77,7 +77,8 @@ def _angles(o: Options, seq: int, device: torch.device) -> torch.Tensor:
                 new.append(f / s["factor"])
             else:
                 t = (s["original_max_positions"] / wave - s["low_freq_factor"]) / (
-                    s["high_freq_factor"] - s["low_freq_factor"])
+                    s["high_freq_factor"] - s["low_freq_factor"]
+                )
                 new.append((1 - t) * f / s["factor"] + t * f)
         freq = torch.tensor(new, dtype=torch.float64)
     return torch.arange(seq, dtype=torch.float64)[:, None] * freq[None, :]
@@ -87,7 +88,7 @@ def _rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + half) of the first 2 * angles.shape[-1] dims of each head."""
     half = angles.shape[-1]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    a, b, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
 
 
@@ -185,8 +186,13 @@ class MegascaleForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.head.out
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("this megascale export has no padding mask: pass unpadded sequences")
         seq = input_ids.shape[1]

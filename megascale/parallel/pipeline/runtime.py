@@ -82,8 +82,9 @@ class PipelineRunner(ModelRunner):
     from the second call: the first one learns activation shapes with receives posted only
     when needed, which a send waiting for its receive could deadlock."""
 
-    def __init__(self, chunks: list[nn.Module], cfg: JobConfig, mesh,
-                 lookahead: int = DEFAULT_LOOKAHEAD, decoupled: bool = True) -> None:
+    def __init__(
+        self, chunks: list[nn.Module], cfg: JobConfig, mesh, lookahead: int = DEFAULT_LOOKAHEAD, decoupled: bool = True
+    ) -> None:
         super().__init__(chunks, cfg, mesh)
         self.p = mesh.pp_size
         self.v = len(chunks)
@@ -240,8 +241,7 @@ class PipelineRunner(ModelRunner):
     def _start_recv(self, recv: _Recv) -> None:
         shape, dtype = recv.shape
         recv.buffer = torch.empty(shape, dtype=dtype, device=self._device)
-        recv.work = dist.irecv(recv.buffer, src=self._peers[recv.peer], group=self.group,
-                               tag=recv.tag)
+        recv.work = dist.irecv(recv.buffer, src=self._peers[recv.peer], group=self.group, tag=recv.tag)
 
     def _wait_recv(self, recv: _Recv, a: Action, timers) -> torch.Tensor:
         peer = self._peers[recv.peer]
@@ -284,4 +284,4 @@ def _encode(meta: tuple[tuple[int, ...], torch.dtype], device: torch.device) -> 
 
 def _decode(meta: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     values = meta.tolist()
-    return tuple(values[2:2 + values[1]]), _DTYPES[values[0]]
+    return tuple(values[2 : 2 + values[1]]), _DTYPES[values[0]]

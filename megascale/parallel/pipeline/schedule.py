@@ -104,9 +104,7 @@ def check_layout(p: int, v: int, m: int, kind: str = "1f1b") -> None:
     if kind not in KINDS:
         raise ConfigError(f"parallel.schedule must be one of {KINDS[:3]}, got {kind!r}")
     if p < 1 or v < 1 or m < 1:
-        raise ConfigError(
-            f"parallel.pp={p}, parallel.vpp={v} and the micro-batches per step ({m}) must be >= 1"
-        )
+        raise ConfigError(f"parallel.pp={p}, parallel.vpp={v} and the micro-batches per step ({m}) must be >= 1")
     if v > 1 and p == 1:
         raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
     if v > 1 and kind in SPLIT_KINDS:
@@ -169,8 +167,7 @@ def _zb_h1(p: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
     return order + [(Op.WEIGHT, k, 0) for k in range(weights, m)]
 
 
-def build_schedule(kind: str, p: int, v: int, m: int,
-                   lookahead: int = DEFAULT_LOOKAHEAD) -> Schedule:
+def build_schedule(kind: str, p: int, v: int, m: int, lookahead: int = DEFAULT_LOOKAHEAD) -> Schedule:
     """Every rank's action list: compute, each send right after the compute producing it, and
     each receive posted `lookahead` compute actions before the one that consumes it."""
     chunks = p * v
@@ -186,11 +183,9 @@ def build_schedule(kind: str, p: int, v: int, m: int,
                 recv = Op.RECV_ACT if op is Op.FORWARD else Op.RECV_GRAD
                 recvs[max(0, i - lookahead)].append(Action(recv, mb, chunk, need[0], need[1]))
             if op is Op.FORWARD and g < chunks - 1:
-                sends[i].append(Action(Op.SEND_ACT, mb, chunk, (g + 1) % p,
-                                       message_tag(False, g, mb, m)))
+                sends[i].append(Action(Op.SEND_ACT, mb, chunk, (g + 1) % p, message_tag(False, g, mb, m)))
             if op is Op.BACKWARD and g > 0:
-                sends[i].append(Action(Op.SEND_GRAD, mb, chunk, (g - 1) % p,
-                                       message_tag(True, g - 1, mb, m)))
+                sends[i].append(Action(Op.SEND_GRAD, mb, chunk, (g - 1) % p, message_tag(True, g - 1, mb, m)))
         actions: list[Action] = []
         for i, (op, mb, chunk) in enumerate(order):
             actions += recvs[i]
@@ -216,15 +211,16 @@ def check_schedule(schedule: Schedule) -> None:
     names = "".join(op.value for op in steps)
     head = f"{schedule.kind} p={schedule.p} v={schedule.v} m={schedule.m}"
     for rank in range(schedule.p):
-        done: dict[tuple[int, int], int] = {(mb, c): 0 for mb in range(schedule.m)
-                                            for c in range(schedule.v)}
+        done: dict[tuple[int, int], int] = {(mb, c): 0 for mb in range(schedule.m) for c in range(schedule.v)}
         for a in schedule.compute(rank):
             key = (a.mb, a.chunk)
             if key not in done:
                 raise ScheduleError(f"{head} rank {rank}: {a} is outside the layout")
             if done[key] == len(steps) or a.op is not steps[done[key]]:
-                raise ScheduleError(f"{head} rank {rank}: {a} is out of order; each (micro-batch, "
-                                    f"chunk) runs {names} once, in that order")
+                raise ScheduleError(
+                    f"{head} rank {rank}: {a} is out of order; each (micro-batch, "
+                    f"chunk) runs {names} once, in that order"
+                )
             done[key] += 1
         missing = [f"{steps[n].value}{key}" for key, n in done.items() if n < len(steps)]
         if missing:
@@ -263,9 +259,15 @@ class Deadlock(RuntimeError):
     pass
 
 
-def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
-             coupled: bool = False, latency: float = 0.0, t_wgt: float = 1.0,
-             duration: Callable[[int, Action], float] | None = None) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    t_fwd: float = 1.0,
+    t_bwd: float = 1.0,
+    coupled: bool = False,
+    latency: float = 0.0,
+    t_wgt: float = 1.0,
+    duration: Callable[[int, Action], float] | None = None,
+) -> SimResult:
     """Play every rank's actions in lock-step with fixed compute times (or `duration(rank,
     action)`, e.g. times measured on a real run, to predict its bubble with ideal links).
     `t_bwd` is a whole backward, or only its B when the schedule splits it (W takes `t_wgt`).
@@ -320,8 +322,7 @@ def simulate(schedule: Schedule, t_fwd: float = 1.0, t_bwd: float = 1.0,
         if all(pos[r] == len(schedule.ranks[r]) for r in range(p)):
             break
         if not progressed:
-            stuck = {r: str(schedule.ranks[r][pos[r]]) for r in range(p)
-                     if pos[r] < len(schedule.ranks[r])}
+            stuck = {r: str(schedule.ranks[r][pos[r]]) for r in range(p) if pos[r] < len(schedule.ranks[r])}
             raise Deadlock(f"{schedule.kind} p={p} v={schedule.v} m={schedule.m}: stuck {stuck}")
     makespan = max(clock)
     busy = [sum(e - s for s, e, _ in tl) for tl in timeline]

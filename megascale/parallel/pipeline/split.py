@@ -27,8 +27,9 @@ class PipelineChunk(nn.Module):
     the loss on the last. Forward: tokens (first) or hidden states in; hidden states out, or
     the summed token loss on the last chunk (which then needs `labels`)."""
 
-    def __init__(self, index: int, count: int, layers: dict[int, nn.Module],
-                 embed: nn.Module | None, head: nn.Module | None) -> None:
+    def __init__(
+        self, index: int, count: int, layers: dict[int, nn.Module], embed: nn.Module | None, head: nn.Module | None
+    ) -> None:
         super().__init__()
         self.index = index  # global chunk index, 0 .. count-1
         self.count = count
@@ -123,9 +124,13 @@ def split_model(model: GPT, pp: int, vpp: int, pp_rank: int, split: str | list[i
     chunks: list[nn.Module] = []
     for c in range(vpp):
         g = c * pp + pp_rank
-        chunks.append(PipelineChunk(
-            g, count, {i: model.blocks[i] for i in ranges[g]},
-            model.embed if g == 0 else None,
-            model.head if g == count - 1 else None,
-        ))
+        chunks.append(
+            PipelineChunk(
+                g,
+                count,
+                {i: model.blocks[i] for i in ranges[g]},
+                model.embed if g == 0 else None,
+                model.head if g == count - 1 else None,
+            )
+        )
     return chunks
