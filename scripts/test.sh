@@ -19,6 +19,7 @@ if [ "$(id -u)" = 0 ]; then
 fi
 export OMP_NUM_THREADS=1
 .venv/bin/python -m ruff check megascale tests bench
+.venv/bin/python -m ruff format --check megascale tests bench
 .venv/bin/python -m mypy  # the package, as pyproject.toml's [tool.mypy] says
 # Two phases: everything but the tests marked serial on the workers, then those alone (they compare
 # CPU costs across sizes, and a neighbour's load would move them). A phase that finds no test is
