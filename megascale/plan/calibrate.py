@@ -181,9 +181,9 @@ def calibrate(run_dirs: list[str], cluster: ClusterSpec, warmup_steps: int = 1) 
     k = factor("optimizer", before)
     cluster = replace(cluster, gpu=replace(gpu, hbm_bytes_per_s=gpu.hbm_bytes_per_s / k))
     fits["optimizer"].factor = k
-    fits["optimizer"].constant = (
-        f"gpu.hbm_gbps {gpu.hbm_bytes_per_s / 1e9:.2f} -> {cluster.gpu.hbm_bytes_per_s / 1e9:.2f}"
-    )
+    fits[
+        "optimizer"
+    ].constant = f"gpu.hbm_gbps {gpu.hbm_bytes_per_s / 1e9:.2f} -> {cluster.gpu.hbm_bytes_per_s / 1e9:.2f}"
     k = factor("compute", _predict(runs, cluster, impl))
     g = cluster.gpu
     cluster = replace(
