@@ -29,6 +29,7 @@ from megascale.config.handoff import config_text, with_generated_password
 from megascale.config.private_files import UnsafePathError, private_dir, write_private
 from megascale.config.schema import redacted_url
 from megascale.resilience import protocol
+from megascale.resilience.api_budget import Budget
 from megascale.resilience.api_server import ApiServer, Limits, Route
 from megascale.resilience.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
 from megascale.resilience.driver import Driver
@@ -152,13 +153,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
     driver = Driver(cfg, state, store)
-    # every node of the job may connect at once (a registration storm): the cap on connections
-    # without a token yet is twice that, and never below the default
+    # every node of the job may connect at once (a registration storm), all through one address in
+    # local mode: the cap on connections without a token yet is twice that, never below the
+    # default, and an address-keyed caller (the join token) has the whole roster's budget
     nodes = state.nodes_wanted + spares
     limits = Limits(
         request_timeout_s=rcfg.api_request_timeout_s,
         handshake_timeout_s=rcfg.api_request_timeout_s,
         max_unauthenticated=max(Limits.max_unauthenticated, 2 * nodes),
+        budget=Budget(per_address=nodes),
     )
     identities = Identities(secret, state.job_id)
     server = ApiServer(

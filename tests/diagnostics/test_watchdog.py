@@ -32,7 +32,7 @@ def test_dump_names_the_collective_and_coordinates(tmp_path) -> None:
         t, tmp_path, timeout_s=0.3, grid=RankGrid(pp=2, dp=2, tp=2), poll_s=0.05, on_hang=seen.append
     ).start()
     roll = json.loads((tmp_path / "diagnostics" / "ranks" / "rank5.json").read_text())
-    assert roll["host"] == "hostB" and roll["grid"] == {"pp": 2, "dp": 2, "tp": 2}
+    assert roll["host"] == "hostB" and RankGrid(**roll["grid"]) == RankGrid(pp=2, dp=2, tp=2)
     with t.span("backward"):
         time.sleep(0.1)
     t.end_step(0)

@@ -14,6 +14,8 @@ marked slow but runs by default.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from layout_parity import Case, compare, run_cases, train
 
@@ -42,7 +44,7 @@ def reference() -> dict[tuple[str, str], dict]:
 
 
 def _matrix(world: int, layouts: list[Case], reference: dict, extra: tuple[Case, ...] = ()) -> None:
-    cases = [Case(c.dp, c.tp, c.pp, c.vpp, optim, split=c.split) for c in layouts for optim in OPTIMIZERS]
+    cases = [replace(c, optim=optim) for c in layouts for optim in OPTIMIZERS]
     cases += extra
     assert all(c.world == world for c in cases)
     ports = [free_port() for _ in cases]

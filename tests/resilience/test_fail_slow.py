@@ -18,7 +18,7 @@ import pytest
 from megascale.resilience.slowdown import CpuQuota, cpu_quota_available, tree
 from tests.resilience.jobs import PAUSE, max_step, node_of_rank
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)]  # detection bounds in steps: run alone
 
 W, WINDOWS = 3, 2
 STRAGGLER = (
