@@ -21,8 +21,8 @@ export OMP_NUM_THREADS=1
 .venv/bin/python -m ruff check megascale tests bench
 .venv/bin/python -m ruff format --check megascale tests bench
 .venv/bin/python -m mypy  # the package, as pyproject.toml's [tool.mypy] says
-# Two phases: everything but the tests marked serial on the workers, then those alone (they compare
-# CPU costs across sizes, and a neighbour's load would move them). A phase that finds no test is
+# Two phases: everything but the tests marked serial on the workers, then those alone (they measure
+# CPU costs, speeds or detection bounds, and a neighbour's load would move them). A phase that finds no test is
 # fine when the other ran some; both finding none is pytest's exit code 5, a failure.
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 set +e

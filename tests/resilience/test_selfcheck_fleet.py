@@ -176,6 +176,7 @@ class Fleet:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # real compute and memory-bandwidth measurements: a neighbour's load moves them
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(cpu_quota_available() is not None, reason=f"{cpu_quota_available()}")
 def test_selfcheck_flags_a_node_at_half_its_peers_cpu_and_passes_a_healthy_fleet_10_of_10(tmp_path):
@@ -204,6 +205,7 @@ def test_selfcheck_flags_a_node_at_half_its_peers_cpu_and_passes_a_healthy_fleet
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # real link measurements
 @pytest.mark.netns
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(netns_available() is not None, reason=f"{netns_available()}")
