@@ -11,7 +11,7 @@ as (name, ShardSpec, array) pieces, so the parent can put whole parameters back 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -85,41 +85,29 @@ class Case:
 # Tiny models whose sizes also exercise ZeRO padding (hidden 12, odd bias lengths). The
 # Llama-style one: RMSNorm, SwiGLU, grouped-query attention (2 key/value heads for 4 query heads,
 # so tp=2 splits whole groups), no biases.
+LLAMA = ModelConfig(
+    vocab_size=64,
+    seq_len=8,
+    layers=8,
+    hidden=16,
+    heads=4,
+    kv_heads=2,
+    ffn_hidden=20,
+    block="serial",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+)
 MODELS = {
     "gpt": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=12, heads=2, block="serial"),
-    "llama": ModelConfig(
-        vocab_size=64,
-        seq_len=8,
-        layers=8,
-        hidden=16,
-        heads=4,
-        kv_heads=2,
-        ffn_hidden=20,
-        block="serial",
-        norm="rmsnorm",
-        mlp="swiglu",
-        bias=False,
-    ),
+    "llama": LLAMA,
     # sliding-window attention for context parallelism: cp=2 holds 8 positions a rank, window 5
     # needs the previous rank's last 4
     "swa": ModelConfig(vocab_size=64, seq_len=16, layers=2, hidden=16, heads=4, kv_heads=2, window=5, block="serial"),
     # Mixture of experts in blocks 1 and 3 (every=2): 4 SwiGLU experts, top-2, a shared expert,
     # the balancing loss and z-loss on. "moe-skew": top-1 with a routing bias (DeepSeek-V3
     # balancing, `SkewedValues`) that sends every token to expert 0: one ep rank gets all rows.
-    "moe": ModelConfig(
-        vocab_size=64,
-        seq_len=8,
-        layers=4,
-        hidden=16,
-        heads=4,
-        kv_heads=2,
-        ffn_hidden=20,
-        block="serial",
-        norm="rmsnorm",
-        mlp="swiglu",
-        bias=False,
-        moe=MoEConfig(experts=4, top_k=2, every=2, ffn_hidden=12, shared_ffn_hidden=8),
-    ),
+    "moe": replace(LLAMA, layers=4, moe=MoEConfig(experts=4, top_k=2, every=2, ffn_hidden=12, shared_ffn_hidden=8)),
     "moe-skew": ModelConfig(
         vocab_size=64,
         seq_len=8,
