@@ -141,16 +141,7 @@ def _load_run(run_dir: str | Path, warmup_steps: int) -> _Run:
     for term, (kinds, _) in TERM_MAP.items():
         values = [sum(m[k] for k in kinds) for m in medians.values()]
         measured[term] = statistics.median(values) if term == "step" else max(values)
-    p = cfg.parallel
-    layout = Layout(
-        dp=p.dp,
-        tp=p.tp,
-        pp=p.pp,
-        v=p.vpp,
-        micro_batch=cfg.train.micro_batch,
-        zero=2 if p.dp > 1 else 0,
-        recompute=cfg.train.recompute,
-    )
+    layout = Layout.from_job(cfg)
     return _Run(path, Workload.from_job(cfg), layout, Features.from_job(cfg), measured)
 
 

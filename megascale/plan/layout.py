@@ -66,6 +66,20 @@ class Layout:
     zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
     recompute: Recompute = "none"
 
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> Layout:
+        """The layout a job as configured runs (overrides() is the way back)."""
+        p = cfg.parallel
+        return cls(
+            dp=p.dp,
+            tp=p.tp,
+            pp=p.pp,
+            v=p.vpp,
+            micro_batch=cfg.train.micro_batch,
+            zero=2 if p.dp > 1 else 0,
+            recompute=cfg.train.recompute,
+        )
+
     @property
     def world(self) -> int:
         return RankGrid.of(self).world_size

@@ -153,16 +153,7 @@ def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec, attention: str 
 def job_memory_estimate(cfg: JobConfig, device: str) -> MemoryEstimate:
     """The estimate for one rank of a job as configured, with nothing reserved for the device
     context: what the trainer prints beside the memory it measures after its first step."""
-    p = cfg.parallel
-    layout = Layout(
-        dp=p.dp,
-        tp=p.tp,
-        pp=p.pp,
-        v=p.vpp,
-        micro_batch=cfg.train.micro_batch,
-        zero=2 if p.dp > 1 else 0,
-        recompute=cfg.train.recompute,
-    )
+    layout = Layout.from_job(cfg)
     # CPU attention with a sliding window is SDPA with a band mask: the scores are materialized
     attention = "unfused" if device != "cuda" and cfg.model.window is not None else "flash2"
     device_spec = GPUSpec(
