@@ -17,6 +17,10 @@ through those same layers, so a fused, tensor-parallel block runs this very code
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,16 +167,84 @@ class Block(nn.Module):
         return x + self.mlp(h if self.ln2 is None else self.ln2(x)) + self.attn(h)
 
     def _fused_branches(self, h: torch.Tensor) -> torch.Tensor:
-        """Attn(h) + MLP(h) with one GEMM in and one GEMM out."""
+        """Attn(h) + MLP(h) with one GEMM in and one GEMM out. The concatenated weights are
+        not kept for the backward (`JoinedWeight`): a copy of the layer's weights per
+        micro-batch in flight was most of what a large tensor-parallel layer saved."""
         attn, mlp = self.attn, self.mlp
-        weight_in = torch.cat([attn.qkv.weight, mlp.fc.weight])
-        qkv, up = attn.qkv.project(h, weight_in, _joined_bias(attn.qkv, mlp.fc)).split(
-            [attn.qkv.weight.shape[0], mlp.fc.weight.shape[0]], dim=-1
-        )
+        joined_in = JoinedWeight((attn.qkv.weight, mlp.fc.weight), dim=0, like=h)
+        with joined_in.rebuilt_in_backward():
+            out = attn.qkv.project(h, joined_in.weight, _joined_bias(attn.qkv, mlp.fc))
+        qkv, up = out.split([attn.qkv.weight.shape[0], mlp.fc.weight.shape[0]], dim=-1)
         inner = torch.cat([attn.attend(qkv), mlp.activation(up)], dim=-1)
-        weight_out = torch.cat([attn.proj.weight, mlp.proj.weight], dim=1)
+        joined_out = JoinedWeight((attn.proj.weight, mlp.proj.weight), dim=1, like=inner)
         biases = [b for b in (attn.proj.bias, mlp.proj.bias) if b is not None]
-        return attn.proj.project(inner, weight_out, sum(biases) if biases else None)
+        with joined_out.rebuilt_in_backward():
+            return attn.proj.project(inner, joined_out.weight, sum(biases) if biases else None)
+
+
+class JoinedWeight:
+    """Parameters concatenated for one GEMM, saved for its backward as a recipe, not a copy.
+
+    `weight` is `torch.cat(parts, dim)` in the dtype the GEMM runs in (under autocast the
+    parts are cast first, so that no cast copy of the concatenation is made and saved either:
+    the values are the same as casting the concatenation). While `rebuilt_in_backward()` is
+    active, saved-tensor hooks replace every tensor that autograd (or a custom Function) saves
+    *on the concatenation's storage* -- itself, a transpose, a detached alias -- by the recipe,
+    and the backward that needs it rebuilds it from the parameters, which do not change within
+    a step (the optimizer runs after every backward). Other saved tensors go to the hooks that
+    were active outside (activation recomputation's, a memory probe's), so this composes with
+    them; under `torch.compile` the hooks stand aside (the compiler plans saved tensors itself)."""
+
+    def __init__(self, parts: tuple[torch.Tensor, ...], dim: int, like: torch.Tensor) -> None:
+        device = like.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else parts[0].dtype
+        self.recipe = _Recipe(parts, dim, dtype)  # what the saved tensors keep: no values
+        self.weight = torch.cat([p.to(dtype) for p in parts], dim)
+
+    @contextlib.contextmanager
+    def rebuilt_in_backward(self) -> Iterator[None]:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            yield
+            return
+        key, recipe = self.weight.untyped_storage()._cdata, self.recipe  # the hooks outlive the forward: not self
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # (no public reader)
+
+        def pack(t: torch.Tensor) -> object:
+            if t.untyped_storage()._cdata == key:
+                return _Rebuild(recipe, tuple(t.shape), t.stride(), t.storage_offset())
+            return t if outer is None else _Outer(outer[0](t))
+
+        def unpack(packed: object) -> torch.Tensor:
+            if isinstance(packed, _Rebuild):
+                return packed.recipe.build().as_strided(packed.shape, packed.stride, packed.offset)
+            return packed if outer is None else outer[1](packed.packed)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    parts: tuple[torch.Tensor, ...]
+    dim: int
+    dtype: torch.dtype
+
+    def build(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().to(self.dtype) for p in self.parts], self.dim)
+
+
+@dataclass(frozen=True)
+class _Rebuild:
+    recipe: _Recipe
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Outer:
+    packed: object  # what the outer pack hook returned
 
 
 def _joined_bias(*layers: nn.Linear) -> torch.Tensor | None:

@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megascale.model.gpt import Linear
 
-# A W closure: returns (target tensors, their gradients)
-WeightWork = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
+# A W closure: returns (where autograd starts: tensors or gradient edges, their gradients)
+WeightWork = Callable[[], tuple[list, list[torch.Tensor]]]
 
 _work: list[WeightWork] | None = None  # set while a split forward/backward runs
 
@@ -73,7 +74,7 @@ def defer(closure: WeightWork) -> None:
 def run(work: list[WeightWork]) -> None:
     """The W action: every deferred weight gradient of one (micro-batch, chunk), accumulated in
     one autograd call (ZeRO's hooks fire here)."""
-    targets: list[torch.Tensor] = []
+    targets: list = []
     grads: list[torch.Tensor] = []
     for closure in work:
         t, g = closure()
@@ -84,31 +85,41 @@ def run(work: list[WeightWork]) -> None:
         torch.autograd.backward(targets, grads)
 
 
+Root = torch.Tensor | GradientEdge  # where W's autograd call starts
+
+
 @dataclass(frozen=True)
 class Target:
-    """The tensors whose gradients a split Function defers (None where absent or frozen); not
-    a tensor, so autograd does not see them as the Function's inputs."""
+    """Where the gradients a split Function defers go (None where absent or frozen); not a
+    tensor, so autograd does not see them as the Function's inputs. A parameter is kept as
+    itself; a tensor the model built from parameters (the fused block's concatenated weights,
+    a cast) as its gradient edge, so that W does not keep its values alive from F to W."""
 
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None = None
+    weight: Root | None
+    bias: Root | None = None
+    dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)
 
     @staticmethod
     def of(weight: torch.Tensor, bias: torch.Tensor | None) -> Target:
-        return Target(
-            weight if weight.requires_grad else None, bias if bias is not None and bias.requires_grad else None
-        )
+        w, b = (t if t is not None and t.requires_grad else None for t in (weight, bias))
+        return Target(_root(w), _root(b), (None if w is None else w.dtype, None if b is None else b.dtype))
 
     def pairs(
         self, grad_w: Callable[[], torch.Tensor], grad_b: Callable[[], torch.Tensor] | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        out_t, out_g = [], []
+    ) -> tuple[list[Root], list[torch.Tensor]]:
+        out_t: list[Root] = []
+        out_g: list[torch.Tensor] = []
         if self.weight is not None:
             out_t.append(self.weight)
-            out_g.append(grad_w().to(self.weight.dtype))
+            out_g.append(grad_w().to(self.dtypes[0]))
         if self.bias is not None:
             out_t.append(self.bias)
-            out_g.append(grad_b().to(self.bias.dtype))
+            out_g.append(grad_b().to(self.dtypes[1]))
         return out_t, out_g
+
+
+def _root(t: torch.Tensor | None) -> Root | None:
+    return t if t is None or t.grad_fn is None else get_gradient_edge(t)
 
 
 def detached(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ class RankMemory:
     params: int  # the model's parameters (bf16 or fp32), this rank's tp slice of its stage
     grads: int  # ZeRO's fp32 gradient shards
     optimizer: int  # fp32 master shards + the optimizer's state
-    buffers: int  # ZeRO's communication buffers (reduce-scatter input / all-gather output ...)
+    buffers: int  # the most ZeRO's communication buffers take at once (reduce-scatter input ...)
     activations: int  # saved for backward by one micro-batch through the first chunk
 
     def as_dict(self) -> dict[str, int]:
@@ -99,10 +99,10 @@ def measure_rank(cfg: JobConfig, rank: int = 0) -> RankMemory:
             runner = build_runner(model, cfg, mesh)
             seen: set[int] = set()
             params = _bytes((p for c in runner.chunks for p in c.parameters()), seen)
-            buckets = [b for chunk in runner.grad_sync._chunks for b in chunk.buckets]
-            masters = _bytes((b.shard for b in buckets), seen)
-            grads = _bytes((b.grad for b in buckets), seen)
-            buffers = _bytes((t for b in buckets for t in (b.send, b.recv, b.gathered, b.low)), seen)
+            syncs = getattr(runner.grad_sync, "parts", (runner.grad_sync,))  # ExpertGradSync: two
+            masters = _bytes((b.shard for z in syncs for chunk in z._chunks for b in chunk.buckets), seen)
+            held = [z.memory_bytes() for z in syncs]  # its gradients and buffers exist during a step only
+            grads, buffers = (sum(h[key] for h in held) for key in ("grads", "buffers"))
             named = runner.optimizer_tensors()
             optimizer = build_optimizer(named, cfg.optim)
             for _, shard in named:

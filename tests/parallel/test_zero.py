@@ -15,7 +15,7 @@ from torch import nn
 from megascale.config.schema import JobConfig, ParallelConfig, TrainConfig
 from megascale.layout.shard import local_piece, shard_spec
 from megascale.parallel.store import free_port
-from megascale.parallel.zero import REDUCE_DTYPES, ZeroGradSync
+from megascale.parallel.zero import IN_FLIGHT, REDUCE_DTYPES, ZeroGradSync
 from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,9 +60,13 @@ def _layout_check() -> dict:
         }
         x = torch.randn(2, 5)
         loss = (module.b(module.a(x)).sum() + module.c.sum()) * 0
+        holders, twice = _watch_buffers(sync)
         loss.backward()  # one backward = the expected count: hooks launch buckets early
         out["launched_by_hooks"] = [b.launched for b in sync._chunks[0].buckets]
         sync.finish()
+        buckets = sync._chunks[0].buckets
+        out["buffers_bounded"] = max(holders) <= IN_FLIGHT and not any(twice)
+        out["buffers_freed"] = all(b.send is None and b.recv is None and b.gathered is None for b in buckets)
         sync.zero_grad()
         for n, p in module.named_parameters():  # now known gradients, launched by after_backward
             p.grad = (mesh.dp_rank + 1) * g[n]
@@ -102,14 +106,11 @@ def _layout_check() -> dict:
             for n, p in half.named_parameters():
                 p.grad = ((mesh.dp_rank + 1) * g[n]).to(torch.bfloat16)
             low.after_backward(0)
-            low.finish()
             buckets = low._chunks[0].buckets
-            out[f"bf16_comm_{reduce}"] = all(
-                b.send.dtype == REDUCE_DTYPES[reduce]
-                and b.gathered.dtype == b.low.dtype == torch.bfloat16
-                and b.grad.dtype == b.shard.dtype == torch.float32
-                for b in buckets
-            )
+            sending = [b for b in buckets if b.send is not None]  # the reduce-scatters in flight
+            comm_ok = bool(sending) and all(b.send.dtype == REDUCE_DTYPES[reduce] for b in sending)
+            low.finish()
+            comm_ok &= all(b.grad.dtype == b.shard.dtype == torch.float32 for b in buckets)
             out[f"bf16_grad_ok_{reduce}"] = all(
                 torch.allclose(s.grad, local_piece(total * g[n], shard_spec(s)), rtol=2e-2, atol=2e-2)
                 for n, s in low.optimizer_tensors()
@@ -117,6 +118,9 @@ def _layout_check() -> dict:
             for _, s in low.optimizer_tensors():
                 s.data.add_(1.0)
             low.after_step()
+            gathering = [b for b in buckets if b.gathered is not None]
+            comm_ok &= bool(gathering) and all(b.gathered.dtype == b.low.dtype == torch.bfloat16 for b in gathering)
+            out[f"bf16_comm_{reduce}"] = comm_ok
             low.before_forward(0)
             out[f"bf16_refresh_ok_{reduce}"] = all(
                 torch.equal(p, (before[n].float() + 1).to(torch.bfloat16)) for n, p in half.named_parameters()
@@ -125,6 +129,22 @@ def _layout_check() -> dict:
         return out
     finally:
         mesh.destroy()
+
+
+def _watch_buffers(sync: ZeroGradSync) -> tuple[list[int], list[bool]]:
+    """Record, at every gradient moved into a reduce-scatter input, how many buckets hold one
+    and whether a moved gradient is still on its parameter (held twice)."""
+    holders: list[int] = []
+    twice: list[bool] = []
+    move = sync._move
+
+    def watched(bucket, slot) -> None:
+        move(bucket, slot)
+        holders.append(sum(b.send is not None for ch in sync._chunks for b in ch.buckets))
+        twice.append(slot.param.grad is not None)
+
+    sync._move = watched
+    return holders, twice
 
 
 def _worker(cases: list[Case], ports: list[int]) -> dict:
@@ -152,6 +172,8 @@ def _check_layout(layouts: list[dict]) -> None:
         assert out["pieces_ok"] and out["groups_ok"] and out["grad_ok"] and out["refresh_ok"]
         assert out["matrix"] == {"a.weight": True, "a.bias": False, "b.weight": True, "b.bias": False, "c": False}
         assert out["param_grads_freed"]
+        # at most IN_FLIGHT buckets hold a communication buffer, none between steps
+        assert out["buffers_bounded"] and out["buffers_freed"]
         # with dp_overlap every bucket was launched by the gradient hooks, before after_backward
         assert all(out["launched_by_hooks"])
         assert out["prefetch_order"] == [(True, False), (True, True), (True, True)]
