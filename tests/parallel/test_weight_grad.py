@@ -14,8 +14,8 @@ import torch
 
 from megascale.config import ModelConfig
 from megascale.model import GPT
-from megascale.model.gpt import JoinedWeight
 from megascale.model.efficiency import apply_recompute
+from megascale.model.gpt import JoinedWeight
 from megascale.parallel import weight_grad
 
 VARIANTS = {
