@@ -76,7 +76,7 @@ class Layout:
             pp=p.pp,
             v=p.vpp,
             micro_batch=cfg.train.micro_batch,
-            zero=2 if p.dp > 1 else 0,
+            zero=2,  # megascale runs ZeRO-2 at every dp: at dp = 1 it still holds the fp32 masters
             recompute=cfg.train.recompute,
         )
 

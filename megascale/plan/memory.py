@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megascale.config.schema import JobConfig
+from megascale.config.schema import JobConfig, ParallelConfig
 from megascale.model.flops import norm_parameters, parameter_count
 from megascale.plan.cluster import GPUSpec
 from megascale.plan.layout import Layout, Workload
 
 MASTER_STATE_BYTES = 12  # mixed precision: fp32 master weight + two fp32 moments (AdamW, LAMB)
 FP32_STATE_BYTES = 8  # fp32 training: two fp32 moments (the parameter itself is the master)
-GRAD_BYTES = 4  # gradients accumulate in fp32 across micro-batches
+GRAD_BYTES = 4  # ZeRO's gradient shards are fp32
+DEFAULT_BUCKET_MB = ParallelConfig().dp_bucket_mb
+ZERO_IN_FLIGHT = 2  # buckets whose buffers exist at once: parallel.zero.IN_FLIGHT (plan may not import it)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ def stage_params_per_gpu(work: Workload, layout: Layout) -> float:
 
 
 def activation_elements_per_token(work: Workload, recompute: str) -> float:
-    """Elements one layer saves for backward per token (before tp/sp splitting)."""
+    """Korthikanti et al. 2022's count, for the published systems (Megatron's sequence
+    parallelism re-gathers the GEMM inputs in backward): elements one layer saves for backward
+    per token, before tp/sp splitting."""
     m = work.model
     h, f = m.hidden, m.ffn
     norms = m.parallel_norms if m.block == "parallel" else 2
@@ -64,6 +68,62 @@ def activation_elements_per_token(work: Workload, recompute: str) -> float:
     if recompute == "selective":
         saved -= norms * h + f  # LayerNorm outputs and GeLU outputs are recomputed
     return saved
+
+
+def activation_bytes_per_token(work: Workload, recompute: str = "none", tp: int = 1) -> float:
+    """Bytes one layer saves for backward per token on one of `tp` ranks (sequence parallel),
+    as the model code saves them (checked against fake mode, `testing/fake_memory.py`):
+
+    - each norm's input, a sequence shard (RMSNorm keeps it and the normalised value in fp32),
+      and its statistics per token;
+    - each distinct column-parallel GEMM input (the norm outputs: one in the parallel block with
+      one norm), saved *whole* -- the sequence all-gathered -- not re-gathered in backward;
+    - the QKV output; with rotary positions the rotated q and k as well (else, with grouped
+      queries, q cut out as a copy); the attention kernel's
+      output (its backward reads it), copied once more as the output projection's input when
+      the block's GEMMs are fused or the window kernel's layout is not the projection's; the
+      kernel's fp32 log-sum-exp per head;
+    - the MLP's input-projection output and the fc2 input (SwiGLU also keeps silu(gate)).
+
+    Selective recomputation reruns the attention core: the rotated q/k, its output copy and the
+    log-sum-exp are not kept. Full keeps the layer input only."""
+    m = work.model
+    ab, h, t = work.act_bytes, m.hidden, tp
+    if recompute == "full":
+        return h / t * ab
+    norms = m.parallel_norms if m.block == "parallel" else 2
+    # RMSNorm keeps x and x * rsqrt(mean(x^2)) in fp32, and the fp32 rsqrt per token; LayerNorm
+    # its input, and the mean and 1/std per token
+    norm_in = (h * 8 + 4) / t if m.norm == "rmsnorm" else (h + 2) * ab / t
+    gemm_inputs = 1 if m.block == "parallel" and norms == 1 else 2
+    fused = m.block == "parallel" and norms == 1 and t > 1  # tensor parallelism fuses them
+    q_width, k_width = m.heads * m.head_dim, m.kv_groups * m.head_dim
+    saved = norms * norm_in + gemm_inputs * h * ab + m.qkv_width / t * ab
+    attention_copies = 1 + (fused or m.window is not None)
+    if recompute == "selective":
+        attention_copies = 1
+    else:
+        saved += m.heads / t * 4  # log-sum-exp
+        if m.positions == "rotary":
+            saved += (q_width + k_width) / t * ab
+        elif m.kv_groups != m.heads:  # grouped queries: q is cut out of the QKV output as a copy
+            saved += q_width / t * ab
+    saved += attention_copies * q_width / t * ab
+    saved += (m.mlp_in_width + m.ffn * (2 if m.mlp == "swiglu" else 1)) / t * ab
+    return saved
+
+
+def micro_batch_extra_bytes(work: Workload, tp: int = 1, head: bool = True) -> float:
+    """Per sequence of a micro-batch, outside the layers: the token ids (int64) and the
+    embedding's mask (vocabulary-parallel), rotary's cos/sin tables, and with the `head` (one
+    pipeline stage) its norm's input and statistics and the normed input of the vocabulary
+    projection, the whole sequence on every tp rank."""
+    m, ab = work.model, work.act_bytes
+    per_token = 8 + 1 + (2 * m.rotary_dim * ab if m.positions == "rotary" else 0)
+    if head:
+        norm_in = (m.hidden * 8 + 4) / tp if m.norm == "rmsnorm" else (m.hidden + 2) * ab / tp
+        per_token += norm_in + m.hidden * ab
+    return m.seq_len * per_token
 
 
 def in_flight_micro_batches(layout: Layout, micro_batches: int) -> float:
@@ -106,11 +166,32 @@ class MemoryEstimate:
         }
 
 
-def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec, attention: str = "flash2") -> MemoryEstimate:
+def gradient_buffer_bytes(psi: float, dp: int, param_bytes: int, bucket_mb: float = DEFAULT_BUCKET_MB) -> float:
+    """Every parameter's autograd gradient (in its dtype), accumulated over the micro-batches
+    until its ZeRO bucket is reduce-scattered, and ZeRO's communication buffers: at most
+    `ZERO_IN_FLIGHT` buckets, unsharded (`dp x` the per-rank region), in fp32 (the reduce dtype)
+    or the parameters' dtype, whichever is wider."""
+    buffers = psi * param_bytes
+    if dp > 1:
+        per_rank = min(ZERO_IN_FLIGHT * bucket_mb * 2**20 / 4, psi / dp)  # fp32 elements, those buckets
+        buffers += dp * per_rank * max(4, param_bytes)
+    return buffers
+
+
+def memory_per_gpu(
+    work: Workload,
+    layout: Layout,
+    gpu: GPUSpec,
+    attention: str = "flash2",
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    as_built: bool = False,
+) -> MemoryEstimate:
+    """`as_built`: megascale's own code, as fake mode measures it (`activation_bytes_per_token`,
+    `gradient_buffer_bytes`; `bucket_mb` is its `parallel.dp_bucket_mb`); otherwise the
+    published systems' accounting (Korthikanti et al. 2022) the search is validated on."""
     m = work.model
     t, dp = layout.tp, layout.dp
     psi = stage_params_per_gpu(work, layout)
-    layer_psi = param_split(work).layer / t
     ab = work.act_bytes
     param_bytes = ab if work.mixed_precision else 4
     state_bytes = MASTER_STATE_BYTES if work.mixed_precision else FP32_STATE_BYTES
@@ -120,22 +201,29 @@ def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec, attention: str 
     optimizer = state_bytes * psi / (dp if layout.zero >= 1 else 1)
 
     tokens = layout.micro_batch * m.seq_len
-    per_layer = tokens * activation_elements_per_token(work, layout.recompute) * ab / t
-    per_layer += tokens * m.heads * 4 / t  # fused attention's fp32 log-sum-exp per head
-    if attention == "unfused" and layout.recompute == "none":  # the softmax output, s x s per head
-        per_layer += layout.micro_batch * m.heads / t * m.seq_len * m.seq_len * ab
     stage_layers = m.layers // layout.pp
     micro = layout.micro_batches(work.global_batch)
-    activations = per_layer * stage_layers * in_flight_micro_batches(layout, micro)
+    if as_built:
+        per_layer = tokens * activation_bytes_per_token(work, layout.recompute, t)
+        extra = layout.micro_batch * micro_batch_extra_bytes(work, t, layout.pp == 1)
+        live = tokens * activation_bytes_per_token(work, "none", t)  # a layer being recomputed
+    else:
+        per_layer = tokens * activation_elements_per_token(work, layout.recompute) * ab / t
+        per_layer += tokens * m.heads * 4 / t  # fused attention's fp32 log-sum-exp per head
+        extra, live = 0.0, tokens * activation_elements_per_token(work, "none") * ab / t
+    if attention == "unfused" and layout.recompute == "none":  # the softmax output, s x s per head
+        per_layer += layout.micro_batch * m.heads / t * m.seq_len * m.seq_len * ab
+    activations = (per_layer * stage_layers + extra) * in_flight_micro_batches(layout, micro)
     if layout.recompute != "none":  # one layer's full set lives while it is recomputed
-        activations += tokens * activation_elements_per_token(work, "none") * ab / t
+        activations += live
 
     full_act = tokens * m.hidden * ab  # one gathered (b, s, h) activation
-    buffers = 0.0
+    if as_built:
+        buffers = gradient_buffer_bytes(psi, dp, param_bytes, bucket_mb)
+    else:  # an unsharded layer gradient and two gathered layers (ZeRO)
+        buffers = param_split(work).layer / t * (GRAD_BYTES + 2 * param_bytes) if dp > 1 else 0.0
     if t > 1:
         buffers += 2 * full_act  # gathered GEMM input, double-buffered for the chunked overlap
-    if dp > 1:
-        buffers += layer_psi * (GRAD_BYTES + 2 * param_bytes)  # unsharded grad + 2 gathered layers
     if layout.pp > 1:
         buffers += 4 * full_act / t  # send and receive buffers, both directions
     buffers += tokens * m.vocab_size / t * (ab + 4)  # logits and their fp32 softmax/gradient
@@ -154,8 +242,6 @@ def job_memory_estimate(cfg: JobConfig, device: str) -> MemoryEstimate:
     """The estimate for one rank of a job as configured, with nothing reserved for the device
     context: what the trainer prints beside the memory it measures after its first step."""
     layout = Layout.from_job(cfg)
-    # CPU attention with a sliding window is SDPA with a band mask: the scores are materialized
-    attention = "unfused" if device != "cuda" and cfg.model.window is not None else "flash2"
     device_spec = GPUSpec(
         name=device,
         peak_flops={},
@@ -165,4 +251,6 @@ def job_memory_estimate(cfg: JobConfig, device: str) -> MemoryEstimate:
         attention_efficiency=1.0,
         reserved_bytes=0.0,
     )
-    return memory_per_gpu(Workload.from_job(cfg), layout, device_spec, attention)
+    # every attention kernel megascale runs, the CPU sliding window's included, keeps no scores
+    work = Workload.from_job(cfg)
+    return memory_per_gpu(work, layout, device_spec, "flash2", cfg.parallel.dp_bucket_mb, as_built=True)

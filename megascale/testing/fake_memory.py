@@ -39,7 +39,7 @@ class RankMemory:
     params: int  # the model's parameters (bf16 or fp32), this rank's tp slice of its stage
     grads: int  # ZeRO's fp32 gradient shards
     optimizer: int  # fp32 master shards + the optimizer's state
-    buffers: int  # the most ZeRO's communication buffers take at once (reduce-scatter input ...)
+    buffers: int  # parameters' autograd gradients + the most ZeRO's buffers take at once
     activations: int  # saved for backward by one micro-batch through the first chunk
 
     def as_dict(self) -> dict[str, int]:
@@ -103,6 +103,7 @@ def measure_rank(cfg: JobConfig, rank: int = 0) -> RankMemory:
             masters = _bytes((b.shard for z in syncs for chunk in z._chunks for b in chunk.buckets), seen)
             held = [z.memory_bytes() for z in syncs]  # its gradients and buffers exist during a step only
             grads, buffers = (sum(h[key] for h in held) for key in ("grads", "buffers"))
+            buffers += params  # autograd's .grad of every parameter, in its dtype, until its bucket's launch
             named = runner.optimizer_tensors()
             optimizer = build_optimizer(named, cfg.optim)
             for _, shard in named:
@@ -146,15 +147,23 @@ def compare_with_plan(cfg: JobConfig, rank: int = 0) -> dict[str, dict[str, floa
 
     The planner's activations are for the micro-batches the first stage holds at its peak; the
     measurement is one micro-batch, so the planner's figure is divided by its own in-flight
-    count. Its buffers include the logits (a last-stage term), not measured here."""
-    from megascale.plan.layout import Layout
-    from megascale.plan.memory import in_flight_micro_batches, job_memory_estimate
+    count. Buffers are compared on the gradient part (`gradient_buffer_bytes`): the planner's
+    other buffers (tp and pp transfers, the last stage's logits) are not measured here."""
+    from megascale.plan.layout import Layout, Workload
+    from megascale.plan.memory import (
+        gradient_buffer_bytes,
+        in_flight_micro_batches,
+        job_memory_estimate,
+        stage_params_per_gpu,
+    )
 
     measured = measure_rank(cfg, rank).as_dict()
     plan = job_memory_estimate(cfg, "cuda").as_dict()
-    p = cfg.parallel
-    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, v=p.vpp, micro_batch=cfg.train.micro_batch)
+    layout, work = Layout.from_job(cfg), Workload.from_job(cfg)
     plan["activations"] /= in_flight_micro_batches(layout, cfg.micro_batches)
+    param_bytes = 2 if cfg.train.param_dtype == "bf16" else 4
+    psi = stage_params_per_gpu(work, layout)
+    plan["buffers"] = gradient_buffer_bytes(psi, layout.dp, param_bytes, cfg.parallel.dp_bucket_mb)
     return {
         key: {
             "measured": float(measured[key]),
