@@ -404,6 +404,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch.compile every block on both sides (the peer then uses async-TP on CUDA)",
     )
     parser.add_argument("--memory-steps", type=int, default=3, help="steps after the first in part 2")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        help="CPU: glibc's MALLOC_MMAP_THRESHOLD_ for every rank of both sides (0: glibc's own, "
+        "dynamic), so that freed buffers leave the peak RSS as they leave the allocator",
+    )
     parser.add_argument("--no-startup", action="store_true", help="skip part 2 (start-up and memory)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per multi-process run")
     parser.add_argument("--note", default="", help="recorded with the results (e.g. 'under load')")
@@ -413,6 +420,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name, layout in layouts.items():
         check_runnable(name, layout, args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.device == "cpu" and args.mmap_threshold:
+        # Read by glibc when each rank's process starts. Its default threshold rises to the
+        # largest block freed (up to 32 MiB), after which such blocks come from the heap and
+        # stay in the RSS once freed: the peak RSS then counts allocator retention, not use.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     report: dict = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
@@ -421,6 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average": os.getloadavg(),
         "note": args.note,
         "memory": "peak allocated (cuda)" if args.device == "cuda" else "peak RSS (ru_maxrss)",
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "layouts": {},
     }

@@ -100,6 +100,8 @@ LLAMA = ModelConfig(
 )
 MODELS = {
     "gpt": ModelConfig(vocab_size=64, seq_len=8, layers=8, hidden=12, heads=2, block="serial"),
+    # the parallel block: tensor parallelism fuses its GEMMs (concatenated weights rebuilt in backward)
+    "parallel": ModelConfig(vocab_size=64, seq_len=8, layers=4, hidden=12, heads=2, block="parallel"),
     "llama": LLAMA,
     # sliding-window attention for context parallelism: cp=2 holds 8 positions a rank, window 5
     # needs the previous rank's last 4

@@ -33,13 +33,18 @@ LAYOUTS_8 = [Case(dp=2, tp=2, pp=2), Case(dp=8), Case(tp=2, pp=4), Case(dp=2, pp
 # to 5e-5 there -- amplification by the optimizer, not a layout error (steps 0-7 agree to 1e-6).
 LLAMA_4 = [Case(dp=2, tp=2, optim="lamb", model="llama"), Case(tp=2, pp=2, vpp=2, optim="lamb", model="llama")]
 # ZB-H1 (split backward): through the collective GEMMs and the vocabulary-parallel embedding
-# (tp2-pp2), and with ZeRO-2's reduce-scatters fired by the W actions (dp2-pp2)
-ZERO_BUBBLE_4 = [Case(tp=2, pp=2, schedule="zb-h1"), Case(dp=2, pp=2, schedule="zb-h1")]
+# (tp2-pp2, also with the parallel block's fused GEMMs), and with ZeRO-2's reduce-scatters fired by
+# the W actions (dp2-pp2)
+ZERO_BUBBLE_4 = [
+    Case(tp=2, pp=2, schedule="zb-h1"),
+    Case(tp=2, pp=2, schedule="zb-h1", model="parallel"),
+    Case(dp=2, pp=2, schedule="zb-h1"),
+]
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[str, str], dict]:
-    runs = {("gpt", opt) for opt in OPTIMIZERS} | {(c.model, c.optim) for c in LLAMA_4}
+    runs = {("gpt", opt) for opt in OPTIMIZERS} | {(c.model, c.optim) for c in LLAMA_4 + ZERO_BUBBLE_4}
     return {(model, opt): train(Case(optim=opt, model=model)) for model, opt in runs}
 
 
