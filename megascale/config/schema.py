@@ -262,7 +262,9 @@ class ParallelConfig:
         "while another part's experts compute; 1 = no overlap",
     )
     dp_overlap: bool = opt(True, "ZeRO-2 all-gather prefetch and reduce-scatter overlap")
-    dp_bucket_mb: float = opt(16.0, "ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier")
+    dp_bucket_mb: float = opt(
+        4.0, "ZeRO bucket: MiB of fp32 per rank; smaller starts reduce-scatters earlier and holds less unsharded"
+    )
     backend: Literal["auto", "gloo", "nccl"] = opt("auto", "auto (NCCL on CUDA, gloo on CPU), gloo or nccl")
     store: Literal["tcp", "redis"] = opt("tcp", "rendezvous store: tcp (PyTorch's TCPStore) or redis")
     redis_url: str = opt(

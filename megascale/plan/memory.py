@@ -166,16 +166,26 @@ class MemoryEstimate:
         }
 
 
-def gradient_buffer_bytes(psi: float, dp: int, param_bytes: int, bucket_mb: float = DEFAULT_BUCKET_MB) -> float:
+def gradient_buffer_bytes(
+    psi: float, dp: int, param_bytes: int, bucket_mb: float = DEFAULT_BUCKET_MB, largest: float = 0.0
+) -> float:
     """Every parameter's autograd gradient (in its dtype), accumulated over the micro-batches
     until its ZeRO bucket is reduce-scattered, and ZeRO's communication buffers: at most
     `ZERO_IN_FLIGHT` buckets, unsharded (`dp x` the per-rank region), in fp32 (the reduce dtype)
-    or the parameters' dtype, whichever is wider."""
+    or the parameters' dtype, whichever is wider. A parameter larger than a bucket (`largest`
+    elements on this rank before dp) is a bucket of its own."""
     buffers = psi * param_bytes
     if dp > 1:
-        per_rank = min(ZERO_IN_FLIGHT * bucket_mb * 2**20 / 4, psi / dp)  # fp32 elements, those buckets
-        buffers += dp * per_rank * max(4, param_bytes)
+        region = max(bucket_mb * 2**20 / 4, largest / dp)  # fp32 elements per rank of a bucket
+        buffers += dp * min(ZERO_IN_FLIGHT * region, psi / dp) * max(4, param_bytes)
     return buffers
+
+
+def largest_parameter(work: Workload, tp: int) -> float:
+    """Elements of the largest parameter's tp slice: the vocabulary matrix or the MLP's input."""
+    m = work.model
+    vocab = m.vocab_size * m.hidden / (tp if m.vocab_size % tp == 0 else 1)
+    return max(vocab, m.hidden * m.mlp_in_width / tp, m.hidden * m.qkv_width / tp)
 
 
 def memory_per_gpu(
@@ -219,7 +229,7 @@ def memory_per_gpu(
 
     full_act = tokens * m.hidden * ab  # one gathered (b, s, h) activation
     if as_built:
-        buffers = gradient_buffer_bytes(psi, dp, param_bytes, bucket_mb)
+        buffers = gradient_buffer_bytes(psi, dp, param_bytes, bucket_mb, largest_parameter(work, t))
     else:  # an unsharded layer gradient and two gathered layers (ZeRO)
         buffers = param_split(work).layer / t * (GRAD_BYTES + 2 * param_bytes) if dp > 1 else 0.0
     if t > 1:

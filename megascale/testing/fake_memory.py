@@ -154,6 +154,7 @@ def compare_with_plan(cfg: JobConfig, rank: int = 0) -> dict[str, dict[str, floa
         gradient_buffer_bytes,
         in_flight_micro_batches,
         job_memory_estimate,
+        largest_parameter,
         stage_params_per_gpu,
     )
 
@@ -163,7 +164,8 @@ def compare_with_plan(cfg: JobConfig, rank: int = 0) -> dict[str, dict[str, floa
     plan["activations"] /= in_flight_micro_batches(layout, cfg.micro_batches)
     param_bytes = 2 if cfg.train.param_dtype == "bf16" else 4
     psi = stage_params_per_gpu(work, layout)
-    plan["buffers"] = gradient_buffer_bytes(psi, layout.dp, param_bytes, cfg.parallel.dp_bucket_mb)
+    largest = largest_parameter(work, layout.tp)
+    plan["buffers"] = gradient_buffer_bytes(psi, layout.dp, param_bytes, cfg.parallel.dp_bucket_mb, largest)
     return {
         key: {
             "measured": float(measured[key]),
