@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megascale.config.schema import JobConfig
+from megascale.diagnostics.timers import get_timers
 from megascale.model.efficiency import (
     apply_compile,
     apply_recompute,
@@ -80,9 +81,18 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     return runner
 
 
+def timed_all_reduce(value: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sum `value` over `group` in place, timed as a `comm` span. The step's small collectives
+    (loss, grad norm, LAMB's sharded norms) run inside the `optimizer` span: untimed, a fast
+    rank's wait there for a slow peer counted as its own optimizer work, and the fail-slow rule
+    (compute + optimizer self time against the peers) saw the fast ranks nearly as slow."""
+    with get_timers().span("all_reduce", kind="comm", op="all_reduce"):
+        dist.all_reduce(value, group=group)
+
+
 def reduce_sum(value: torch.Tensor, *groups) -> torch.Tensor:
-    """Sum a small CPU/GPU tensor over each group in turn (groups may be None)."""
+    """Sum a small CPU/GPU tensor over each group in turn (groups may be None), timed as comm."""
     for group in groups:
         if group is not None:
-            dist.all_reduce(value, group=group)
+            timed_all_reduce(value, group)
     return value

@@ -35,7 +35,7 @@ from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_to_norm_, global_grad_norm, lr_at
 from megascale.parallel.context import split_batch
-from megascale.parallel.engine import build_runner, reduce_sum
+from megascale.parallel.engine import build_runner, reduce_sum, timed_all_reduce
 from megascale.parallel.mesh import init_mesh
 from megascale.plan.memory import job_memory_estimate
 from megascale.train.metrics import MetricsWriter, StepClock, memory_record, progress_line, setup_logging
@@ -84,7 +84,7 @@ class Trainer:
         # values: a pretrained checkpoint's (weights only), or the seeded initialisation
         values = init_source(cfg) if cfg.checkpoint.init_from else None
         self.runner = build_runner(model, cfg, self.mesh, values)
-        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim, timed_all_reduce)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
         self.timers = Timers(
             self.rank,
@@ -196,7 +196,8 @@ class Trainer:
         self.runner.finish_grads()
         params = [t for _, t in self.runner.optimizer_tensors()]
         with self.timers.span("optimizer", kind="optimizer"):
-            norm = global_grad_norm(params, across=[self.mesh.pp_group])  # every group: alike on all ranks
+            # every group: alike on all ranks; the waits timed as comm, not as this rank's work
+            norm = global_grad_norm(params, [self.mesh.pp_group], timed_all_reduce)
             loss = self.reduce_loss(loss_sum) / tokens
             lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
             record = {"loss": loss, "lr": lr, "grad_norm": float(norm), **self.runner.moe_stats}
