@@ -91,6 +91,7 @@ class Driver(RecoveryPaths):
         self.hang = hang_rule(self.rcfg, cfg.train.steps)
         self.slow = slow_rule(self.rcfg)
         self.straggler = straggler_rule(self.rcfg)
+        self.steps_seen: dict[int, int] = {}  # rank -> newest step whose time the rules have had
         self.progress = ProgressCheck(cfg.train.steps, self.rcfg.max_step_rate)
         self.traffic: dict[str, TrafficRule] = {}
         self.phase_deadline = 0.0
@@ -273,7 +274,7 @@ class Driver(RecoveryPaths):
     def _observe_progress(self, node_id: str, body: dict[str, Any], now: float) -> None:
         ranks = body.get("ranks", [])
         steps = [r["step"] for r in ranks if r.get("step") is not None]
-        recent = [(int(s), float(t)) for r in ranks for s, t in r.get("recent", [])]
+        recent = self._new_step_times(ranks)
         if steps:
             before = self.hang.last_step
             self.hang.observe(max(steps), recent, now)
@@ -297,6 +298,18 @@ class Driver(RecoveryPaths):
             finding = rule.observe(total, now, running)
             if finding is not None:
                 self.errors.append(finding)
+
+    def _new_step_times(self, ranks: list[dict[str, Any]]) -> list[tuple[int, float]]:
+        """The (step, seconds) pairs the rules have not had: every heartbeat repeats each rank's
+        last 16, and feeding all of them cost 128 rule updates a heartbeat at 8 ranks, not 8."""
+        out: list[tuple[int, float]] = []
+        for r in ranks:
+            seen = self.steps_seen.get(r["rank"], -1)
+            new = [(int(s), float(t)) for s, t in r.get("recent", []) if s > seen]
+            if new:
+                self.steps_seen[r["rank"]] = max(s for s, _ in new)
+                out += new
+        return out
 
     # ------------------------------------------------------------------ control loop
     def run(self, stop: threading.Event | None = None) -> int:
@@ -505,6 +518,7 @@ class Driver(RecoveryPaths):
         self.attempt_watch.watch([n.node_id for n in active])
         self.hang.reset(now)
         self.slow.reset()
+        self.steps_seen = {}
         self.straggler.reset({r: n.node_id for n in active for r in slot_ranks(n.slot, s.ranks_per_node)}, s.layout)
         self.traffic.clear()
         self.waiting_for = {}
