@@ -51,10 +51,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "megascale.train.cli",
     ): "an executor's warm standby ranks are `megascale train --standby` processes: the rank is "
     "the top of the stack, started across a process boundary; resilience imports nothing of train",
-    (
-        "megascale.resilience.selfcheck.cli",
-        "megascale.resilience.driver.selfcheck_plan",
-    ): "`megascale selfcheck --judge` compares reports as the driver does (the verdict moves next)",
 }
 # module -> why it may load a module whose name is computed at run time
 DYNAMIC: dict[str, str] = {
