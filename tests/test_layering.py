@@ -1,6 +1,7 @@
 """The packages load each other only downwards, and no modules load each other in a loop.
 
-The order is the picture in docs/architecture.md. Every way code is loaded counts, at any depth
+The order is the picture in docs/architecture.md: the packages' LAYERS, and inside a package of
+SUBLAYERS (resilience: one subpackage per process) its subpackages'. Every way code is loaded counts, at any depth
 of a file: `import` statements (a lazy import that hides a loop is still a loop), module names
 given as strings (`importlib.import_module("megascale...")`, `__import__`, lazy export tables
 such as `_EXPORTS` in an `__init__.py`), and `python -m megascale...` commands a module starts
