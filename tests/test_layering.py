@@ -287,6 +287,13 @@ def test_every_package_has_a_layer():
         assert inside - subpackages == {"__init__.py"}, f"modules of {package}/ belong in one of its subpackages"
 
 
+def test_the_architecture_page_names_every_package_and_subpackage():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    names = set().union(*LAYERS) | {sub for layers in SUBLAYERS.values() for sub in set().union(*layers)}
+    missing = sorted(name for name in names if f"{name}/" not in text)
+    assert not missing, f"docs/architecture.md does not show {missing}"
+
+
 def test_packages_load_only_downwards():
     wrong = against_the_order(list(tree_loads()))
     assert not wrong, "loads against the layer order (docs/architecture.md):\n" + "\n".join(map(str, wrong))
