@@ -71,7 +71,7 @@ def one_size(world: int, steps: int, work: Path) -> dict:
 
     out["spans"] = phase("write_timer_files", lambda: write_timer_files(work, shape))
     out["timer_files_mb"] = round(sum(p.stat().st_size for p in (work / "timers").glob("*.jsonl")) / 2**20, 1)
-    # the driver's live straggler evidence (resilience/evidence.py): the tails of the step summaries
+    # the driver's live straggler evidence (resilience/driver/evidence.py): the tails of the step summaries
     live = phase("live_evidence", lambda: straggler.find_stragglers(recent.recent_rank_steps(work, 16)))
     out["live_evidence_found"] = [s.rank for s in live]
     phase("write_hang_dumps", lambda: write_hang_dumps(work, grid, stuck))

@@ -15,7 +15,7 @@ import pytest
 from megascale.config import load_config
 from megascale.config.loader import dump_config
 from megascale.layout.grid import RankGrid
-from megascale.resilience import evidence
+from megascale.resilience.driver import evidence
 from megascale.testing.simtraces import TraceShape, write_timer_files
 from tests.diagnostics.test_scale import cpu
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from megascale.config import default_config_path, load_config
-from megascale.resilience.rankstatus import STATUS_DIR_ENV, read_status
+from megascale.resilience.common.rankstatus import STATUS_DIR_ENV, read_status
 from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,7 +27,7 @@ STEPS = 4
 
 
 def _rank(run_dir: str, cache: str) -> list[list[float]]:
-    from megascale.resilience.faults import StepHook
+    from megascale.resilience.rank.faults import StepHook
     from megascale.train.trainer import Trainer
 
     cfg = load_config(
