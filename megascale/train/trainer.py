@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,8 @@ class Trainer:
         # values: a pretrained checkpoint's (weights only), or the seeded initialisation
         values = init_source(cfg.checkpoint.init_from, cfg.model) if cfg.checkpoint.init_from else None
         self.runner = build_runner(model, cfg, self.mesh, values)
-        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim, timed_all_reduce)
+        self.sum_over = partial(timed_all_reduce, mesh=self.mesh)  # the step's waits timed as comm
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim, self.sum_over)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
         self.timers = Timers(
             self.rank,
@@ -177,7 +179,7 @@ class Trainer:
         if batch is not None:
             local += (batch.labels != IGNORE_INDEX).sum()
             if self.mesh.dp_group is not None or self.mesh.cp_group is not None:
-                local = reduce_sum(local.to(self.mesh.device), self.mesh.dp_group, self.mesh.cp_group)
+                local = reduce_sum(local.to(self.mesh.device), self.mesh.dp_group, self.mesh.cp_group, mesh=self.mesh)
         return max(int(local), 1)
 
     def cp_part(self, batch: TokenBatch | None) -> TokenBatch | None:
@@ -197,7 +199,7 @@ class Trainer:
         params = [t for _, t in self.runner.optimizer_tensors()]
         with self.timers.span("optimizer", kind="optimizer"):
             # every group: alike on all ranks; the waits timed as comm, not as this rank's work
-            norm = global_grad_norm(params, [self.mesh.pp_group], timed_all_reduce)
+            norm = global_grad_norm(params, [self.mesh.pp_group], self.sum_over)
             loss = self.reduce_loss(loss_sum) / tokens
             lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
             record = {"loss": loss, "lr": lr, "grad_norm": float(norm), **self.runner.moe_stats}
@@ -270,8 +272,8 @@ class Trainer:
         on the last stage, then over pp (other stages add zero). tp ranks hold the same value."""
         value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros_like(loss_sum)
         if self.mesh.is_last_stage:
-            reduce_sum(value, self.mesh.dp_group, self.mesh.cp_group)
-        return float(reduce_sum(value, self.mesh.pp_group))
+            reduce_sum(value, self.mesh.dp_group, self.mesh.cp_group, mesh=self.mesh)
+        return float(reduce_sum(value, self.mesh.pp_group, mesh=self.mesh))
 
     def evaluate(self) -> float:
         self.runner.train(False)

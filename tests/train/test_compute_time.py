@@ -20,7 +20,7 @@ from megascale.config import default_config_path, load_config
 from megascale.resilience.common.rankstatus import STATUS_DIR_ENV, read_status
 from megascale.testing.launch import run_local
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]  # 2 ranks, ~30-50 s; times vs a bound
 
 SLOW_S = 1.0  # rank 1's extra work at each of its two places, per step
 STEPS = 4
