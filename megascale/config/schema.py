@@ -522,19 +522,19 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
 
 
 def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
-    """What the halo exchange (`parallel/context.py`) needs, and the combinations not built yet."""
-    if m.window is None:
-        raise ConfigError(
-            f"parallel.cp={p.cp} needs sliding-window attention (set model.window): ring attention "
-            "for full causal attention is not implemented yet"
-        )
-    if m.seq_len % p.cp:
-        raise ConfigError(f"parallel.cp={p.cp} must divide model.seq_len={m.seq_len}")
+    """What ring attention (full causal, `parallel/ring.py`) or the halo exchange (a window,
+    `parallel/context.py`) needs, and the combinations not built yet."""
+    ring = m.window is None or m.window >= m.seq_len
+    parts = 2 * p.cp if ring else p.cp
+    if m.seq_len % parts:
+        what = "2 * parallel.cp (ring attention: two chunks per rank)" if ring else "parallel.cp"
+        raise ConfigError(f"{what} = {parts} must divide model.seq_len={m.seq_len}")
     local = m.seq_len // p.cp
-    if m.window - 1 > local:
+    if not ring and m.window is not None and m.window - 1 > local:
         raise ConfigError(
             f"model.window={m.window} reaches past the previous cp rank's {local} positions "
-            f"(seq_len / cp): use model.window <= {local + 1} or a smaller parallel.cp"
+            f"(seq_len / cp): use model.window <= {local + 1}, a smaller parallel.cp, or full attention "
+            "(model.window unset: ring attention)"
         )
     if p.sequence_parallel and p.tp > 1 and local % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
