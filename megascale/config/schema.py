@@ -483,7 +483,7 @@ class JobConfig:
             )
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
         if p.cp > 1:
-            check_context_parallel(m, p, self.checkpoint.every)
+            check_context_parallel(m, p)
         check_expert_parallel(m, p)
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and self.micro_batches % p.pp:
@@ -521,7 +521,7 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
         raise ConfigError(f"parallel.tp={tp} must divide model.seq_len={m.seq_len} with sequence parallelism")
 
 
-def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
+def check_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """What ring attention (full causal, `parallel/ring.py`) or the halo exchange (a window,
     `parallel/context.py`) needs, and the combinations not built yet."""
     ring = m.window is None or m.window >= m.seq_len
@@ -538,12 +538,8 @@ def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: 
         )
     if p.sequence_parallel and p.tp > 1 and local % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
-    if p.pp > 1 or p.ep > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp} with parallel.pp={p.pp}, parallel.ep={p.ep} is not supported yet; use pp=1 and ep=1"
-        )
-    if checkpoint_every > 0:
-        raise ConfigError(f"parallel.cp={p.cp}: checkpoints do not reshard across cp yet; set checkpoint.every=0")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not supported yet; use ep=1")
 
 
 def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:

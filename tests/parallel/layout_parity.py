@@ -168,7 +168,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             eval_every=0,
             tensorboard=False,
         ),
-        checkpoint=CheckpointConfig(every=0) if case.cp > 1 else CheckpointConfig(),  # not across cp yet
+        checkpoint=CheckpointConfig(),
     )
     cfg.validate()
     return cfg

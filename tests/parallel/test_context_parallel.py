@@ -33,7 +33,13 @@ from layout_parity import Case, compare, run_cases, train  # isort: skip
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # one spawn: 105 s on the loaded 2-core machine
 
 SEQ, STEPS = 32, 2
-TRAINER_CASES = [Case(cp=2, dp=2, model="swa"), Case(cp=2, tp=2, model="swa"), Case(cp=2, dp=2, model="causal")]
+TRAINER_CASES = [
+    Case(cp=2, dp=2, model="swa"),
+    Case(cp=2, tp=2, model="swa"),
+    Case(cp=2, dp=2, model="causal"),
+    Case(cp=2, pp=2, model="swa"),
+    Case(cp=2, pp=2, model="causal"),
+]
 TRAINER_STEPS = 3
 # positions, kv_heads, window (halo 6 / 8 <= 8 local positions; None: full attention, ring attention)
 CASES = [("rotary", 2, 7), ("learned", 4, 9), ("rotary", 2, None), ("learned", 4, None)]
