@@ -10,12 +10,24 @@ import pytest
 import torch
 
 from megascale.checkpoint.export import whole_tensors
+from megascale.config import load_config
+from megascale.train.trainer import Trainer
 
-from cli_train import cli_losses  # isort: skip
+from cli_train import TINY, cli_losses  # isort: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CP2 = ["--nproc", "2", "--parallel.cp=2"]
+
+
+def _one_process(tmp, name: str, *extra: str) -> list[float]:
+    """The same job in this process (what `megascale train` without --nproc runs; no start-up)."""
+    run = [f"--train.run_dir={tmp / name}", f"--data.cache_dir={tmp / 'cache'}"]
+    trainer = Trainer(load_config(None, [*TINY, *run, *extra]))
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
 
 
 def _state(path) -> dict[str, torch.Tensor]:
@@ -27,7 +39,7 @@ def _state(path) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory):
     """4 steps in one process; 4 steps at cp2 with checkpoints at 2 and 4."""
     tmp = tmp_path_factory.mktemp("cp")
-    return tmp, cli_losses(tmp, "cp1", []), cli_losses(tmp, "cp2", [*CP2, "--checkpoint.every=2"])
+    return tmp, _one_process(tmp, "cp1"), cli_losses(tmp, "cp2", [*CP2, "--checkpoint.every=2"])
 
 
 def test_cp2_through_the_real_loader_trains_as_one_process(runs):
@@ -45,5 +57,5 @@ def test_a_cp2_checkpoint_resumes_at_cp2_exactly_and_at_cp1(runs):
     final = "checkpoints/step_000000004"
     mine, want = _state(tmp / "again-cp2" / final), _state(tmp / "cp2" / final)
     assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k]) for k in want)
-    one = cli_losses(tmp, "again-cp1", [f"--checkpoint.resume={saved}"])
+    one = _one_process(tmp, "again-cp1", f"--checkpoint.resume={saved}")
     assert one == pytest.approx(cp2[2:], rel=1e-5)

@@ -11,7 +11,6 @@ from megascale.plan.cluster import load_cluster
 from megascale.plan.cost import estimate
 from megascale.plan.layout import Layout, Workload
 from megascale.plan.search import SearchSpace, candidate_layouts, search
-
 from tests.plan.conftest import ROOT
 
 
