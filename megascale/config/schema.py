@@ -242,7 +242,7 @@ class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (ZeRO-2 shards gradients and optimizer state over it)")
     tp: int = opt(1, "tensor-parallel degree (inside a node; with sequence parallelism)")
     pp: int = opt(1, "pipeline stages")
-    cp: int = opt(1, "context-parallel degree: each sequence split along its length over cp ranks (SWA halo exchange)")
+    cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (ring attention; a window: a halo)")
     ep: int = opt(1, "expert-parallel degree, carved from dp: ep consecutive dp ranks split each MoE layer's experts")
     vpp: int = opt(1, "virtual pipeline chunks per stage (interleaved 1F1B when > 1)")
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
