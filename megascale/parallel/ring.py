@@ -65,13 +65,15 @@ class _Ring:
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
 
     def post(self, send: torch.Tensor | None, receive: torch.Tensor | None, tag: int) -> list[dist.Work]:
-        """Start sending `send` to the next rank and receiving `receive` from the previous one."""
-        works = []
+        """Start sending `send` to the next rank and receiving `receive` from the previous one, as
+        one batch (`batch_isend_irecv`, as ring attention implementations on NCCL do, so that no
+        rank's send can wait behind its own receive around the ring; run on gloo only so far)."""
+        ops = []
         if send is not None:
-            works.append(dist.isend(send, self.next, group=self.group, tag=tag))
+            ops.append(dist.P2POp(dist.isend, send, self.next, self.group, tag))
         if receive is not None:
-            works.append(dist.irecv(receive, self.prev, group=self.group, tag=tag))
-        return works
+            ops.append(dist.P2POp(dist.irecv, receive, self.prev, self.group, tag))
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self, works: list[dist.Work]) -> None:
         for work in works:

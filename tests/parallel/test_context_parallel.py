@@ -9,8 +9,8 @@ on rank 0's part) and the gradients summed over cp equal the single process's, f
 learned positions and grouped-query attention. Ring attention alone equals causal SDPA in fp64
 through both per-block kernels (fused, eager). The order of the transfers' post/wait against
 the attention kernels (forward and backward) is recorded: every transfer must be in flight
-while a kernel runs. Last, the real trainer (`layout_parity`) at cp2 x dp2 and cp2 x tp2 (SWA)
-and cp2 x dp2 (full attention) against one process.
+while a kernel runs. Last, the real trainer (`layout_parity`) at cp2 x dp2, cp2 x tp2 and
+cp2 x pp2, with a window and without, against one process.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ TRAINER_CASES = [
     Case(cp=2, dp=2, model="swa"),
     Case(cp=2, tp=2, model="swa"),
     Case(cp=2, dp=2, model="causal"),
+    Case(cp=2, tp=2, model="causal"),
     Case(cp=2, pp=2, model="swa"),
     Case(cp=2, pp=2, model="causal"),
 ]
@@ -263,7 +264,7 @@ def test_each_ring_transfer_is_in_flight_while_a_block_is_computed(results):
 @pytest.mark.parametrize("index", range(len(TRAINER_CASES)), ids=[str(c) for c in TRAINER_CASES])
 def test_the_trainer_under_cp_trains_as_one_process(results, index):
     """build_runner + Trainer.train_step: the loader's batch split by cp, the token count and the
-    loss over dp and cp, gradients summed over cp after ZeRO; cp2 x dp2 and cp2 x tp2 (SWA),
-    cp2 x dp2 (full attention: ring attention)."""
+    loss over dp and cp, gradients summed over cp after ZeRO; cp2 x dp2, cp2 x tp2 and cp2 x pp2
+    (the pipeline's activations are a rank's part of the sequence), SWA and full attention."""
     reference = train(Case(model=TRAINER_CASES[index].model), steps=TRAINER_STEPS)
     compare(TRAINER_CASES[index], [r["trainer"][index] for r in results], reference)
