@@ -213,9 +213,9 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
     # Pipeline: each micro-batch crosses 2v stage boundaries per stage (forward and backward).
     pp_total = pp_exposed = 0.0
     if p > 1:
-        traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp, p)
+        traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp * layout.cp, p)  # cp sits next to tp
         slowdown = traffic.slowdown if effects.collisions else 1.0
-        link = comm.p2p_link(cluster, layout.tp * layout.dp, slowdown)
+        link = comm.p2p_link(cluster, layout.tp * layout.cp * layout.dp, slowdown)
         hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes / layout.tp / layout.cp, link)
         pp_total = (micro + (p - 1) / v) * 2 * v * hop
         # decoupled sends: only the fill and drain hops are on the critical path
@@ -314,10 +314,10 @@ def _data_parallel(
         return 0.0, 0.0, {}
     split = param_split(work)
     t, v = layout.tp, layout.v
-    traffic = congestion.dp_traffic(cluster, n, t, layout.pp)
+    traffic = congestion.dp_traffic(cluster, n, t * layout.cp, layout.pp)  # dp ranks are tp * cp apart
     slowdown = features.network_slowdown or (traffic.slowdown if features.effects.collisions else 1.0)
     inputs["collisions_dp"] = _traffic_text(traffic, slowdown)
-    link = comm.group_link(cluster, n, t, slowdown)
+    link = comm.group_link(cluster, n, t * layout.cp, slowdown)
     nbytes = work.act_bytes  # bf16 parameters on the wire (fp32 on CPU)
     grad_bytes = features.impl.grad_wire_bytes or nbytes
     layers = work.model.layers // layout.pp
