@@ -79,6 +79,9 @@ class MoEConfig:
     )
     normalize: bool = opt(True, "rescale each token's top-k gates to sum to 1 (Mixtral); sigmoid always does")
     shared_ffn_hidden: int = opt(0, "width of a shared expert every token goes through; 0 = none")
+    shared_gate: bool = opt(
+        False, "scale the shared expert's output by sigmoid(a learned linear function of the token) (Qwen2-MoE)"
+    )
     aux_loss_coef: float = opt(0.01, "load-balancing loss (Switch/GShard, per sequence) coefficient; 0 = off")
     z_loss_coef: float = opt(0.001, "router z-loss (ST-MoE: mean squared log-sum-exp of router logits) coefficient")
     bias_balancing: bool = opt(
@@ -100,6 +103,8 @@ class MoEConfig:
         positive(self, "model.moe", ["experts", "top_k", "every"])
         if self.top_k > self.experts:
             raise ConfigError(f"model.moe.top_k={self.top_k} must be <= model.moe.experts={self.experts}")
+        if self.shared_gate and not self.shared_ffn_hidden:
+            raise ConfigError("model.moe.shared_gate=true gates the shared expert: set model.moe.shared_ffn_hidden > 0")
         for key in (
             "ffn_hidden",
             "shared_ffn_hidden",

@@ -62,6 +62,7 @@ def mlp_layer_matmuls(cfg: ModelConfig, index: int) -> int:
     if not moe.is_moe_layer(index):
         return mlp_matmuls(cfg, cfg.ffn)
     shared = mlp_matmuls(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+    shared += cfg.hidden if moe.shared_gate else 0
     return cfg.hidden * moe.experts + moe.top_k * mlp_matmuls(cfg, cfg.expert_ffn) + shared
 
 
@@ -104,10 +105,11 @@ def _mlp_parameters(cfg: ModelConfig, width: int) -> int:
 
 
 def _mlp_layer_parameters(cfg: ModelConfig, index: int) -> int:
-    """Block `index`'s MLP: dense, or router + every expert + shared expert (+ routing bias)."""
+    """Block `index`'s MLP: dense, or router + every expert + shared expert (and its gate) (+ routing bias)."""
     moe = cfg.moe
     if not moe.is_moe_layer(index):
         return _mlp_parameters(cfg, cfg.ffn)
     shared = _mlp_parameters(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+    shared += cfg.hidden if moe.shared_gate else 0
     bias = moe.experts if moe.bias_balancing else 0
     return cfg.hidden * moe.experts + moe.experts * _mlp_parameters(cfg, cfg.expert_ffn) + shared + bias

@@ -30,16 +30,24 @@ def _refused(path, match: str) -> str:
     ("name", "config", "match"),
     [
         (
-            "qwen2_moe",
+            "qwen3_moe",
+            lambda: transformers.Qwen3MoeConfig(
+                **SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, head_dim=8
+            ),
+            r"model_type 'qwen3_moe' is a mixture of experts \(num_local_experts=2\) that megascale does not map; "
+            r"of the mixtures of experts it imports mixtral, qwen2_moe",
+        ),
+        (
+            "qwen2_moe-mlp-only-layers",
             lambda: transformers.Qwen2MoeConfig(
                 **SMALL,
                 num_experts=2,
                 num_experts_per_tok=1,
                 moe_intermediate_size=8,
                 shared_expert_intermediate_size=8,
+                mlp_only_layers=[0],
             ),
-            r"model_type 'qwen2_moe' is a mixture of experts \(num_experts=2\) that megascale does not map; of the "
-            r"mixtures of experts it imports mixtral",
+            r"qwen2_moe: mlp_only_layers=\[0\] has no megascale equivalent \(model.moe.every picks the MoE blocks\)",
         ),
         (
             "gemma",
@@ -125,8 +133,8 @@ def test_import_writes_the_config_train_accepts_and_init_from_is_checked_first(t
     code = main(["train", "--config", str(tmp_path / "job" / "config.toml"), "--parallel.tp=4"])
     assert code == 2 and "must divide model.kv_heads=2" in capsys.readouterr().err
 
-    qwen_moe = transformers.Qwen2MoeConfig(
-        **SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, shared_expert_intermediate_size=8
+    qwen_moe = transformers.Qwen3MoeConfig(
+        **SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, head_dim=8
     )
     moe = saved(random_hf_model(qwen_moe), tmp_path / "moe")
     assert main(["import", str(moe), "--out", str(tmp_path / "moe-job")]) == 2
