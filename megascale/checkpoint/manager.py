@@ -444,7 +444,8 @@ class CheckpointManager:
         }
         saved = shape.layout
         log.info(
-            "resumed from %s at step %d (saved as pp=%d dp=%d ep=%d tp=%d, %d ranks; read %d of %d stored bytes, %.2f s)",
+            "resumed from %s at step %d (saved as pp=%d dp=%d ep=%d tp=%d, %d ranks; "
+            "read %d of %d stored bytes, %.2f s)",
             path,
             self.state.step,
             saved.pp,
