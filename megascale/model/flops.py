@@ -99,7 +99,8 @@ def parameter_count(cfg: ModelConfig) -> int:
     return cfg.layers * per_layer + mlps + embed + norm_parameters(cfg) + head
 
 
-def _mlp_parameters(cfg: ModelConfig, width: int) -> int:
+def mlp_parameters(cfg: ModelConfig, width: int) -> int:
+    """One MLP (a dense block's, an expert's, the shared expert's) of hidden width `width`."""
     b = 1 if cfg.bias else 0
     return (cfg.hidden + b) * width * (2 if cfg.mlp == "swiglu" else 1) + width * cfg.hidden + cfg.hidden * b
 
@@ -108,8 +109,8 @@ def _mlp_layer_parameters(cfg: ModelConfig, index: int) -> int:
     """Block `index`'s MLP: dense, or router + every expert + shared expert (and its gate) (+ routing bias)."""
     moe = cfg.moe
     if not moe.is_moe_layer(index):
-        return _mlp_parameters(cfg, cfg.ffn)
-    shared = _mlp_parameters(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+        return mlp_parameters(cfg, cfg.ffn)
+    shared = mlp_parameters(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
     shared += cfg.hidden if moe.shared_gate else 0
     bias = moe.experts if moe.bias_balancing else 0
-    return cfg.hidden * moe.experts + moe.experts * _mlp_parameters(cfg, cfg.expert_ffn) + shared + bias
+    return cfg.hidden * moe.experts + moe.experts * mlp_parameters(cfg, cfg.expert_ffn) + shared + bias

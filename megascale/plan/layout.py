@@ -65,6 +65,7 @@ class Layout:
     micro_batch: int = 1
     zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
     recompute: Recompute = "none"
+    ep: int = 1  # expert parallelism, carved from dp (MoE models only)
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Layout:
@@ -78,6 +79,7 @@ class Layout:
             micro_batch=cfg.train.micro_batch,
             zero=2 if p.dp > 1 else 0,
             recompute=cfg.train.recompute,
+            ep=p.ep,
         )
 
     @property
@@ -90,7 +92,7 @@ class Layout:
     def label(self) -> str:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
-            f"zero={self.zero} rc={self.recompute}"
+            f"zero={self.zero} rc={self.recompute}" + (f" ep={self.ep}" if self.ep > 1 else "")
         )
 
     def overrides(self) -> list[str]:
@@ -102,7 +104,7 @@ class Layout:
             f"--parallel.vpp={self.v}",
             f"--train.micro_batch={self.micro_batch}",
             f"--train.recompute={self.recompute}",
-        ]
+        ] + ([f"--parallel.ep={self.ep}"] if self.ep > 1 else [])
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
         """Raise ConfigError (naming the key) if the trainer could not run this layout."""
@@ -116,7 +118,7 @@ class Layout:
         job = JobConfig(
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
-            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v),
+            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, ep=self.ep),
             train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()
@@ -166,6 +168,8 @@ class Features:
     pp_overlap: bool = True  # sends and receives decoupled from compute
     dp_overlap: bool = True  # ZeRO all-gather prefetch, reduce-scatter as chunks finish
     data_overlap: bool = True  # first all-gather hidden behind data loading
+    ep_overlap: bool = True  # MoE all-to-alls pipelined against the experts (chunks of rows)
+    ep_chunks: int = 2  # parts a micro-batch's rows are cut into (parallel.ep_overlap_chunks)
     network_slowdown: float = 0.0  # DP slowdown from ecmp.simulate (0: the closed-form model)
     attention: Attention = "flash2"  # FlashAttention-2, FlashAttention-1, or materialised scores
     fused_elementwise: bool = True  # LayerNorm and GeLU each one kernel (else their pieces)
@@ -175,8 +179,14 @@ class Features:
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Features:
         p = cfg.parallel
-        return cls(tp_overlap=p.tp_overlap, tp_chunks=p.tp_overlap_chunks, dp_overlap=p.dp_overlap)
+        return cls(
+            tp_overlap=p.tp_overlap,
+            tp_chunks=p.tp_overlap_chunks,
+            dp_overlap=p.dp_overlap,
+            ep_overlap=p.ep_overlap_chunks > 1,
+            ep_chunks=p.ep_overlap_chunks,
+        )
 
     @classmethod
     def none(cls) -> Features:
-        return cls(tp_overlap=False, pp_overlap=False, dp_overlap=False, data_overlap=False)
+        return cls(tp_overlap=False, pp_overlap=False, dp_overlap=False, data_overlap=False, ep_overlap=False)
