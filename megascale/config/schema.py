@@ -141,6 +141,9 @@ class ModelConfig:
     tie_embeddings: bool = opt(False, "the head shares the token embedding's weight (needs pp = 1)")
     bias: bool = opt(True, "the linear layers have biases (LayerNorms always do)")
     qkv_bias: bool = opt(False, "the QKV projection has a bias even when bias = false (Qwen 2)")
+    qk_norm: bool = opt(
+        False, "RMSNorm over each query and key head (head_dim wide) before the rotary embedding (Qwen 3)"
+    )
     norm_eps: float = opt(1e-5, "epsilon of every LayerNorm/RMSNorm")
     init_std: float = opt(0.02, "standard deviation of the initial weights (residual projections are scaled down)")
     rope_base: float = opt(10000.0, "rotary base (theta): 10000 for GPT-NeoX/Llama 2, 500000 for Llama 3")

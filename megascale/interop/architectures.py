@@ -4,8 +4,9 @@ Each `Architecture` says, for one `model_type`: which megascale `ModelConfig` a 
 describes (refusing, in one line, what has no megascale equivalent), which config.json describes
 a `ModelConfig` it can express exactly, and where each megascale parameter lives in its state
 dict (`rules.Rule`). GPT-2, GPT-NeoX, Llama, Mistral and Qwen 2 are mapped; the same option of
-each maps to the same megascale option (docs/interop.md has the table). Mixtral and Qwen2-MoE are
-the Llama layers with mixture-of-experts MLPs (megascale's `model.moe`; `moe_mapping` maps them).
+each maps to the same megascale option (docs/interop.md has the table). Mixtral, Qwen2-MoE and
+Qwen3-MoE are the Llama layers with mixture-of-experts MLPs (megascale's `model.moe`;
+`moe_mapping` maps them); Qwen3-MoE also normalises each query and key head (`model.qk_norm`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
         window = None
         if model_type in ("mistral", "mixtral"):
             window = c.get("sliding_window")
-        elif model_type in ("qwen2", "qwen2_moe"):
+        elif model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
             window = _qwen2_window(c)
         return _checked(
             ModelConfig(
@@ -164,6 +165,7 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
                 positions="rotary",
                 bias=attention_bias,
                 qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(c.get("qkv_bias", True))),
+                qk_norm=model_type == "qwen3_moe",
                 norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                 moe=read_moe(model_type, c) if model_type in MOE_TYPES else MoEConfig(),
                 **_rope(c, model_type),
@@ -175,11 +177,13 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
 
 
 def _moe_expresses(model_type: str) -> Callable[[ModelConfig], bool]:
-    """Mixtral: no biases; Qwen2-MoE: QKV biases only. Both: `moe_mapping.moe_expressed`."""
+    """Mixtral: no biases; Qwen2-MoE: QKV biases only; Qwen3-MoE: no biases, query/key head norms.
+    All: `moe_mapping.moe_expressed`."""
 
     def expresses(m: ModelConfig) -> bool:
         biases = m.qkv_bias if model_type == "qwen2_moe" else not m.qkv_bias
-        return _llama_family(m, moe=True) and not m.bias and biases and moe_expressed(model_type, m)
+        family = _llama_family(m, moe=True, qk_norm=model_type == "qwen3_moe")
+        return family and not m.bias and biases and moe_expressed(model_type, m)
 
     return expresses
 
@@ -197,10 +201,12 @@ def _qwen2_window(c: dict) -> int | None:
     return int(c["sliding_window"])
 
 
-def _llama_family(m: ModelConfig, moe: bool = False) -> bool:
-    """The Llama layers, with dense MLPs (or, `moe`, mixtures of experts)."""
+def _llama_family(m: ModelConfig, moe: bool = False, qk_norm: bool = False) -> bool:
+    """The Llama layers, with dense MLPs (or, `moe`, mixtures of experts), with query/key head
+    norms or (`qk_norm` false) without."""
     return (
-        m.block == "serial"
+        m.qk_norm == qk_norm
+        and m.block == "serial"
         and m.norm == "rmsnorm"
         and m.mlp == "swiglu"
         and m.positions == "rotary"
@@ -220,7 +226,7 @@ def _llama_write(model_type: str) -> Callable[[ModelConfig], dict]:
             "max_position_embeddings": _max_positions(m),
             **_rope_out(m),
         }
-        if model_type in ("qwen2", "qwen2_moe"):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
             out.update(use_sliding_window=m.window is not None, sliding_window=m.window, max_window_layers=0)
         elif model_type in ("mistral", "mixtral"):
             out.update(sliding_window=m.window)
@@ -251,6 +257,9 @@ def _llama_rules(model_type: str, m: ModelConfig) -> dict[str, Rule]:
                 *(f"{attn}{p}_proj.{kind}" for p in "qkv"), m.heads, m.kv_groups
             )
         rules[ms + "attn.proj.weight"] = same(attn + "o_proj.weight")
+        if m.qk_norm:
+            rules[ms + "attn.q_norm.weight"] = same(attn + "q_norm.weight")
+            rules[ms + "attn.k_norm.weight"] = same(attn + "k_norm.weight")
         if m.moe.is_moe_layer(i):
             rules.update(moe_rules(model_type, m, hf, ms))
             continue
@@ -312,6 +321,8 @@ def _gpt2_expresses(m: ModelConfig) -> bool:
         and m.bias
         and m.kv_groups == m.heads
         and m.window is None
+        and not m.qk_norm
+        and not m.moe.experts
     )
 
 
@@ -387,6 +398,8 @@ def _neox_expresses(m: ModelConfig) -> bool:
         and m.bias
         and m.kv_groups == m.heads
         and m.window is None
+        and not m.qk_norm
+        and not m.moe.experts
     )
 
 
@@ -438,6 +451,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         _llama_like("qwen2", "Qwen2ForCausalLM", lambda m: _llama_family(m) and not m.bias and m.qkv_bias),
         _llama_like("mixtral", "MixtralForCausalLM", _moe_expresses("mixtral")),
         _llama_like("qwen2_moe", "Qwen2MoeForCausalLM", _moe_expresses("qwen2_moe")),
+        _llama_like("qwen3_moe", "Qwen3MoeForCausalLM", _moe_expresses("qwen3_moe")),
         Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_read, _gpt2_expresses, _gpt2_write, _gpt2_names),
         Architecture(
             "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.", _neox_read, _neox_expresses, _neox_write, _neox_names

@@ -1,4 +1,4 @@
-"""How the mixture-of-experts architectures (Mixtral, Qwen2-MoE) map megascale's `model.moe`.
+"""How the mixture-of-experts architectures (Mixtral, Qwen2-MoE, Qwen3-MoE) map `model.moe`.
 
 Both are the Llama layers with MoE MLPs routed by softmax top-k; they differ in what else the
 MLP holds and what their config.json calls it:
@@ -10,6 +10,8 @@ MLP holds and what their config.json calls it:
   `moe_intermediate_size`, and a shared expert whose output is scaled by a sigmoid gate
   (`shared_gate`); `mlp.experts.<e>.gate_proj` / `up_proj` / `down_proj`, `mlp.shared_expert.*`,
   `mlp.shared_expert_gate`. QKV biases as Qwen 2.
+- Qwen3-MoE: Qwen2-MoE's routing and names without the shared expert; its attention has no
+  biases and RMS-normalises each query and key head (`model.qk_norm`, mapped by the caller).
 
 Neither has a router z-loss; the balancing loss coefficient carries over.
 """
@@ -20,10 +22,11 @@ from megascale.config.schema import ModelConfig, MoEConfig
 from megascale.interop.hf_files import InteropError
 from megascale.interop.rules import Rule, gate_up, same
 
-MOE_TYPES = ("mixtral", "qwen2_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _EXPERT = {  # model_type -> (the MLP's name, an expert's gate, up, down projections)
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -39,20 +42,20 @@ def read_moe(model_type: str, c: dict) -> MoEConfig:
         )
     if c.get("mlp_only_layers"):
         raise InteropError(
-            f"qwen2_moe: mlp_only_layers={c['mlp_only_layers']} has no megascale equivalent (model.moe.every "
+            f"{model_type}: mlp_only_layers={c['mlp_only_layers']} has no megascale equivalent (model.moe.every "
             "picks the MoE blocks), so this checkpoint cannot be imported"
         )
-    shared = int(c.get("shared_expert_intermediate_size") or 0)
-    if shared <= 0:
+    shared = int(c.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    if model_type == "qwen2_moe" and shared <= 0:
         raise InteropError("qwen2_moe: shared_expert_intermediate_size must be > 0 (megascale's gated shared expert)")
     return MoEConfig(
-        experts=int(c["num_experts"]),
+        experts=int(c.get("num_experts") or c["num_local_experts"]),
         top_k=int(c.get("num_experts_per_tok", 4)),
         every=int(c.get("decoder_sparse_step", 1)),
         ffn_hidden=int(c["moe_intermediate_size"]),
         normalize=bool(c.get("norm_topk_prob", False)),
         shared_ffn_hidden=shared,
-        shared_gate=True,
+        shared_gate=shared > 0,
         aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
         z_loss_coef=0.0,
     )
@@ -64,6 +67,8 @@ def moe_expressed(model_type: str, m: ModelConfig) -> bool:
     common = e.router == "softmax" and not e.bias_balancing and e.capacity_factor == 0
     if model_type == "mixtral":
         return common and e.every == 1 and e.normalize and not e.shared_ffn_hidden
+    if model_type == "qwen3_moe":
+        return common and not e.shared_ffn_hidden
     return common and e.shared_ffn_hidden > 0 and e.shared_gate
 
 
@@ -77,17 +82,18 @@ def write_moe(model_type: str, m: ModelConfig) -> dict:
             "intermediate_size": m.expert_ffn,
             "router_aux_loss_coef": e.aux_loss_coef,
         }
-    return {
+    out = {
         "num_experts": e.experts,
         "num_experts_per_tok": e.top_k,
         "decoder_sparse_step": e.every,
         "mlp_only_layers": [],
         "moe_intermediate_size": m.expert_ffn,
-        "shared_expert_intermediate_size": e.shared_ffn_hidden,
         "norm_topk_prob": e.normalize,
         "router_aux_loss_coef": e.aux_loss_coef,
-        "qkv_bias": True,
     }
+    if model_type == "qwen3_moe":
+        return {**out, "head_dim": m.head_dim, "attention_bias": False}
+    return {**out, "shared_expert_intermediate_size": e.shared_ffn_hidden, "qkv_bias": True}
 
 
 def moe_rules(model_type: str, m: ModelConfig, hf: str, ms: str) -> dict[str, Rule]:

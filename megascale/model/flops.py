@@ -92,6 +92,7 @@ def parameter_count(cfg: ModelConfig) -> int:
         + h * h
         + h * b  # attention output
         + norms_per_layer * norm_parameters(cfg)
+        + (2 * cfg.head_dim if cfg.qk_norm else 0)  # query and key head norms
     )
     mlps = sum(_mlp_layer_parameters(cfg, i) for i in range(cfg.layers))
     embed = v * h + (cfg.seq_len * h if cfg.positions == "learned" else 0)

@@ -88,6 +88,13 @@ CASES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Qwen3-MoE: no shared expert, no biases, each query and key head RMS-normalised
+    "qwen3_moe-gqa-qk-norm": (
+        "qwen3_moe",
+        lambda: transformers.Qwen3MoeConfig(
+            **COMMON, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+        ),
+    ),
 }
 
 

@@ -62,7 +62,8 @@ def test_greedy_generation_equals_transformers(tmp_path):
 REMOTE = {
     # MegaScale's block: parallel, one norm, sliding window (the default config's kind)
     "parallel-swa": ModelConfig(vocab_size=VOCAB, seq_len=32, layers=2, hidden=32, heads=4, window=6),
-    # Llama layers in the parallel block, with learned positions, tied, QKV bias, GQA
+    # Llama layers in the parallel block, with learned positions, tied, QKV bias, GQA, query/key
+    # head norms
     "parallel-llama-learned": ModelConfig(
         vocab_size=VOCAB,
         seq_len=32,
@@ -74,6 +75,7 @@ REMOTE = {
         mlp="swiglu",
         bias=False,
         qkv_bias=True,
+        qk_norm=True,
         positions="learned",
         tie_embeddings=True,
     ),
