@@ -26,7 +26,7 @@ from megascale.plan.cluster import ClusterSpec
 from megascale.plan.flops import CONVENTIONS, training_flops_per_token
 from megascale.plan.layout import Features, Layout, Workload
 from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split, stage_parameters
-from megascale.plan.moe import moe_times
+from megascale.plan.moe import expert_dp_times, moe_times
 
 TERMS = (
     "compute",
@@ -328,21 +328,23 @@ def _data_parallel(
     nbytes = work.act_bytes  # bf16 parameters on the wire (fp32 on CPU)
     grad_bytes = features.impl.grad_wire_bytes or nbytes
     layers = work.model.layers // layout.pp
-    unit, grad_unit = split.layer / t * nbytes, split.layer / t * grad_bytes
     ends_params = (split.embedding + split.head if layout.pp == 1 else max(split.embedding, split.head)) / t
+    layer_params = (stage_parameters(work, layout).dense - ends_params) / layers  # an MoE model's experts apart
+    unit, grad_unit = layer_params * nbytes, layer_params * grad_bytes
     ends, grad_ends = ends_params * nbytes, ends_params * grad_bytes
     detail = {"dp_link_gbps": link.bytes_per_s / 1e9, "dp_scope_" + link.scope: 1.0}
+    experts = expert_dp_times(work, layout, cluster, slowdown, nbytes, grad_bytes)  # over dp/ep ranks
 
     if layout.zero == 0:
         ar_unit = comm.all_reduce_time(n, grad_unit, link)
-        total = layers * ar_unit + comm.all_reduce_time(n, grad_ends, link)
+        total = layers * ar_unit + comm.all_reduce_time(n, grad_ends, link) + experts.all_reduce
         exposed = (ar_unit + max(0.0, total / v - mb.bwd / v)) if features.dp_overlap else total
         return total, min(total, exposed), {**detail, "dp_allreduce_layer": ar_unit}
 
     ag_unit = comm.all_gather_time(n, unit, link)
     rs_unit = comm.reduce_scatter_time(n, grad_unit, link)
-    ag = layers * ag_unit + comm.all_gather_time(n, ends, link)
-    rs = layers * rs_unit + comm.reduce_scatter_time(n, grad_ends, link)
+    ag = layers * ag_unit + comm.all_gather_time(n, ends, link) + experts.all_gather
+    rs = layers * rs_unit + comm.reduce_scatter_time(n, grad_ends, link) + experts.reduce_scatter
     detail |= {"dp_allgather_layer": ag_unit, "dp_reducescatter_layer": rs_unit}
     if layout.zero == 3:  # parameters re-gathered in forward and backward of every micro-batch
         total = micro * (2 * ag + rs)

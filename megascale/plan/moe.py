@@ -16,10 +16,14 @@ turn that into the MoE model the trainer runs (megascale.model.moe, megascale.pa
   leaving the rank. With the chunked overlap (parallel.ep_overlap_chunks) each is pipelined
   against the experts' GEMMs of its direction (`comm.chunked_overlap_exposed`).
 
+- Data parallelism: the routed experts' ZeRO traffic (gathered parameters, reduce-scattered
+  gradients) runs over their expert-data group, dp/ep ranks `tp * ep` apart, with E/ep experts'
+  worth of bytes (`expert_dp_times`); the dense parameters' over dp as before. So ep cuts the
+  experts' data-parallel bytes by ep, and adds the all-to-alls.
+
 Not modelled: router imbalance (a balanced router is assumed; the step waits for the busiest
-ep rank), the MoE layer's activations (counted as a dense MLP's), and the experts' smaller
-data-parallel gradient traffic under ep (their ZeRO group is dp/ep ranks; the dp term counts
-the dense-model traffic).
+ep rank), the MoE layer's activations (counted as a dense MLP's), and under tensor parallelism
+the sum over tp of the (unsliced) MoE parameters' gradients.
 """
 
 from __future__ import annotations
@@ -133,6 +137,33 @@ def moe_times(
         ep_total=n * ep_total,
         ep_exposed=n * ep_exposed,
         detail={"moe_layers_per_stage": n, "moe_mlp_fwd": moe_fwd, "ep_all_to_all": a2a},
+    )
+
+
+@dataclass(frozen=True)
+class ExpertDP:
+    """Per step, the routed experts' data-parallel collectives (seconds)."""
+
+    all_gather: float  # ZeRO: updated parameter shards gathered
+    reduce_scatter: float  # ZeRO: gradients reduce-scattered
+    all_reduce: float  # DDP (zero = 0): gradients all-reduced
+
+
+def expert_dp_times(
+    work: Workload, layout: Layout, cluster: ClusterSpec, slowdown: float, nbytes: int, grad_bytes: int
+) -> ExpertDP:
+    """The experts of the stage with the most MoE layers, one FSDP unit per MoE layer, over the
+    expert-data group (`slowdown`: the dp group's congestion, taken for this group too)."""
+    n, group = moe_layers_in_stage(work.model, layout.pp), layout.dp // layout.ep
+    if not n or group == 1:
+        return ExpertDP(0.0, 0.0, 0.0)
+    m = work.model
+    unit = m.moe.experts // layout.ep * mlp_parameters(m, m.expert_ffn)
+    link = comm.group_link(cluster, group, layout.tp * layout.ep, slowdown)
+    return ExpertDP(
+        all_gather=n * comm.all_gather_time(group, unit * nbytes, link),
+        reduce_scatter=n * comm.reduce_scatter_time(group, unit * grad_bytes, link),
+        all_reduce=n * comm.all_reduce_time(group, unit * grad_bytes, link),
     )
 
 

@@ -76,6 +76,23 @@ def test_all_to_alls_move_top_k_rows_over_the_ep_groups_links(h100):
     assert estimate(WORK, Layout(dp=8, tp=8, ep=1), h100).totals["ep"] == 0.0
 
 
+def test_the_experts_zero_traffic_runs_over_their_expert_data_group(h100):
+    """At ep = 8 of dp = 64 each rank gathers and reduce-scatters 1 expert per MoE layer over 8
+    ranks 8 apart (one per node: one NIC each), against 8 experts over 64 ranks at ep = 1."""
+    from megascale.plan.moe import expert_dp_times
+
+    unit = mlp_parameters(MIXTRAL, 14336)  # one expert
+    for ep, experts in ((1, 8), (8, 1)):
+        layout = Layout(dp=64, ep=ep)
+        link = comm.group_link(h100, 64 // ep, ep)
+        got = expert_dp_times(WORK, layout, h100, 1.0, 2, 2)
+        assert got.all_gather == pytest.approx(
+            MIXTRAL.layers * comm.all_gather_time(64 // ep, experts * unit * 2, link)
+        )
+    one, eight = (estimate(WORK, Layout(dp=64, ep=ep), h100) for ep in (1, 8))
+    assert eight.totals["dp"] < 0.9 * one.totals["dp"] and eight.terms["dp_exposed"] < one.terms["dp_exposed"]
+
+
 def test_search_chooses_ep_when_the_experts_fit_only_split(h100):
     space = SearchSpace(tps=(1,), pps=(1,))  # dp only: ep is the one way to split the experts
     best = search(WORK, 64, h100, space=space)
@@ -83,4 +100,4 @@ def test_search_chooses_ep_when_the_experts_fit_only_split(h100):
     assert best[0].layout.overrides()[-1] == f"--parallel.ep={best[0].layout.ep}"
     small = Workload(model=replace(MIXTRAL, layers=2, hidden=1024, heads=8, ffn_hidden=2048), global_batch=64)
     fastest = search(small, 8, h100, space=space)[0].layout
-    assert fastest.ep == 1  # fits either way: ep only adds all-to-alls (its smaller expert dp traffic is not modelled)
+    assert fastest.ep == 1  # fits either way: here ep's all-to-alls cost more than its dp traffic saves
