@@ -79,6 +79,9 @@ class MoEConfig:
     )
     normalize: bool = opt(True, "rescale each token's top-k gates to sum to 1 (Mixtral); sigmoid always does")
     shared_ffn_hidden: int = opt(0, "width of a shared expert every token goes through; 0 = none")
+    shared_gate: bool = opt(
+        False, "scale the shared expert's output by sigmoid(a learned linear function of the token) (Qwen2-MoE)"
+    )
     aux_loss_coef: float = opt(0.01, "load-balancing loss (Switch/GShard, per sequence) coefficient; 0 = off")
     z_loss_coef: float = opt(0.001, "router z-loss (ST-MoE: mean squared log-sum-exp of router logits) coefficient")
     bias_balancing: bool = opt(
@@ -100,6 +103,8 @@ class MoEConfig:
         positive(self, "model.moe", ["experts", "top_k", "every"])
         if self.top_k > self.experts:
             raise ConfigError(f"model.moe.top_k={self.top_k} must be <= model.moe.experts={self.experts}")
+        if self.shared_gate and not self.shared_ffn_hidden:
+            raise ConfigError("model.moe.shared_gate=true gates the shared expert: set model.moe.shared_ffn_hidden > 0")
         widths, rates = ("ffn_hidden", "shared_ffn_hidden"), ("aux_loss_coef", "z_loss_coef", "bias_update_rate")
         at_least(self, "model.moe", (*widths, *rates, "capacity_factor"), 0)
 
@@ -128,6 +133,9 @@ class ModelConfig:
     tie_embeddings: bool = opt(False, "the head shares the token embedding's weight (needs pp = 1)")
     bias: bool = opt(True, "the linear layers have biases (LayerNorms always do)")
     qkv_bias: bool = opt(False, "the QKV projection has a bias even when bias = false (Qwen 2)")
+    qk_norm: bool = opt(
+        False, "RMSNorm over each query and key head (head_dim wide) before the rotary embedding (Qwen 3)"
+    )
     norm_eps: float = opt(1e-5, "epsilon of every LayerNorm/RMSNorm")
     init_std: float = opt(0.02, "standard deviation of the initial weights (residual projections are scaled down)")
     rope_base: float = opt(10000.0, "rotary base (theta): 10000 for GPT-NeoX/Llama 2, 500000 for Llama 3")

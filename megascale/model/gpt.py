@@ -78,6 +78,9 @@ class Attention(nn.Module):
         self.context = None  # context parallelism: attends across the cp ranks (parallel.context)
         self.qkv = Linear(cfg.hidden, cfg.qkv_width, bias=cfg.bias or cfg.qkv_bias)
         self.proj = Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        # Qwen 3: each query and key head RMS-normalised (one weight shared by the heads)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """[b, s, groups*(q+2)*d] -> [b, s, groups*q*d].
@@ -93,6 +96,8 @@ class Attention(nn.Module):
         grouped = qkv.view(b, s, groups, per_group + 2, self.head_dim)
         q = grouped[:, :, :, :per_group].reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
         k, v = grouped[:, :, :, per_group].transpose(1, 2), grouped[:, :, :, per_group + 1].transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             past = self.cache.seen if self.cache is not None else 0
             where = slice(past, past + s) if self.context is None else self.context.positions(s, qkv.device)

@@ -42,6 +42,7 @@ LAYOUT_KEYS = {
     "zero": "zero",
     "rc": "recompute",
     "recompute": "recompute",
+    "ep": "ep",
 }
 
 

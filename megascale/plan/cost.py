@@ -5,7 +5,9 @@ recomputation, the tensor-parallel communication the chunked-GEMM overlap does n
 gaps between kernel launches and a fixed cost per model-chunk run. The interleaved 1F1B schedule
 runs m such micro-batches plus a bubble of (p-1)/v of one, i.e. a bubble of (p-1)/(v*m) of the
 busy time (Narayanan et al. 2021). On top come the exposed pipeline sends, the exposed
-data-parallel all-gather/reduce-scatter (ZeRO), the compute lost to communication it overlaps,
+data-parallel all-gather/reduce-scatter (ZeRO), an MoE model's exposed expert-parallel
+all-to-alls (plan/moe.py, which also turns the dense MLPs into MoE ones), the compute lost to
+communication it overlaps,
 the wait for the slowest of N ranks, the optimizer step, the global gradient-norm all-reduce and
 the host's per-step work. Every overlap can be switched off (`Features`) and is modelled so that
 switching it on never makes the step slower; every second-order effect (`Effects`) is its own
@@ -23,7 +25,8 @@ from megascale.plan import efficiency as eff
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.flops import CONVENTIONS, training_flops_per_token
 from megascale.plan.layout import Features, Layout, Workload
-from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split
+from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split, stage_parameters
+from megascale.plan.moe import expert_dp_times, moe_times
 
 TERMS = (
     "compute",
@@ -35,6 +38,7 @@ TERMS = (
     "pp_exposed",
     "dp_exposed",
     "cp_exposed",
+    "ep_exposed",
     "contention",
     "stragglers",
     "optimizer",
@@ -55,10 +59,12 @@ class MicroBatchTimes:
     launch: float  # idle gaps between the stage's kernels
     chunk: float  # fixed cost of running each of the v chunks forward and backward
     detail: dict[str, float] = field(default_factory=dict)
+    ep_total: float = 0.0  # MoE all-to-alls issued, if nothing overlapped
+    ep_exposed: float = 0.0
 
     @property
     def busy(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.launch + self.chunk
+        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.ep_exposed + self.launch + self.chunk
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     # reduce-scatter of the output; backward re-gathers the input for the weight gradient.
     link = comm.group_link(cluster, t, 1)
     coll = comm.all_gather_time(t, tokens * h * ab, link)
-    tp_fwd_exposed = tp_bwd_exposed = 0.0
+    tp_fwd_exposed = tp_bwd_exposed = pair_exposed = 0.0
     for col, row in pairs:
         if features.tp_overlap and t > 1:
             k = features.tp_chunks
@@ -155,7 +161,10 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
             ag = rs = coll
         tp_fwd_exposed += ag + rs
         tp_bwd_exposed += 2 * ag + rs  # re-gather + grad reduce-scatter, grad all-gather
+        pair_exposed = 3 * ag + 2 * rs
     tp_layer_total = 5 * len(pairs) * coll
+    # an MoE MLP replaces the dense one (its own tp collectives, when not fused with attention's)
+    moe = moe_times(work, layout, cluster, features, (5 * coll, pair_exposed) if len(pairs) == 2 else (0.0, 0.0))
 
     layers = m.layers // layout.pp
     # the last stage (the slowest) also runs the vocabulary head and the loss
@@ -178,14 +187,17 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     gap = impl.launch_gap_us * 1e-6 if effects.launch_gaps else 0.0
     chunk = impl.chunk_overhead_us * 1e-6 if effects.interleave else 0.0
     return MicroBatchTimes(
-        fwd=layers * layer_fwd + head_fwd,
-        bwd=layers * layer_bwd + head_bwd,
+        fwd=layers * layer_fwd + head_fwd + (moe.fwd if moe else 0.0),
+        bwd=layers * layer_bwd + head_bwd + (moe.bwd if moe else 0.0),
         recompute=recompute,
-        tp_total=layers * tp_layer_total + head_tp,
-        tp_exposed=layers * (tp_fwd_exposed + tp_bwd_exposed) + head_tp,
+        tp_total=layers * tp_layer_total + head_tp + (moe.tp_total if moe else 0.0),
+        tp_exposed=layers * (tp_fwd_exposed + tp_bwd_exposed) + head_tp + (moe.tp_exposed if moe else 0.0),
         launch=layers * kernels * passes * gap,
         chunk=2 * layout.v * chunk,
+        ep_total=moe.ep_total if moe else 0.0,
+        ep_exposed=moe.ep_exposed if moe else 0.0,
         detail={
+            **(moe.detail if moe else {}),
             "layer_fwd": layer_fwd,
             "layer_bwd": layer_bwd,
             "gemm_fwd": gemm_fwd,
@@ -224,9 +236,8 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
 
     dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro, inputs)
     cp_total, cp_exposed, cp_detail = _context_parallel(work, layout, cluster, mb, micro)
-    split = param_split(work)
-    psi = split.stage(m.layers, p) / layout.tp
-    shard = psi / layout.dp if layout.zero >= 1 else psi
+    stage = stage_parameters(work, layout)
+    shard = stage.sharded(layout.dp, layout.ep) if layout.zero >= 1 else stage.total
     opt_bytes = eff.optimizer_bytes_per_param(work.optimizer, work.mixed_precision)
     optimizer = eff.memory_time(cluster.gpu, shard * opt_bytes)
     world = layout.world
@@ -244,11 +255,13 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
         "pp_exposed": pp_exposed,
         "dp_exposed": dp_exposed,
         "cp_exposed": cp_exposed,
+        "ep_exposed": micro * mb.ep_exposed,
     }
     hidden = micro * (mb.tp_total - mb.tp_exposed) + (pp_total - pp_exposed) + (dp_total - dp_exposed)
-    hidden += cp_total - cp_exposed
+    hidden += cp_total - cp_exposed + micro * (mb.ep_total - mb.ep_exposed)
     terms["contention"] = impl.overlap_contention * hidden if effects.contention else 0.0
-    busy = terms["compute"] + terms["tp_exposed"] + terms["launch_gaps"] + terms["interleave"] + terms["contention"]
+    busy = terms["compute"] + terms["tp_exposed"] + terms["ep_exposed"] + terms["launch_gaps"] + terms["interleave"]
+    busy += terms["contention"]
     hosts = max(1, world // cluster.gpus_per_node)
     slow = cluster.slow_hosts
     slowest = impl.jitter.expected_max(world, hosts, slow) if effects.stragglers else 1.0
@@ -271,7 +284,7 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
         flops_per_step={c: tokens * training_flops_per_token(m, c, layout.recompute) for c in CONVENTIONS},
         peak_flops_total=cluster.gpu.peak(work.dtype) * world,
         memory=memory_per_gpu(work, layout, cluster.gpu, features.attention),
-        totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total, "cp": cp_total},
+        totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total, "cp": cp_total, "ep": micro * mb.ep_total},
         detail={
             **mb.detail,
             **dp_detail,
@@ -321,21 +334,23 @@ def _data_parallel(
     nbytes = work.act_bytes  # bf16 parameters on the wire (fp32 on CPU)
     grad_bytes = features.impl.grad_wire_bytes or nbytes
     layers = work.model.layers // layout.pp
-    unit, grad_unit = split.layer / t * nbytes, split.layer / t * grad_bytes
     ends_params = (split.embedding + split.head if layout.pp == 1 else max(split.embedding, split.head)) / t
+    layer_params = (stage_parameters(work, layout).dense - ends_params) / layers  # an MoE model's experts apart
+    unit, grad_unit = layer_params * nbytes, layer_params * grad_bytes
     ends, grad_ends = ends_params * nbytes, ends_params * grad_bytes
     detail = {"dp_link_gbps": link.bytes_per_s / 1e9, "dp_scope_" + link.scope: 1.0}
+    experts = expert_dp_times(work, layout, cluster, slowdown, nbytes, grad_bytes)  # over dp/ep ranks
 
     if layout.zero == 0:
         ar_unit = comm.all_reduce_time(n, grad_unit, link)
-        total = layers * ar_unit + comm.all_reduce_time(n, grad_ends, link)
+        total = layers * ar_unit + comm.all_reduce_time(n, grad_ends, link) + experts.all_reduce
         exposed = (ar_unit + max(0.0, total / v - mb.bwd / v)) if features.dp_overlap else total
         return total, min(total, exposed), {**detail, "dp_allreduce_layer": ar_unit}
 
     ag_unit = comm.all_gather_time(n, unit, link)
     rs_unit = comm.reduce_scatter_time(n, grad_unit, link)
-    ag = layers * ag_unit + comm.all_gather_time(n, ends, link)
-    rs = layers * rs_unit + comm.reduce_scatter_time(n, grad_ends, link)
+    ag = layers * ag_unit + comm.all_gather_time(n, ends, link) + experts.all_gather
+    rs = layers * rs_unit + comm.reduce_scatter_time(n, grad_ends, link) + experts.reduce_scatter
     detail |= {"dp_allgather_layer": ag_unit, "dp_reducescatter_layer": rs_unit}
     if layout.zero == 3:  # parameters re-gathered in forward and backward of every micro-batch
         total = micro * (2 * ag + rs)

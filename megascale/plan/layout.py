@@ -66,6 +66,7 @@ class Layout:
     zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
     recompute: Recompute = "none"
     cp: int = 1  # context parallelism: each sequence split along its length over cp ranks
+    ep: int = 1  # expert parallelism, carved from dp (MoE models only)
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Layout:
@@ -80,6 +81,7 @@ class Layout:
             zero=2 if p.dp > 1 else 0,
             recompute=cfg.train.recompute,
             cp=p.cp,
+            ep=p.ep,
         )
 
     @property
@@ -93,6 +95,7 @@ class Layout:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
             f"zero={self.zero} rc={self.recompute}{f' cp={self.cp}' if self.cp > 1 else ''}"
+            + (f" ep={self.ep}" if self.ep > 1 else "")
         )
 
     def overrides(self) -> list[str]:
@@ -105,6 +108,7 @@ class Layout:
             f"--train.micro_batch={self.micro_batch}",
             f"--train.recompute={self.recompute}",
             *([f"--parallel.cp={self.cp}"] if self.cp > 1 else []),
+            *([f"--parallel.ep={self.ep}"] if self.ep > 1 else []),
         ]
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
@@ -119,7 +123,7 @@ class Layout:
         job = JobConfig(
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
-            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, cp=self.cp),
+            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, cp=self.cp, ep=self.ep),
             train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()
@@ -169,6 +173,8 @@ class Features:
     pp_overlap: bool = True  # sends and receives decoupled from compute
     dp_overlap: bool = True  # ZeRO all-gather prefetch, reduce-scatter as chunks finish
     data_overlap: bool = True  # first all-gather hidden behind data loading
+    ep_overlap: bool = True  # MoE all-to-alls pipelined against the experts (chunks of rows)
+    ep_chunks: int = 2  # parts a micro-batch's rows are cut into (parallel.ep_overlap_chunks)
     network_slowdown: float = 0.0  # DP slowdown from ecmp.simulate (0: the closed-form model)
     attention: Attention = "flash2"  # FlashAttention-2, FlashAttention-1, or materialised scores
     fused_elementwise: bool = True  # LayerNorm and GeLU each one kernel (else their pieces)
@@ -178,8 +184,14 @@ class Features:
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Features:
         p = cfg.parallel
-        return cls(tp_overlap=p.tp_overlap, tp_chunks=p.tp_overlap_chunks, dp_overlap=p.dp_overlap)
+        return cls(
+            tp_overlap=p.tp_overlap,
+            tp_chunks=p.tp_overlap_chunks,
+            dp_overlap=p.dp_overlap,
+            ep_overlap=p.ep_overlap_chunks > 1,
+            ep_chunks=p.ep_overlap_chunks,
+        )
 
     @classmethod
     def none(cls) -> Features:
-        return cls(tp_overlap=False, pp_overlap=False, dp_overlap=False, data_overlap=False)
+        return cls(tp_overlap=False, pp_overlap=False, dp_overlap=False, data_overlap=False, ep_overlap=False)

@@ -8,11 +8,13 @@ work. Ranking is by predicted step time (equivalently tokens/s and MFU at a fixe
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
 from megascale.config.fields import ConfigError
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.cost import StepEstimate, estimate
 from megascale.plan.layout import Features, Layout, Recompute, Workload
+from megascale.plan.moe import ep_choices
 from megascale.plan.system import SystemSpec, ablation_steps, switch_on
 
 RECOMPUTE_ORDER: tuple[Recompute, ...] = ("none", "selective", "full")
@@ -30,6 +32,7 @@ class SearchSpace:
     tps: tuple[int, ...] | None = None  # only these degrees (None: every valid one)
     pps: tuple[int, ...] | None = None
     virtuals: tuple[int, ...] | None = None
+    eps: tuple[int, ...] | None = None  # expert-parallel degrees (MoE models; None: every valid one)
     recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
     cps: tuple[int, ...] | None = None  # None: cp = 1, and for long sequences powers of two in a node
 
@@ -73,8 +76,10 @@ def candidate_layouts(
                     continue
                 virtuals = [1] if pp == 1 else [v for v in _divisors(m.layers // pp) if v <= space.max_virtual]
                 for v in _allowed(virtuals, space.virtuals):
-                    for zero in space.zero_stages:
-                        layout = Layout(dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0, cp=cp)
+                    for zero, ep in product(space.zero_stages, ep_choices(work, dp, space.eps)):
+                        layout = Layout(
+                            dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0, cp=cp, ep=ep
+                        )
                         try:
                             layout.check(work, cluster.gpus_per_node if gpus > 1 else None)
                         except ConfigError:
