@@ -75,12 +75,11 @@ def _rank_main() -> dict[str, int]:
 
 @pytest.mark.slow
 def test_zero_bubble_peak_memory_stays_near_1f1b():
-    """Bounds (measured: ZB-H1 1.08x 1F1B's first rank at p=2, ZB-V 1.13x; before the fixes
-    1.36x and 1.24x): the peak over ranks of a zero-bubble step at most 1.2x 1F1B's, and no
-    rank of ZB-H1 above 1F1B's first rank by more than that."""
+    """The peak over ranks of a zero-bubble step at most 1.15x 1F1B's (its first rank's).
+    Measured here: ZB-H1 1.10x, ZB-V 1.12x; before W accumulated layer by layer and the norms
+    reduced in B, 1.28x and 1.18x (both fail)."""
     ranks = run_local(_rank_main, 2, (), timeout_s=240)
     base = max(r["1f1b"] for r in ranks)
-    print({k: [round(r[k] / base, 3) for r in ranks] for k in SCHEDULES})
     for kind in ("zb-h1", "zbv"):
         worst = max(r[kind] for r in ranks)
-        assert worst <= 1.2 * base, f"{kind}: peak {worst / 2**20:.1f} MiB vs 1F1B's {base / 2**20:.1f} MiB"
+        assert worst <= 1.15 * base, f"{kind}: peak {worst / 2**20:.1f} MiB vs 1F1B's {base / 2**20:.1f} MiB"
