@@ -20,6 +20,7 @@ from megascale.layout.grid import RankGrid
 from megascale.plan.stragglers import Jitter
 
 Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["1f1b", "zb-h1", "zbv"]  # parallel.schedule (1f1b: interleaved when v > 1)
 Attention = Literal["flash2", "flash1", "unfused"]
 
 
@@ -65,6 +66,7 @@ class Layout:
     micro_batch: int = 1
     zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
     recompute: Recompute = "none"
+    schedule: Schedule = "1f1b"  # zb-h1 (v = 1) and zbv (v = 2): zero-bubble, split backward
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Layout:
@@ -78,6 +80,7 @@ class Layout:
             micro_batch=cfg.train.micro_batch,
             zero=2 if p.dp > 1 else 0,
             recompute=cfg.train.recompute,
+            schedule="1f1b" if p.schedule == "gpipe" else p.schedule,
         )
 
     @property
@@ -91,7 +94,7 @@ class Layout:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
             f"zero={self.zero} rc={self.recompute}"
-        )
+        ) + ("" if self.schedule == "1f1b" else f" {self.schedule}")
 
     def overrides(self) -> list[str]:
         """The `--section.key=value` overrides that run this layout with `megascale train`."""
@@ -102,7 +105,7 @@ class Layout:
             f"--parallel.vpp={self.v}",
             f"--train.micro_batch={self.micro_batch}",
             f"--train.recompute={self.recompute}",
-        ]
+        ] + ([] if self.schedule == "1f1b" else [f"--parallel.schedule={self.schedule}"])
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
         """Raise ConfigError (naming the key) if the trainer could not run this layout."""
@@ -116,7 +119,7 @@ class Layout:
         job = JobConfig(
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
-            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v),
+            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, schedule=self.schedule),
             train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()
