@@ -1,10 +1,11 @@
 """Measured pipeline bubble vs theory per schedule, peak activation memory, the end-of-step
 sync, and exposed send/recv time with and without decoupling.
 
-One run spawns `p` gloo ranks (one thread each) and trains the same GPT with five runners,
-alternating step by step so machine noise hits all alike: 1F1B, interleaved 1F1B (v=2) and
-ZB-H1 and ZB-V (split backward; ZB-V's two chunks per rank in a V) with decoupled sends (the default: isend, waited lazily), and 1F1B and
-interleaved with coupled sends (each send waited before going on).
+One run spawns `p` gloo ranks (one thread each) and trains the same GPT with six runners,
+alternating step by step so machine noise hits all alike: 1F1B, interleaved 1F1B (v=2), ZB-H1
+and ZB-V (split backward; ZB-V's two chunks per rank in a V) with decoupled sends (the default:
+isend, waited lazily), and 1F1B and interleaved with coupled sends (each send waited before
+going on).
 Every action is timed by the runner itself (`pp.forward`/`pp.backward`/`pp.weight` compute
 spans, `pp.recv`/`pp.send`/`pp.send_wait` p2p spans, read back from the per-rank timer files).
 A step's window runs from a common start (after a barrier) to the moment the last rank

@@ -8,8 +8,8 @@ no missing micro-batches) and gradient norms, and the whole parameters put back 
 all ranks must equal the reference's. Tolerances: `layout_parity.LOSS_RTOL`/`PARAM_ATOL`.
 
 A Llama-style model (RMSNorm, SwiGLU, grouped-query attention, no biases) and two ZB-H1 and
-two ZB-V layouts run in the 4-rank spawn beside the GPT. One spawn per world size with all its cases inside; the 8-rank spawn is
-marked slow but runs by default.
+two ZB-V layouts run in the 4-rank spawn beside the GPT. One spawn per world size with all its
+cases inside; the 8-rank spawn is marked slow but runs by default.
 """
 
 from __future__ import annotations

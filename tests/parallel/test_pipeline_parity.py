@@ -1,7 +1,8 @@
 """Pipeline parity on real gloo processes: loss, every gradient and ten optimizer steps equal the
 single-process model with the same weights, for (p, v) in {(2,1), (2,2), (4,1), (4,2)}, GPipe,
-ZB-H1 and ZB-V (split backward; ZB-V's chunks in a V, m = 2p-1 at p = 4) at p = 2 and 4; and, on two ranks, the ZeRO hooks' placement, the
-per-action timer spans, and by order that ZB-H1 defers the weight gradients to its W actions.
+ZB-H1 and ZB-V (split backward; ZB-V's chunks in a V, m = 2p-1 at p = 4) at p = 2 and 4; and,
+on two ranks, the ZeRO hooks' placement, the per-action timer spans, and by order that ZB-H1
+defers the weight gradients to its W actions.
 
 One spawn per world size; each rank loops over the cases and also computes the single-process
 reference itself (the model is tiny), so a mismatch names the rank, the case and the parameter.

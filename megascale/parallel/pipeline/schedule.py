@@ -142,9 +142,7 @@ def check_layout(p: int, v: int, m: int, kind: str = "1f1b") -> None:
         )
 
 
-def compute_order(
-    kind: str, p: int, v: int, m: int, rank: int, v_shape: bool = False
-) -> list[tuple[Op, int, int]]:
+def compute_order(kind: str, p: int, v: int, m: int, rank: int, v_shape: bool = False) -> list[tuple[Op, int, int]]:
     """The (op, micro-batch, chunk) compute sequence of one rank.
 
     Forwards walk micro-batches in groups of p through the chunks (Megatron's interleaving:
@@ -321,9 +319,7 @@ def message_tag(grad: bool, boundary: int, mb: int, m: int) -> int:
     return 2 * (boundary * m + mb) + int(grad)
 
 
-def needed_message(
-    op: Op, g: int, mb: int, p: int, v: int, m: int, v_shape: bool = False
-) -> tuple[int, int] | None:
+def needed_message(op: Op, g: int, mb: int, p: int, v: int, m: int, v_shape: bool = False) -> tuple[int, int] | None:
     """(source pipeline rank, tag) of the message a compute on global chunk g waits for: the
     activation from chunk g-1 (forward), the gradient from chunk g+1 (backward), or None (a
     weight-gradient action needs only what its own B left)."""
