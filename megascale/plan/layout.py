@@ -66,6 +66,7 @@ class Layout:
     micro_batch: int = 1
     zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
     recompute: Recompute = "none"
+    cp: int = 1  # context parallelism: each sequence split along its length over cp ranks
     schedule: Schedule = "1f1b"  # zb-h1 (v = 1) and zbv (v = 2): zero-bubble, split backward
 
     @classmethod
@@ -80,6 +81,7 @@ class Layout:
             micro_batch=cfg.train.micro_batch,
             zero=2 if p.dp > 1 else 0,
             recompute=cfg.train.recompute,
+            cp=p.cp,
             schedule="1f1b" if p.schedule == "gpipe" else p.schedule,
         )
 
@@ -93,7 +95,7 @@ class Layout:
     def label(self) -> str:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
-            f"zero={self.zero} rc={self.recompute}"
+            f"zero={self.zero} rc={self.recompute}{f' cp={self.cp}' if self.cp > 1 else ''}"
         ) + ("" if self.schedule == "1f1b" else f" {self.schedule}")
 
     def overrides(self) -> list[str]:
@@ -105,7 +107,9 @@ class Layout:
             f"--parallel.vpp={self.v}",
             f"--train.micro_batch={self.micro_batch}",
             f"--train.recompute={self.recompute}",
-        ] + ([] if self.schedule == "1f1b" else [f"--parallel.schedule={self.schedule}"])
+            *([f"--parallel.cp={self.cp}"] if self.cp > 1 else []),
+            *([f"--parallel.schedule={self.schedule}"] if self.schedule != "1f1b" else []),
+        ]
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
         """Raise ConfigError (naming the key) if the trainer could not run this layout."""
@@ -119,7 +123,7 @@ class Layout:
         job = JobConfig(
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
-            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, schedule=self.schedule),
+            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, cp=self.cp, schedule=self.schedule),
             train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()

@@ -18,6 +18,7 @@ from megascale.plan.system import SystemSpec, ablation_steps, switch_on
 RECOMPUTE_ORDER: tuple[Recompute, ...] = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 12
+LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SearchSpace:
     pps: tuple[int, ...] | None = None
     virtuals: tuple[int, ...] | None = None
     recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
+    cps: tuple[int, ...] | None = None  # None: cp = 1, and for long sequences powers of two in a node
     # pipeline schedules tried when pp > 1: 1f1b (interleaved with v > 1), zb-h1 (v = 1, m >= p),
     # zbv (v = 2, m >= 2p - 1: below that their bubble is larger than the model's formula)
     schedules: tuple[Schedule, ...] = ("1f1b", "zb-h1", "zbv")
@@ -56,6 +58,16 @@ def _schedules(pp: int, micro: int, virtuals: list[int], space: SearchSpace) -> 
     return runs
 
 
+def _context_degrees(work: Workload, tp: int, cluster: ClusterSpec, space: SearchSpace) -> list[int]:
+    """cp degrees to try: cp's traffic is every layer's, so by default it stays in the node with tp,
+    and it is only worth trying when one sequence's activations are large."""
+    if space.cps is not None:
+        return list(space.cps)
+    if work.model.seq_len < LONG_SEQUENCE:
+        return [1]
+    return [1 << i for i in range((cluster.gpus_per_node // tp).bit_length()) if (1 << i) * tp <= cluster.gpus_per_node]
+
+
 def candidate_layouts(
     work: Workload, gpus: int, cluster: ClusterSpec, space: SearchSpace | None = None
 ) -> list[Layout]:
@@ -67,10 +79,11 @@ def candidate_layouts(
     for tp in _allowed(_divisors(max_tp), space.tps):
         if cluster.gpus_per_node % tp:
             continue
-        for pp in _allowed(_divisors(m.layers), space.pps):
-            if gpus % (tp * pp):
+        cps = _context_degrees(work, tp, cluster, space)
+        for pp, cp in ((pp, cp) for pp in _allowed(_divisors(m.layers), space.pps) for cp in cps):
+            if gpus % (tp * pp * cp):
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * pp * cp)
             for mb in space.micro_batches:
                 if work.global_batch % (dp * mb):
                     continue
@@ -79,7 +92,14 @@ def candidate_layouts(
                 for v, schedule in _schedules(pp, micro, _allowed(virtuals, space.virtuals), space):
                     for zero in space.zero_stages:
                         layout = Layout(
-                            dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0, schedule=schedule
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            v=v,
+                            micro_batch=mb,
+                            zero=zero if dp > 1 else 0,
+                            cp=cp,
+                            schedule=schedule,
                         )
                         try:
                             layout.check(work, cluster.gpus_per_node if gpus > 1 else None)
