@@ -248,8 +248,10 @@ class ParallelConfig:
     pp_split: Literal["auto", "even"] | list[int] = opt(
         "auto", "layers per chunk: auto (FLOP-balanced), even, or a list of pp*vpp counts"
     )
-    schedule: Literal["1f1b", "gpipe", "zb-h1"] = opt(
-        "1f1b", "1f1b (interleaved when vpp > 1), gpipe, or zb-h1 (zero-bubble: split backward, vpp=1)"
+    schedule: Literal["1f1b", "gpipe", "zb-h1", "zbv"] = opt(
+        "1f1b",
+        "1f1b (interleaved when vpp > 1), gpipe, zb-h1 (zero-bubble: split backward, vpp=1) or zbv "
+        "(zero-bubble V: two chunks per stage in a V, vpp=2)",
     )
     sequence_parallel: bool = opt(True, "shard LayerNorm/residual activations along the sequence over tp")
     tp_overlap: bool = opt(True, "chunked all-gather/reduce-scatter fused into the GEMMs")
@@ -291,6 +293,8 @@ class ParallelConfig:
             raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
         if self.schedule == "zb-h1" and self.vpp > 1:
             raise ConfigError("parallel.schedule='zb-h1' runs one chunk per stage: set parallel.vpp=1")
+        if self.schedule == "zbv" and self.vpp != 2:
+            raise ConfigError("parallel.schedule='zbv' runs two chunks per stage in a V: set parallel.vpp=2")
         if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ConfigError("parallel.init_timeout_s and parallel.collective_timeout_s must be > 0")
         if self.redis_connect_timeout_s <= 0:
@@ -482,7 +486,7 @@ class JobConfig:
             check_context_parallel(m, p)
         check_expert_parallel(m, p)
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
-        if p.vpp > 1 and self.micro_batches % p.pp:
+        if p.vpp > 1 and p.schedule != "zbv" and self.micro_batches % p.pp:
             raise ConfigError(
                 f"interleaved 1F1B needs micro-batches per step ({self.micro_batches} = "
                 f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"

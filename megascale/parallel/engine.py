@@ -27,6 +27,7 @@ from megascale.parallel.context import apply_context_parallel, uses_ring
 from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
+from megascale.parallel.pipeline.schedule import V_SHAPED
 from megascale.parallel.runner import ModelRunner
 from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
@@ -65,7 +66,8 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
         # before materialization: other ranks' experts never exist here
         apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)
     if distributed and mesh.pp_size > 1:
-        chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
+        p = cfg.parallel
+        chunks = split_model(model, mesh.pp_size, p.vpp, mesh.pp_rank, p.pp_split, p.schedule in V_SHAPED)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
     else:
         runner = ModelRunner([model], cfg, mesh)

@@ -212,6 +212,22 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     )
 
 
+def bubble_time(layout: Layout, mb: MicroBatchTimes) -> float:
+    """Seconds a stage idles per step, in the schedule's steady-state terms (m >= p; ZB-V
+    m >= 2p - 1). Interleaved 1F1B: (p-1)/v micro-batches of busy time. The zero-bubble
+    schedules split the backward into B and W (the weight-gradient GEMMs, half of it; the
+    recompute belongs to B): ZB-H1 idles (p-1)(F + B - W) = (p-1)(F + recompute), a third of
+    1F1B's with F = B = W; ZB-V, its chunks half a stage, half of that ((p-1) chunk-forwards,
+    as `schedule.simulate` plays it). Overheads (tp exposure, launch gaps) scale with them."""
+    p, v = layout.pp, layout.v
+    if layout.schedule == "1f1b":
+        return (p - 1) / v * mb.busy
+    core = mb.fwd + mb.bwd + mb.recompute
+    forward_share = (mb.fwd + mb.recompute) / core if core > 0 else 1 / 3
+    idle = (p - 1) * forward_share * mb.busy
+    return idle / 2 if layout.schedule == "zbv" else idle
+
+
 def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features | None = None) -> StepEstimate:
     """Predict one optimizer step of `work` under `layout` on `cluster`."""
     features = features or Features()
@@ -251,7 +267,7 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
         "tp_exposed": micro * mb.tp_exposed,
         "launch_gaps": micro * mb.launch,
         "interleave": micro * mb.chunk,
-        "bubble": (p - 1) / v * mb.busy,
+        "bubble": bubble_time(layout, mb),
         "pp_exposed": pp_exposed,
         "dp_exposed": dp_exposed,
         "cp_exposed": cp_exposed,

@@ -20,6 +20,7 @@ from megascale.layout.grid import RankGrid
 from megascale.plan.stragglers import Jitter
 
 Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["1f1b", "zb-h1", "zbv"]  # parallel.schedule (1f1b: interleaved when v > 1)
 Attention = Literal["flash2", "flash1", "unfused"]
 
 
@@ -67,6 +68,7 @@ class Layout:
     recompute: Recompute = "none"
     cp: int = 1  # context parallelism: each sequence split along its length over cp ranks
     ep: int = 1  # expert parallelism, carved from dp (MoE models only)
+    schedule: Schedule = "1f1b"  # zb-h1 (v = 1) and zbv (v = 2): zero-bubble, split backward
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Layout:
@@ -82,6 +84,7 @@ class Layout:
             recompute=cfg.train.recompute,
             cp=p.cp,
             ep=p.ep,
+            schedule="1f1b" if p.schedule == "gpipe" else p.schedule,
         )
 
     @property
@@ -96,6 +99,7 @@ class Layout:
             f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
             f"zero={self.zero} rc={self.recompute}{f' cp={self.cp}' if self.cp > 1 else ''}"
             + (f" ep={self.ep}" if self.ep > 1 else "")
+            + ("" if self.schedule == "1f1b" else f" {self.schedule}")
         )
 
     def overrides(self) -> list[str]:
@@ -109,6 +113,7 @@ class Layout:
             f"--train.recompute={self.recompute}",
             *([f"--parallel.cp={self.cp}"] if self.cp > 1 else []),
             *([f"--parallel.ep={self.ep}"] if self.ep > 1 else []),
+            *([f"--parallel.schedule={self.schedule}"] if self.schedule != "1f1b" else []),
         ]
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
@@ -123,7 +128,9 @@ class Layout:
         job = JobConfig(
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
-            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, cp=self.cp, ep=self.ep),
+            parallel=ParallelConfig(
+                dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, cp=self.cp, ep=self.ep, schedule=self.schedule
+            ),
             train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()

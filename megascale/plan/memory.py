@@ -55,7 +55,12 @@ def stage_params_per_gpu(work: Workload, layout: Layout) -> float:
 def stage_parameters(work: Workload, layout: Layout) -> StageParams:
     """The largest stage's parameters per GPU, an MoE model's routed experts apart (plan.moe)."""
     dense = replace(work, model=replace(work.model, moe=MoEConfig())) if work.model.moe.experts else work
-    return stage_params(work, layout, param_split(dense).stage(work.model.layers, layout.pp) / layout.tp)
+    split = param_split(dense)
+    if layout.schedule == "zbv" and layout.pp > 1:  # the V: rank 0 holds the embedding and the head
+        stage = work.model.layers // layout.pp * split.layer + split.embedding + split.head
+    else:
+        stage = split.stage(work.model.layers, layout.pp)
+    return stage_params(work, layout, stage / layout.tp)
 
 
 def activation_elements_per_token(work: Workload, recompute: str) -> float:
@@ -74,10 +79,14 @@ def activation_elements_per_token(work: Workload, recompute: str) -> float:
 
 
 def in_flight_micro_batches(layout: Layout, micro_batches: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak (1F1B, interleaved)."""
+    """Micro-batches whose activations the first stage holds at its peak. 1F1B: p;
+    interleaved: more. ZB-H1 and ZB-V hold 1F1B's p on every rank (ZB-V: 2p chunk-activations
+    of half a stage), counting a micro-batch between its B and W (each GEMM's input and output
+    gradient) as a whole one; the runtime measures 1.10x / 1.12x 1F1B's peak at p = 2
+    (tests/parallel/test_pipeline_memory.py)."""
     p, v = layout.pp, layout.v
     held = float(min(micro_batches, p))
-    if v > 1:
+    if v > 1 and layout.schedule == "1f1b":
         held *= 1 + (p - 1) / (p * v)
     return held
 

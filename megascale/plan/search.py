@@ -13,7 +13,7 @@ from itertools import product
 from megascale.config.fields import ConfigError
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.cost import StepEstimate, estimate
-from megascale.plan.layout import Features, Layout, Recompute, Workload
+from megascale.plan.layout import Features, Layout, Recompute, Schedule, Workload
 from megascale.plan.moe import ep_choices
 from megascale.plan.system import SystemSpec, ablation_steps, switch_on
 
@@ -35,6 +35,9 @@ class SearchSpace:
     eps: tuple[int, ...] | None = None  # expert-parallel degrees (MoE models; None: every valid one)
     recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
     cps: tuple[int, ...] | None = None  # None: cp = 1, and for long sequences powers of two in a node
+    # pipeline schedules tried when pp > 1: 1f1b (interleaved with v > 1), zb-h1 (v = 1, m >= p),
+    # zbv (v = 2, m >= 2p - 1: below that their bubble is larger than the model's formula)
+    schedules: tuple[Schedule, ...] = ("1f1b", "zb-h1", "zbv")
 
 
 def _divisors(n: int) -> list[int]:
@@ -43,6 +46,19 @@ def _divisors(n: int) -> list[int]:
 
 def _allowed(values: list[int], only: tuple[int, ...] | None) -> list[int]:
     return values if only is None else [x for x in values if x in only]
+
+
+def _schedules(pp: int, micro: int, virtuals: list[int], space: SearchSpace) -> list[tuple[int, Schedule]]:
+    """(v, schedule) pairs to try: 1F1B at each v; ZB-H1 at v = 1 with m >= p; ZB-V at v = 2
+    with m >= 2p - 1 (with fewer micro-batches their bubble exceeds the cost model's)."""
+    if pp == 1:
+        return [(v, "1f1b") for v in virtuals]
+    runs: list[tuple[int, Schedule]] = [(v, "1f1b") for v in virtuals if "1f1b" in space.schedules]
+    if "zb-h1" in space.schedules and micro >= pp:
+        runs.append((1, "zb-h1"))
+    if "zbv" in space.schedules and micro >= 2 * pp - 1 and 2 in virtuals:
+        runs.append((2, "zbv"))
+    return runs
 
 
 def _context_degrees(work: Workload, tp: int, cluster: ClusterSpec, space: SearchSpace) -> list[int]:
@@ -75,10 +91,19 @@ def candidate_layouts(
                 if work.global_batch % (dp * mb):
                     continue
                 virtuals = [1] if pp == 1 else [v for v in _divisors(m.layers // pp) if v <= space.max_virtual]
-                for v in _allowed(virtuals, space.virtuals):
+                micro = work.global_batch // (dp * mb)
+                for v, schedule in _schedules(pp, micro, _allowed(virtuals, space.virtuals), space):
                     for zero, ep in product(space.zero_stages, ep_choices(work, dp, space.eps)):
                         layout = Layout(
-                            dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0, cp=cp, ep=ep
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            v=v,
+                            micro_batch=mb,
+                            zero=zero if dp > 1 else 0,
+                            cp=cp,
+                            ep=ep,
+                            schedule=schedule,
                         )
                         try:
                             layout.check(work, cluster.gpus_per_node if gpus > 1 else None)

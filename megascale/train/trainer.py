@@ -267,9 +267,11 @@ class Trainer:
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum of token losses over the global batch, known on every rank: summed over dp and cp
-        on the last stage, then over pp (other stages add zero). tp ranks hold the same value."""
-        value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros_like(loss_sum)
-        if self.mesh.is_last_stage:
+        on the stage holding the loss (the last; the first under ZB-V), then over pp (other
+        stages add zero). tp ranks hold the same value."""
+        holds = self.runner.holds_loss
+        value = loss_sum.clone() if holds else torch.zeros_like(loss_sum)
+        if holds:
             reduce_sum(value, self.mesh.dp_group, self.mesh.cp_group)
         return float(reduce_sum(value, self.mesh.pp_group))
 
