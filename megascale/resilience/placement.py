@@ -82,12 +82,20 @@ def shrink_cost(cfg: JobConfig, wanted: int, available: int, used: int, ranks_pe
     else:
         alt = f"{other} fits no layout"
     return (
-        f"shrink ({mode}): {used} of {available} node(s) train, {available - used} idle (whole "
-        f"replicas of {cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp} ranks only); dp {full} -> {now}, "
+        f"shrink ({mode}): {used} of {available} node(s) train, {available - used} idle "
+        f"({_why_idle(cfg, available * ranks_per_node, now)}); dp {full} -> {now}, "
         f"global batch {cfg.train.global_batch} kept as {shares.describe()}; expected tokens/s "
         f"{ratio:.3f}x the {wanted}-node layout's (a step of {step_slots(cfg, now):g} micro-batch times "
         f"against {step_slots(cfg, full):g}); {alt}"
     )
+
+
+def _why_idle(cfg: JobConfig, ranks: int, dp: int) -> str:
+    replica = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    left = ranks - dp * replica
+    if left < replica:
+        return f"{left} ranks left over; a replica is tp*pp*cp = {replica}"
+    return f"dp {dp + 1} to {ranks // replica} would not split the batch under resilience.shrink"
 
 
 def slot_ranks(slot: int, ranks_per_node: int) -> list[int]:
