@@ -89,6 +89,5 @@ class BatchShares:
         if not more:
             return f"{self.fewest} micro-batch(es) of {self.micro_batch} on each of {self.dp} replica(s)"
         return (
-            f"{self.most} micro-batch(es) of {self.micro_batch} on {more} replica(s), "
-            f"{self.fewest} on {self.dp - more}"
+            f"{self.most} micro-batch(es) of {self.micro_batch} on {more} replica(s), {self.fewest} on {self.dp - more}"
         )

@@ -31,8 +31,7 @@ def layout_for(cfg: JobConfig, nodes: int, ranks_per_node: int) -> dict[str, int
     model_ranks = p.tp * p.pp * p.cp
     if world % model_ranks:
         raise PlacementError(
-            f"{nodes} node(s) x {ranks_per_node} ranks = {world} ranks is not a multiple of "
-            f"tp*pp*cp = {model_ranks}"
+            f"{nodes} node(s) x {ranks_per_node} ranks = {world} ranks is not a multiple of tp*pp*cp = {model_ranks}"
         )
     dp = world // model_ranks
     try:
