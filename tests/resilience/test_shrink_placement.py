@@ -15,9 +15,9 @@ import pytest
 
 from megascale.config import ConfigError, load_config
 from megascale.config.handoff import config_text
-from megascale.resilience.driver import Driver
-from megascale.resilience.placement import PlacementError, layout_for, shrink_cost, usable_nodes
-from megascale.resilience.state import ACTIVE, SPARE, JobState, JobStore
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.placement import PlacementError, layout_for, shrink_cost, usable_nodes
+from megascale.resilience.driver.state import ACTIVE, SPARE, JobState, JobStore
 from tests.resilience.test_driver_scale import register
 
 NODES, RANKS = 1536, 8

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.resilience.credentials import JobSecret
-from megascale.resilience.state import EVICTED, JobState
+from megascale.resilience.common.credentials import JobSecret
+from megascale.resilience.driver.state import EVICTED, JobState
 
 OPERATOR, JOIN, NODE = "operator", "join", "node"
 NODE_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:%@-]{0,252}$")  # protocol.Name

@@ -3,7 +3,7 @@
 Control loop (a tick every 0.25 s): STARTING waits for the nodes to register, then sends each
 active node a `start` for attempt k (ranks, world, rendezvous address chosen per attempt).
 RUNNING evaluates the detection rules on the latest heartbeats. A fault starts one of the two
-recovery paths (`paths.py`): the fast one (RECOVERING: healthy ranks paused, failed ones
+recovery paths (`recovery_paths.py`): the fast one (RECOVERING: healthy ranks paused, failed ones
 replaced, state from peer memory) or the restart (STOPPING, CHECKING when the self-check rule
 asks for it, every rank restarted from the newest valid checkpoint), then RUNNING at attempt
 k+1. The state is written to SQLite on each change, so a restarted driver resumes where its
@@ -32,17 +32,17 @@ from megascale.config.fields import ConfigError
 from megascale.config.handoff import attempt_config
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
-from megascale.resilience import evidence
-from megascale.resilience.attempt import AttemptWatch
-from megascale.resilience.attribution import Verdict, attribute
-from megascale.resilience.ettr import job_summary
-from megascale.resilience.identity import admission
-from megascale.resilience.paths import RecoveryPaths
-from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
-from megascale.resilience.progress import ProgressCheck
-from megascale.resilience.protocol import log_safe
-from megascale.resilience.recovery import recovery_phases, start_marks
-from megascale.resilience.rules import (
+from megascale.resilience.common.protocol import log_safe
+from megascale.resilience.driver import evidence
+from megascale.resilience.driver.attempt import AttemptWatch
+from megascale.resilience.driver.attribution import Verdict, attribute
+from megascale.resilience.driver.ettr import job_summary
+from megascale.resilience.driver.identity import admission
+from megascale.resilience.driver.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
+from megascale.resilience.driver.progress import ProgressCheck
+from megascale.resilience.driver.recovery import recovery_phases, start_marks
+from megascale.resilience.driver.recovery_paths import RecoveryPaths
+from megascale.resilience.driver.rules import (
     Finding,
     TrafficRule,
     error_lines,
@@ -50,8 +50,8 @@ from megascale.resilience.rules import (
     interface_bytes,
     slow_rule,
 )
-from megascale.resilience.silence import SilenceWatch
-from megascale.resilience.state import (
+from megascale.resilience.driver.silence import SilenceWatch
+from megascale.resilience.driver.state import (
     ACTIVE,
     CANCELLED,
     CHECKING,
@@ -69,7 +69,7 @@ from megascale.resilience.state import (
     JobStore,
     Node,
 )
-from megascale.resilience.straggler_rule import straggler_findings, straggler_rule
+from megascale.resilience.driver.straggler_rule import straggler_findings, straggler_rule
 
 log = logging.getLogger("megascale.driver")
 TICK_S = 0.25
@@ -105,7 +105,7 @@ class Driver(RecoveryPaths):
         self.held_since = 0.0
         self.tick_failure, self.tick_failure_logged = "", 0.0
         self.background_checks: dict[str, tuple[str, float]] = {}  # suspect node -> (command, deadline)
-        self.reprobes = 0  # stops sent again because no node got the first (paths.py)
+        self.reprobes = 0  # stops sent again because no node got the first (recovery_paths.py)
         self.attempt_watch = AttemptWatch(state.ranks_per_node, cfg.train.steps)
         self.attempt_watch.watch([n.node_id for n in state.role(ACTIVE)] if state.phase == RUNNING else [])
         now = time.time()

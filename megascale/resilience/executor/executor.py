@@ -43,8 +43,8 @@ from pydantic import ValidationError
 
 from megascale.config.handoff import write_rank_files
 from megascale.config.private_files import open_private, private_dir, read_secret, write_private
-from megascale.resilience.api import ApiClient, ApiError, UntrustedDriver
-from megascale.resilience.protocol import (
+from megascale.resilience.common.api import ApiClient, ApiError, UntrustedDriver
+from megascale.resilience.common.protocol import (
     COMMAND,
     COMMAND_ID,
     MAX_ERROR_LINES,
@@ -57,8 +57,8 @@ from megascale.resilience.protocol import (
     StartCommand,
     first_error,
 )
-from megascale.resilience.ranks import RankProcess, StandbyPool, rank_environment, signal_group
-from megascale.resilience.rankstatus import STATUS_DIR_ENV, read_status
+from megascale.resilience.common.rankstatus import STATUS_DIR_ENV, read_status
+from megascale.resilience.executor.ranks import RankProcess, StandbyPool, rank_environment, signal_group
 
 log = logging.getLogger("megascale.executor")
 KILL_GRACE_S = 1.0
@@ -67,7 +67,7 @@ UNTRUSTED_LOG_EVERY_S = 30.0
 # A heartbeat the driver did not answer is retried at once and then after a growing pause, all
 # well inside the driver's heartbeat timeout (5 s by default): one lost request, or a driver
 # busy for a moment, must not cost the node its place. The request timeout is short for the
-# same reason (`executor_cli.py`).
+# same reason (`cli.py`).
 REQUEST_TIMEOUT_S = 2.0
 RETRY_S = (0.0, 0.25, 0.5, 1.0)
 BUSY = (429, 503)  # the driver sheds load (api_budget.py, the handlers' queue): retried, never fatal

@@ -24,22 +24,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megascale.config import ConfigError, JobConfig, load_config
+from megascale.config import ConfigError, JobConfig, ParallelConfig, load_config
 from megascale.config.handoff import config_text, with_generated_password
 from megascale.config.private_files import UnsafePathError, private_dir, write_private
 from megascale.config.schema import redacted_url
-from megascale.resilience import protocol
-from megascale.resilience.api_budget import Budget
-from megascale.resilience.api_server import ApiServer, Limits, Route
-from megascale.resilience.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
-from megascale.resilience.driver import Driver
-from megascale.resilience.identity import JOIN, NODE, OPERATOR, Identities, for_node, for_operator, registration
-from megascale.resilience.local import Netns, netns_available, netns_down, netns_up, spawn_executor
-from megascale.resilience.placement import PlacementError, layout_for
-from megascale.resilience.state import FINISHED, JobState, JobStore
+from megascale.resilience.common import protocol
+from megascale.resilience.common.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
+from megascale.resilience.driver.api_budget import Budget
+from megascale.resilience.driver.api_server import ApiServer, Limits, Route
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.identity import JOIN, NODE, OPERATOR, Identities, for_node, for_operator, registration
+from megascale.resilience.driver.local import Netns, netns_available, netns_down, netns_up, spawn_executor
+from megascale.resilience.driver.placement import PlacementError, layout_for
+from megascale.resilience.driver.state import FINISHED, JobState, JobStore
 
 if TYPE_CHECKING:
-    from megascale.resilience.redis_server import RedisServer
+    from megascale.resilience.common.redis_server import RedisServer
 
 log = logging.getLogger("megascale.driver")
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if netns is not None and not continuing:
         netns_up(netns, state.api["count"])
     try:
-        redis_server = _job_redis(cfg, state, continuing, state_dir)
+        redis_server = _job_redis(cfg.parallel, state, continuing, state_dir)
     except (OSError, RuntimeError) as exc:  # no redis-server, it could not start, or its password file is unsafe
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
@@ -234,18 +234,18 @@ def _job_secret(directory: Path, host: str) -> JobSecret:
     return load_secret(directory, need_key=True)
 
 
-def _job_redis(cfg: JobConfig, state: JobState, continuing: bool, state_dir: Path) -> RedisServer | None:
+def _job_redis(parallel: ParallelConfig, state: JobState, continuing: bool, state_dir: Path) -> RedisServer | None:
     """The job's redis-server when `parallel.redis_start` asks for one, always with a password
     (a generated one kept in the state directory when none is configured: a restarted driver
     uses it again); a restarted driver adopts the server its predecessor started instead of
     starting a second on the same port."""
-    if not cfg.parallel.redis_start:  # checked here: the import below brings in torch
+    if not parallel.redis_start:  # checked here: the import below brings in torch
         return None
-    if not cfg.parallel.redis_password():  # the driver, its `start`s and the server read it from the URL
-        cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url, state_dir / "redis_password")
-    from megascale.resilience.redis_server import RedisServer
+    if not parallel.redis_password():  # the driver, its `start`s and the server read it from the URL
+        parallel.redis_url = with_generated_password(parallel.redis_url, state_dir / "redis_password")
+    from megascale.resilience.common.redis_server import RedisServer
 
-    server = RedisServer.for_job(cfg.parallel)
+    server = RedisServer.for_job(parallel)
     pid = state.api.get("redis_pid")
     if continuing and pid and _alive(pid) and server.answers(pid):
         server.adopt(pid)
