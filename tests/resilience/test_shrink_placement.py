@@ -90,3 +90,35 @@ def test_layouts_that_cannot_keep_the_batch_are_refused_by_name():
     with pytest.raises(PlacementError, match=r"interleaved 1F1B .*17 micro-batch\(es\) of 1 on 16"):
         layout_for(vpp, 1528, RANKS)
     assert usable_nodes(vpp, NODES - 1, NODES, RANKS) == 1024  # dp 128: 24 each
+
+
+def test_the_fail_slow_rule_judges_uneven_replicas_by_their_work():
+    """dp 4 with 6 micro-batches: replicas 0-1 run 2, replicas 2-3 run 1, so 0-1 compute twice
+    as long. Judged by its raw times node0 would be named slow; scaled by its share, nobody is,
+    and a replica running one micro-batch that is really 2x slow still is."""
+    from megascale.resilience.driver.placement import compute_scale
+    from megascale.resilience.driver.straggler_rule import StragglerRule
+
+    cfg = load_config(None, ["--parallel.dp=4", "--train.global_batch=6", "--train.micro_batch=1"])
+    layout = layout_for(cfg, 4, 1)
+    scale = compute_scale(cfg, layout)
+    assert scale == {0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}
+    assert (
+        compute_scale(load_config(None, ["--parallel.dp=4", "--train.global_batch=8", "--train.micro_batch=1"]), layout)
+        == {}
+    )
+
+    def run(scale: dict[int, float], slow: int | None) -> list[str]:
+        rule = StragglerRule(1.3, 2, 4, 2)
+        rule.reset({r: f"node{r}" for r in range(4)}, layout, scale)
+        named = []
+        for step in range(1, 40):
+            for r in range(4):
+                work = 0.1 * (2 if r < 2 else 1) * (2 if r == slow and step > 10 else 1)
+                rule.observe(r, [(step, work)])
+            named += [d.node for d in rule.check() if d.kind == "straggler"]
+        return named
+
+    assert run({}, None)[:1] == ["node0"]  # unscaled: the busier replicas look slow
+    assert run(scale, None) == []
+    assert run(scale, 2)[:1] == ["node2"]

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from megascale.config.fields import ConfigError
 from megascale.config.schema import JobConfig
+from megascale.layout.grid import RankGrid
 from megascale.parallel.store import free_port
 
 
@@ -87,6 +88,19 @@ def shrink_cost(cfg: JobConfig, wanted: int, available: int, used: int, ranks_pe
         f"{ratio:.3f}x the {wanted}-node layout's (a step of {step_slots(cfg, now):g} micro-batch times "
         f"against {step_slots(cfg, full):g}); {alt}"
     )
+
+
+def compute_scale(cfg: JobConfig, layout: dict[str, int]) -> dict[int, float]:
+    """Per rank, the busiest replica's micro-batches over its own replica's: the fail-slow rule
+    judges compute times at this factor, so that under uneven shares a replica running one
+    micro-batch fewer does not make its peers look slow (the optimizer's share of a step is
+    scaled too: a few percent at 8 and 9). {} when the shares are even."""
+    p = replace(cfg.parallel, dp=layout["dp"])
+    shares = replace(cfg, parallel=p).shares
+    if shares.even:
+        return {}
+    grid = RankGrid.of(p)
+    return {r: shares.most / shares.micro_batches(grid.coords(r).dp) for r in range(grid.world_size)}
 
 
 def _why_idle(cfg: JobConfig, ranks: int, dp: int) -> str:
