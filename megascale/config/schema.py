@@ -479,6 +479,13 @@ class JobConfig:
         if p.cp > 1:
             check_context_parallel(m, p, self.checkpoint.every)
         check_expert_parallel(m, p)
+        if p.ep > 1 and not self.shares.even and self.shares.total % p.ep:
+            # ep groups are ep consecutive dp ranks: with ep | total the replicas taking one more fill whole groups
+            raise ConfigError(
+                f"parallel.ep={p.ep} with {self.shares.describe()}: an ep group's dp ranks exchange tokens "
+                f"every micro-batch, so they must run the same count; with uneven shares "
+                f"train.global_batch / train.micro_batch = {self.shares.total} must be a multiple of parallel.ep"
+            )
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and {self.shares.fewest % p.pp, self.micro_batches % p.pp} != {0}:
             raise ConfigError(

@@ -122,3 +122,14 @@ def test_the_fail_slow_rule_judges_uneven_replicas_by_their_work():
     assert run({}, None)[:1] == ["node0"]  # unscaled: the busier replicas look slow
     assert run(scale, None) == []
     assert run(scale, 2)[:1] == ["node2"]
+
+
+def test_expert_parallel_groups_must_run_one_count():
+    """ep groups are consecutive dp ranks that all-to-all every micro-batch: uneven shares are
+    accepted only when ep divides the micro-batch count, so the replicas with one more fill whole
+    groups. (A job that starts with even shares has that already: dp divides it and ep divides dp.)"""
+    moe = ["--model.moe.experts=4", "--train.micro_batch=1"]
+    cfg = load_config(None, [*moe, "--parallel.ep=2", "--parallel.dp=4", "--train.global_batch=8"])
+    assert layout_for(cfg, 3, 2)["dp"] == 6  # 8 over 6: 2, 2 | 1, 1 | 1, 1 by ep pair
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 with 2 micro-batch\(es\) of 1 on 2 replica.*= 6 must be"):
+        load_config(None, [*moe, "--parallel.ep=4", "--parallel.dp=4", "--train.global_batch=6"])
