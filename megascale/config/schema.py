@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from megascale.config.fields import ConfigError, at_least, divisors, opt, positive
 from megascale.config.operations import CheckpointConfig, DiagnosticsConfig, ResilienceConfig
+from megascale.config.shares import BatchShares
 
 # The Redis store's password: from this variable rather than the URL, it stays out of command
 # lines, RUN_DIR/config.toml and checkpoint manifests. Ranks get the path of a 0600 file instead
@@ -464,18 +465,23 @@ class JobConfig:
         self._validate_layout()
 
     @property
+    def shares(self) -> BatchShares:
+        """Each data-parallel replica's share of the global batch (`shares.py`)."""
+        return BatchShares(self.train.global_batch, self.train.micro_batch, self.parallel.dp)
+
+    @property
     def micro_batches(self) -> int:
-        """Micro-batches per data-parallel rank per optimizer step."""
-        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+        """Micro-batches per data-parallel rank per optimizer step: the most any replica runs
+        (with uneven shares, `resilience.shrink='keep-batch'`, some run one fewer)."""
+        return self.shares.most
+
+    def micro_batches_of(self, dp_rank: int) -> int:
+        """Micro-batches data-parallel replica `dp_rank` runs per optimizer step."""
+        return self.shares.micro_batches(dp_rank)
 
     def _validate_layout(self) -> None:
         m, p, t = self.model, self.parallel, self.train
-        per_step = t.micro_batch * p.dp
-        if t.global_batch % per_step:
-            raise ConfigError(
-                f"train.global_batch={t.global_batch} must be a multiple of "
-                f"train.micro_batch * parallel.dp = {t.micro_batch} * {p.dp} = {per_step}"
-            )
+        self.shares.check(self.resilience.shrink)
         if t.spike_action == "rollback" and self.checkpoint.every <= 0:
             raise ConfigError(
                 "train.spike_action='rollback' restores the last checkpoint: it needs "
@@ -485,10 +491,17 @@ class JobConfig:
         if p.cp > 1:
             check_context_parallel(m, p)
         check_expert_parallel(m, p)
-        check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
-        if p.vpp > 1 and p.schedule != "zbv" and self.micro_batches % p.pp:
+        if p.ep > 1 and not self.shares.even and self.shares.total % p.ep:
+            # ep groups are ep consecutive dp ranks: with ep | total the replicas taking one more fill whole groups
             raise ConfigError(
-                f"interleaved 1F1B needs micro-batches per step ({self.micro_batches} = "
+                f"parallel.ep={p.ep} with {self.shares.describe()}: an ep group's dp ranks exchange tokens "
+                f"every micro-batch, so they must run the same count; with uneven shares "
+                f"train.global_batch / train.micro_batch = {self.shares.total} must be a multiple of parallel.ep"
+            )
+        check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
+        if p.vpp > 1 and p.schedule != "zbv" and {self.shares.fewest % p.pp, self.micro_batches % p.pp} != {0}:
+            raise ConfigError(
+                f"interleaved 1F1B needs micro-batches per step ({self.shares.describe()}: "
                 f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"
             )
         if p.pp > 1 and m.tie_embeddings:

@@ -132,13 +132,13 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model).training
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
-            "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %d micro-batches/step; peak %s",
+            "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %s per step; peak %s",
             parameter_count(cfg.model) / 1e6,
             cfg.parallel.pp,
             cfg.parallel.dp,
             cfg.parallel.tp,
             cfg.parallel.vpp,
-            cfg.micro_batches,
+            cfg.shares.describe(),
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
 

@@ -286,12 +286,11 @@ class PipelineRunner(ModelRunner):
         return dist.isend(tensor, dst=self._peers[peer], group=self.group, tag=tag)
 
     def _micro_batches(self, batch: TokenBatch | None) -> int:
-        m = self.cfg.micro_batches
+        m = self.cfg.micro_batches_of(self.mesh.dp_rank)
         if batch is not None and batch.inputs.shape[0] != m:
             raise ValueError(
-                f"batch has {batch.inputs.shape[0]} micro-batches but the layout expects {m} "
-                "(train.global_batch / (train.micro_batch * parallel.dp)); every pipeline stage "
-                "must run the same number"
+                f"batch has {batch.inputs.shape[0]} micro-batches but the layout expects {m} on dp rank "
+                f"{self.mesh.dp_rank} ({self.cfg.shares.describe()}); every pipeline stage must run the same number"
             )
         needs = [c.is_first or c.is_last for c in self.chunks]
         if batch is None and any(needs):
