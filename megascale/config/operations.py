@@ -122,6 +122,12 @@ class ResilienceConfig:
         "node ids admitted beyond nodes + spares over the job's life (replacement "
         "nodes); any further new id is refused",
     )
+    shrink: Literal["keep-batch", "divide"] = opt(
+        "keep-batch",
+        "fewer nodes and no spare: keep-batch (the largest dp that fits; replicas take uneven "
+        "micro-batch counts, the global batch and the optimizer's trajectory stay) or divide "
+        "(the largest dp dividing the batch: more nodes idle)",
+    )
     peer_address_check: bool = opt(
         True,
         "a registration's address must be the one it connects to the driver "

@@ -116,7 +116,7 @@ def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
     Collective over the job when data.reader is 'node' or 'tp': every rank must call it."""
     dp_rank = mesh.dp_rank if mesh is not None else 0
     needs_data = mesh is None or mesh.is_first_stage or mesh.is_last_stage
-    shape = Shape(cfg.micro_batches, cfg.train.micro_batch, cfg.model.seq_len)
+    shape = Shape(cfg.shares, cfg.model.seq_len)
     store = job_store(mesh)
     start_timeout, step_timeout = cfg.parallel.init_timeout_s, cfg.parallel.collective_timeout_s
     group = find_group(cfg.data.reader, mesh, store, start_timeout) if store else None
@@ -142,7 +142,7 @@ def build_loaders(cfg: JobConfig, mesh: Any) -> tuple[TrainLoader, EvalLoader]:
         if group.is_reader:
             produce = RingWriter(order, shape, ring, list(group.dp_ranks), part, group.me, step_timeout)
         else:
-            produce = RingReader(ring, group.consumer_index, part, step_timeout)
+            produce = RingReader(ring, group.consumer_index, part, step_timeout, shape.micro_batches_of(dp_rank))
 
     def close() -> None:
         if ring is not None:

@@ -24,10 +24,11 @@ from megascale.model.efficiency import (
     set_loss_chunk,
 )
 from megascale.model.init import SeededValues, ValueSource
-from megascale.parallel.context import apply_context_parallel
+from megascale.parallel.context import apply_context_parallel, uses_ring
 from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
+from megascale.parallel.pipeline.schedule import V_SHAPED
 from megascale.parallel.runner import ModelRunner
 from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
@@ -60,12 +61,14 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg.parallel, mesh)
     if distributed and mesh.cp_size > 1:
-        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size)
+        ring = uses_ring(cfg.model.window, cfg.model.seq_len)
+        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size, ring)
     if distributed and mesh.ep_size > 1:
         # before materialization: other ranks' experts never exist here
         apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)
     if distributed and mesh.pp_size > 1:
-        chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
+        p = cfg.parallel
+        chunks = split_model(model, mesh.pp_size, p.vpp, mesh.pp_rank, p.pp_split, p.schedule in V_SHAPED)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
     else:
         runner = ModelRunner([model], cfg, mesh)

@@ -35,7 +35,7 @@ from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_to_norm_, global_grad_norm, lr_at
-from megascale.parallel.context import split_batch
+from megascale.parallel.context import split_batch, uses_ring
 from megascale.parallel.engine import build_runner, reduce_sum, timed_all_reduce
 from megascale.parallel.mesh import init_mesh
 from megascale.plan.memory import job_memory_estimate
@@ -134,13 +134,13 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model).training
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
-            "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %d micro-batches/step; peak %s",
+            "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %s per step; peak %s",
             parameter_count(cfg.model) / 1e6,
             cfg.parallel.pp,
             cfg.parallel.dp,
             cfg.parallel.tp,
             cfg.parallel.vpp,
-            cfg.micro_batches,
+            cfg.shares.describe(),
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
 
@@ -186,7 +186,8 @@ class Trainer:
         """This cp rank's part of every sequence (the loader gives cp ranks the same batch)."""
         if batch is None or self.mesh.cp_size == 1:
             return batch
-        return split_batch(batch, self.mesh.cp_rank, self.mesh.cp_size)
+        ring = uses_ring(self.cfg.model.window, self.cfg.model.seq_len)
+        return split_batch(batch, self.mesh.cp_rank, self.mesh.cp_size, ring)
 
     def train_step(self, batch: TokenBatch | None) -> dict[str, float]:
         """Forward, backward, then the optimizer step unless the gradient norm is not finite or
@@ -269,9 +270,11 @@ class Trainer:
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum of token losses over the global batch, known on every rank: summed over dp and cp
-        on the last stage, then over pp (other stages add zero). tp ranks hold the same value."""
-        value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros_like(loss_sum)
-        if self.mesh.is_last_stage:
+        on the stage holding the loss (the last; the first under ZB-V), then over pp (other
+        stages add zero). tp ranks hold the same value."""
+        holds = self.runner.holds_loss
+        value = loss_sum.clone() if holds else torch.zeros_like(loss_sum)
+        if holds:
             reduce_sum(value, self.mesh.dp_group, self.mesh.cp_group, mesh=self.mesh)
         return float(reduce_sum(value, self.mesh.pp_group, mesh=self.mesh))
 

@@ -1,5 +1,7 @@
 """Bad configuration stops with an error that names the key and what is allowed."""
 
+from dataclasses import replace
+
 import pytest
 
 from megascale.config import ConfigError, JobConfig, default_config_path, dump_config, load_config
@@ -164,8 +166,11 @@ def test_the_driver_edits_a_typed_validated_config():
         False,
     )
     assert cfg.model == job.model and "pw" not in cfg.parallel.redis_url
+    with pytest.raises(ConfigError, match=r"train.global_batch=8 is 4 micro-batch.*fewer than parallel.dp=5"):
+        attempt_config(config_text(job), dp=5, run_dir="/r")
+    divide = replace(job, resilience=replace(job.resilience, shrink="divide"))
     with pytest.raises(ConfigError, match=r"train.global_batch=8 must be a multiple of .* parallel.dp"):
-        attempt_config(config_text(job), dp=3, run_dir="/r")
+        attempt_config(config_text(divide), dp=3, run_dir="/r")
 
 
 def test_an_attempt_is_checked_with_the_password_the_ranks_get_apart(monkeypatch):

@@ -38,7 +38,7 @@ from megascale.resilience.driver.attempt import AttemptWatch
 from megascale.resilience.driver.attribution import Verdict, attribute
 from megascale.resilience.driver.ettr import job_summary
 from megascale.resilience.driver.identity import admission
-from megascale.resilience.driver.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
+from megascale.resilience.driver.placement import PlacementError, compute_scale, layout_for, rendezvous_port, slot_ranks
 from megascale.resilience.driver.progress import ProgressCheck
 from megascale.resilience.driver.recovery import recovery_phases, start_marks
 from megascale.resilience.driver.recovery_paths import RecoveryPaths
@@ -519,7 +519,11 @@ class Driver(RecoveryPaths):
         self.hang.reset(now)
         self.slow.reset()
         self.steps_seen = {}
-        self.straggler.reset({r: n.node_id for n in active for r in slot_ranks(n.slot, s.ranks_per_node)}, s.layout)
+        self.straggler.reset(
+            {r: n.node_id for n in active for r in slot_ranks(n.slot, s.ranks_per_node)},
+            s.layout,
+            compute_scale(self.cfg, s.layout),
+        )
         self.traffic.clear()
         self.waiting_for = {}
         checks = {command for command, _ in self.background_checks.values()}

@@ -30,7 +30,7 @@ from megascale.resilience.driver.decide import (
     recovery_path,
     selfcheck_decision,
 )
-from megascale.resilience.driver.placement import slot_ranks, usable_nodes
+from megascale.resilience.driver.placement import shrink_cost, slot_ranks, usable_nodes
 from megascale.resilience.driver.rules import Finding
 from megascale.resilience.driver.state import (
     ACTIVE,
@@ -230,6 +230,10 @@ class RecoveryPaths:
             extra.role, extra.slot = SPARE, -1
         for slot, node in enumerate(active[:count]):
             node.slot = slot
+        if count < s.nodes_wanted:
+            cost = shrink_cost(self.cfg, s.nodes_wanted, len(active), count, s.ranks_per_node)
+            log.warning("%s", cost)
+            self.store.event("shrink", {"attempt": s.attempt + 1, "nodes": count, "cost": cost}, now)
         s.restarts += 1
         s.attempt += 1
         self._start_attempt(now)

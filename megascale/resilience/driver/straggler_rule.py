@@ -51,6 +51,7 @@ class _Rank:
     values: list[float] = field(default_factory=list)
     last_step: int = -1
     closed: dict[int, Summary] = field(default_factory=dict)  # the newest closed windows (KEEP at most)
+    scale: float = 1.0  # the busiest replica's micro-batches over this rank's (uneven shares)
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,13 @@ class StragglerRule:
         self.job_streak: list[tuple[int, float]] = []
         self.baseline: float | None = None
 
-    def reset(self, rank_nodes: dict[int, str], layout: dict[str, int]) -> None:
-        """A new attempt: `rank_nodes` maps each rank to its node; stage = rank // (dp * tp)."""
+    def reset(self, rank_nodes: dict[int, str], layout: dict[str, int], scale: dict[int, float] | None = None) -> None:
+        """A new attempt: `rank_nodes` maps each rank to its node; stage = rank // (dp * tp).
+        `scale`: per rank, the factor its compute times are judged at, when replicas run uneven
+        micro-batch counts (`placement.compute_scale`): a rank with fewer is not its peers' norm."""
         per_stage = max(layout.get("dp", 1) * layout.get("tp", 1), 1)
-        self.ranks = {r: _Rank(node, r // per_stage) for r, node in rank_nodes.items()}
+        scale = scale or {}
+        self.ranks = {r: _Rank(node, r // per_stage, scale=scale.get(r, 1.0)) for r, node in rank_nodes.items()}
         self.first_step, self.judged, self.baseline = None, -1, None
         self.closed_count = {}
         self.streak, self.job_streak = {}, []
@@ -130,7 +134,7 @@ class StragglerRule:
             if window != state.window:
                 self._close(state)
                 state.window = window
-            state.values.append(float(seconds))
+            state.values.append(float(seconds) * state.scale)
             if len(state.values) == self.window_steps:  # complete: close it now, not at the next step
                 self._close(state)
 
