@@ -150,6 +150,7 @@ class ApiServer:
 
     # ------------------------------------------------------------------ connections
     def _accept(self) -> None:
+        evictions = 0  # their descriptors are freed on a later turn of the loop: bounded per batch
         for _ in range(128):  # a batch per wake-up; the rest wait in the backlog
             try:
                 sock, peer = self._sock.accept()
@@ -164,7 +165,8 @@ class ApiServer:
                 return
             sock.setblocking(False)
             ip = peer[0] if isinstance(peer, tuple) else str(peer)
-            if len(self.conns) >= self.cap and not self.evict_idle():
+            evicted = len(self.conns) >= self.cap
+            if evicted and not self.evict_idle():
                 self.at_cap.note(
                     "connections refused",
                     "api: connection from %s refused: %d connections, all busy",
@@ -183,10 +185,14 @@ class ApiServer:
                     oldest.peer,
                 )
                 oldest.abort()
+                evicted = True
             conn = _Connection(self, sock, _peer(peer), ip)
             self.conns[conn] = None
             self.unauthenticated[conn] = None
             self._loop.create_task(conn.handshake())
+            evictions += evicted
+            if evictions >= RESERVED_FDS // 4:  # a batch at the cap once held 128 more and hit EMFILE
+                return
 
     def _most_unauthenticated(self) -> _Connection:
         """The oldest connection without a token of the address that holds the most of them: a
