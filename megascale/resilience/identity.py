@@ -79,13 +79,16 @@ def admission(
 ) -> Reply | None:
     """The refusal of a registration, None to admit it. A registered node may register again
     only with its own credential and from its address (the rendezvous of every attempt is an
-    active node's address); a new id must be one the job expects: with a roster, one on it (its
+    active node's address), or with the join token from its host when the roster binds it to
+    one (an executor that lost its credential: a new work directory, a resubmitted Slurm job);
+    a new id must be one the job expects: with a roster, one on it (its
     host checked before, `registration`) or at most `spare_pool` ids beyond it (where the
     roster has a pool); without one, at most `count` (nodes + spares) + `spare_pool` node ids
     over the job's life, evicted ones included."""
     known = state.nodes.get(node_id)
     if known is not None and known.role != EVICTED:
-        if not proven:
+        bound = roster is not None and bool(roster.hosts.get(node_id))  # its host is its proof
+        if not proven and not bound:
             return 403, {
                 "error": f"node {node_id} is registered; only it may register again, with the "
                 "credential the driver gave it"

@@ -8,7 +8,9 @@ there; on Kubernetes the StatefulSet's pod names), an id is a host: a registrati
 id is admitted only from that host's addresses (the TCP peer of the request, resolved names
 compared as addresses), whoever holds the join token. Ids not on the roster (replacement nodes)
 are a pool bounded by `resilience.spare_pool`, and each must be a name that resolves to the
-address it connects from; any other id is refused with a 403 that says why.
+address it connects from; any other id is refused with a 403 that says why. A listed id that is
+registered already may register again with the join token from its host (its executor lost the
+credential it was given: a new work directory, a resubmitted job), from nowhere else.
 
 Local mode has a roster too (`node0`... of the job; every simulated node shares loopback, so
 ids are not bound to addresses there) and no pool. Without `resilience.roster` outside local

@@ -55,7 +55,13 @@ def test_a_listed_node_id_registers_only_from_its_host(driver):
     assert status == 403 and "node-c is bound to 127.0.0.3 by the job's roster" in reply["error"], reply
     assert "comes from 127.0.0.2" in reply["error"], reply
     assert "node-c" not in driver.status()["nodes"]
-    assert register_from(driver, "127.0.0.3", "node-c")[0] == 200  # the real node-c is admitted
+    status, first = register_from(driver, "127.0.0.3", "node-c")  # the real node-c is admitted
+    assert status == 200, first
+    # its executor restarted without the credential it was given (a new work directory, a
+    # resubmitted job): its host is its proof, from there alone
+    assert register_from(driver, "127.0.0.2", "node-c")[0] == 403
+    status, again = register_from(driver, "127.0.0.3", "node-c")
+    assert status == 200 and again["credential"] == first["credential"], again
     driver.untouched()
     assert "api: 403 POST /v1/register from 127.0.0.2" in driver.log()
 
