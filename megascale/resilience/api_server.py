@@ -150,7 +150,7 @@ class ApiServer:
 
     # ------------------------------------------------------------------ connections
     def _accept(self) -> None:
-        evictions = 0  # their descriptors are freed on a later turn of the loop: bounded per batch
+        evictions = 0  # each one's descriptor is freed on a later turn of the loop: bounded per batch
         for _ in range(128):  # a batch per wake-up; the rest wait in the backlog
             try:
                 sock, peer = self._sock.accept()
@@ -167,18 +167,13 @@ class ApiServer:
             ip = peer[0] if isinstance(peer, tuple) else str(peer)
             evicted = len(self.conns) >= self.cap
             if evicted and not self.evict_idle():
-                self.at_cap.note(
-                    "connections refused",
-                    "api: connection from %s refused: %d connections, all busy",
-                    _peer(peer),
-                    self.cap,
-                )
+                self.at_cap.note("busy refusals", "api: %s refused: %d connections, all busy", _peer(peer), self.cap)
                 sock.close()
                 continue
             if len(self.unauthenticated) >= self.limits.max_unauthenticated:
                 oldest = self._most_unauthenticated()
                 self.at_cap.note(
-                    "tokenless connections closed",
+                    "tokenless closes",
                     "api: %d connections without a token yet: closed the oldest, from %s "
                     "(the address holding the most)",
                     len(self.unauthenticated),
@@ -206,7 +201,7 @@ class ApiServer:
         victim = next(iter(self.unauthenticated), None) or next((c for c in self.conns if not c.busy), None)
         if victim is not None:
             self.at_cap.note(
-                "idle connections closed",
+                "idle closes",
                 "api: at the cap of %d connections: closed the oldest idle one, from %s",
                 self.cap,
                 victim.peer,
@@ -479,10 +474,8 @@ class _Connection(asyncio.Protocol):
 
 
 class _RateLimitedLog:
-    """At most `per_s` lines a second of each kind (a refusal's status, an event at a cap): a
-    flood of bad requests must not become a flood of log, nor hide another kind of line (one
-    limit for all let a wrong-token flood's 401s crowd out the 403 of a node speaking for
-    another). Kinds are few (HTTP statuses, four cap events): the windows stay bounded."""
+    """At most `per_s` lines a second of each kind (a status, a cap's event; few): a flood must not
+    flood the log, nor hide another kind (401s of wrong tokens once hid a node's forged 403s)."""
 
     def __init__(self, per_s: int) -> None:
         self.per_s = per_s
