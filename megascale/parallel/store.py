@@ -200,7 +200,7 @@ def sealed_tcp_store(address: StoreAddress, world_size: int, is_master: bool, ti
     """A TCPStore of `world_size` members that takes no new connection once they all hold one:
     the master binds `address.host` only (`bound_listener`) and seals the listener when every
     member has counted itself in (`seal_when_joined`). The rendezvous of an attempt and the
-    self-check's pair groups (`resilience/selfcheck.py`) are both made this way."""
+    self-check's pair groups (`resilience/selfcheck/checks.py`) are both made this way."""
     listen = bound_listener(address.host, address.port) if is_master else {}
     listener = socket.socket(fileno=os.dup(listen["master_listen_fd"])) if listen else None
     tcp = dist.TCPStore(

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megascale.resilience.credentials import pinned_context
+from megascale.resilience.common.credentials import pinned_context
 
 RECENT = 8  # step times per rank per heartbeat (the executor sends what its ranks remember)
 

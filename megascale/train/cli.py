@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return launch_local(nproc, cfg)
     from megascale.data.shards import DataError
-    from megascale.resilience.faults import rank_step_hook
+    from megascale.resilience.rank.faults import rank_step_hook
     from megascale.train.trainer import Trainer
 
     try:  # a bad value or dataset found while building: its message, not a traceback
@@ -114,7 +114,7 @@ def _init_from_fits(cfg: JobConfig) -> bool:
 
 def launch_local(nproc: int, cfg: JobConfig) -> int:
     """Run the ranks under torch.distributed.run; with `parallel.redis_start`, host their Redis too."""
-    from megascale.resilience.redis_server import RedisServer
+    from megascale.resilience.common.redis_server import RedisServer
 
     with ExitStack() as job:
         private = job.enter_context(tempfile.TemporaryDirectory(prefix="megascale-train-"))

@@ -19,7 +19,7 @@ import yaml
 
 from megascale import cli
 from megascale.config import default_config_path
-from megascale.resilience.roster import load_roster
+from megascale.resilience.driver.roster import load_roster
 from tests.deploy.k8s_schemas import ManifestError, render_kustomization, validate
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

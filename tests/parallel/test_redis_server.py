@@ -10,9 +10,9 @@ from megascale.config import ConfigError, JobConfig, ParallelConfig, to_dict
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError, delete_prefix
 from megascale.parallel.store import StoreAddress, attempt_prefix, create_store, free_port
-from megascale.resilience.driver import Driver
-from megascale.resilience.redis_server import RedisServer
-from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
+from megascale.resilience.common.redis_server import RedisServer
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.state import ACTIVE, JobState, JobStore, Node
 
 pytestmark = pytest.mark.redis
 
@@ -86,7 +86,7 @@ def test_driver_clears_the_previous_attempts_keys(tmp_path, redis_server):
 
 def test_a_restarted_driver_adopts_the_jobs_server(tmp_path):
     """The driver's server outlives a driver crash; its successor takes it over, not a second."""
-    from megascale.resilience.cli import _alive, _job_redis
+    from megascale.resilience.driver.cli import _alive, _job_redis
 
     port = free_port()
     cfg = JobConfig(parallel=ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0"))

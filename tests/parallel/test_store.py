@@ -211,7 +211,7 @@ def _sealed_pair(timeout_s: float) -> tuple[bool, float]:
     """A self-check pair group (`selfcheck.join_pair`, gloo) on MASTER_PORT; then the probe."""
     import os
 
-    from megascale.resilience.selfcheck import join_pair
+    from megascale.resilience.selfcheck.checks import join_pair
 
     role, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
     join_pair("gloo", "cpu", role, "127.0.0.1", port, timeout_s)

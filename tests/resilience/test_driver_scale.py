@@ -16,9 +16,9 @@ import pytest
 
 from megascale.config import load_config
 from megascale.config.handoff import config_text
-from megascale.resilience import protocol
-from megascale.resilience.driver import Driver
-from megascale.resilience.state import JobState, JobStore
+from megascale.resilience.common import protocol
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.state import JobState, JobStore
 from tests.resilience.test_attribution import via_api
 
 pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]  # CPU-cost ratios: run alone (scripts/test.sh)
@@ -209,7 +209,7 @@ def test_slowdown_alerts_in_a_burst_start_one_evidence_child_and_stopping_never_
     is queued, the other four are recorded without it (today: five children at once, ~200 MB
     each). `stop` meanwhile answers at once (today it joined the evidence under the lock), and
     the summary written after the loop still carries the analysed alert."""
-    from megascale.resilience.rules import Finding
+    from megascale.resilience.driver.rules import Finding
 
     driver = driver_for(tmp_path, 1, 1)
     register(driver, 0)

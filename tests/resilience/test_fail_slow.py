@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megascale.resilience.slowdown import CpuQuota, cpu_quota_available, tree
+from megascale.resilience.driver.slowdown import CpuQuota, cpu_quota_available, tree
 from tests.resilience.jobs import PAUSE, max_step, node_of_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)]  # detection bounds in steps: run alone

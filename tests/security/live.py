@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale.resilience.api import ApiClient, ApiError
+from megascale.resilience.common.api import ApiClient, ApiError
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_PASSWORD = "hunter2-redis-password-in-the-url"

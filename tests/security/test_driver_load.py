@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from megascale.resilience.api import ApiClient
-from megascale.resilience.api_server import Limits
+from megascale.resilience.common.api import ApiClient
+from megascale.resilience.driver.api_server import Limits
 from tests.security import flood
 from tests.security.live import LiveDriver, attacker_tls, raw_request, read_response, request_bytes
 
@@ -159,9 +159,9 @@ def test_requests_whose_clients_left_are_dropped_unrun_and_the_queue_is_bounded(
     """One handler thread, held busy: 20 clients send a request and leave, 12 more wait for
     their answer. The 20 are never run once the handler is free (today every one ran, after
     its client had gone), at most `max_pending` are queued and the rest get a 503 at once."""
-    from megascale.resilience.api_server import ApiServer, Route
-    from megascale.resilience.credentials import ensure_secret, load_secret, server_context
-    from megascale.resilience.identity import OPERATOR, Identities
+    from megascale.resilience.common.credentials import ensure_secret, load_secret, server_context
+    from megascale.resilience.driver.api_server import ApiServer, Route
+    from megascale.resilience.driver.identity import OPERATOR, Identities
     from tests.security.live import request_bytes
 
     secret = load_secret(ensure_secret(tmp_path / "secret", ["127.0.0.1"]), need_key=True)

@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from megascale.resilience.api import ApiClient, ApiError
-from megascale.resilience.credentials import load_secret
-from megascale.resilience.executor import Executor
+from megascale.resilience.common.api import ApiClient, ApiError
+from megascale.resilience.common.credentials import load_secret
+from megascale.resilience.executor.executor import Executor
 from tests.security import flood
 from tests.security.live import NODE, LiveDriver, SimulatedNode, raw_request, request_bytes
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from megascale.config import ConfigError
-from megascale.resilience.roster import load_roster
+from megascale.resilience.driver.roster import load_roster
 from tests.security.live import REPO, LiveDriver, read_response, request_bytes
 
 pytestmark = pytest.mark.timeout(120)

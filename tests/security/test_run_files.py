@@ -68,8 +68,8 @@ def test_the_driver_starts_the_jobs_redis_with_a_password(tmp_path):
     import redis
 
     from megascale.parallel.store import free_port
-    from megascale.resilience.cli import _job_redis
-    from megascale.resilience.state import JobState
+    from megascale.resilience.driver.cli import _job_redis
+    from megascale.resilience.driver.state import JobState
 
     port = free_port()
     cfg = JobConfig(parallel=ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0"))

@@ -13,7 +13,7 @@ import pytest
 
 from megascale import cli
 from megascale.config import dump_config, load_config
-from megascale.resilience.credentials import CERT, KEY, OPERATOR, TOKEN, SecretError, ensure_secret, load_secret
+from megascale.resilience.common.credentials import CERT, KEY, OPERATOR, TOKEN, SecretError, ensure_secret, load_secret
 from tests.security.live import REPO
 
 pytestmark = pytest.mark.timeout(60)

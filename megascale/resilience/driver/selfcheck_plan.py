@@ -15,8 +15,8 @@ import statistics
 from typing import Any
 
 from megascale.config.operations import ResilienceConfig
-from megascale.resilience.placement import rendezvous_port
-from megascale.resilience.state import Node
+from megascale.resilience.driver.placement import rendezvous_port
+from megascale.resilience.driver.state import Node
 
 PAIR_TIMEOUT_S = 6.0
 # judged against floors and baselines only: two threads of one process through the kernel's TCP

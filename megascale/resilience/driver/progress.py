@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megascale.resilience.placement import slot_ranks
-from megascale.resilience.state import ACTIVE, JobState, Node
+from megascale.resilience.driver.placement import slot_ranks
+from megascale.resilience.driver.state import ACTIVE, JobState, Node
 
 
 class ProgressCheck:

@@ -90,7 +90,7 @@ def straggler_evidence(run_dir: str | Path, config_path: str | Path) -> list[dic
 def _child(args: list[str]) -> Any:
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "megascale.resilience.evidence", *args],
+            [sys.executable, "-m", "megascale.resilience.driver.evidence", *args],
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,

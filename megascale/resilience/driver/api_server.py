@@ -41,9 +41,9 @@ from typing import Any
 import h11
 from pydantic import BaseModel, ValidationError
 
-from megascale.resilience.api_budget import Budget, CallerBudgets, caller_key
-from megascale.resilience.identity import Principal
-from megascale.resilience.protocol import first_error
+from megascale.resilience.common.protocol import first_error
+from megascale.resilience.driver.api_budget import Budget, CallerBudgets, caller_key
+from megascale.resilience.driver.identity import Principal
 
 log = logging.getLogger("megascale.api")
 Handler = Callable[[dict[str, Any], Principal], tuple[int, dict[str, Any]]]

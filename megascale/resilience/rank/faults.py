@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from megascale.resilience.rankstatus import STATUS_DIR_ENV, StatusWriter
+from megascale.resilience.common.rankstatus import STATUS_DIR_ENV, StatusWriter
 
 FAULT_ENV = "MEGASCALE_FAULT"
 ATTEMPT_ENV = "MEGASCALE_RESTART_ATTEMPT"
@@ -144,7 +144,7 @@ def inject(fault: Fault, facts: RankFacts | None = None) -> None:
             [
                 sys.executable,
                 "-m",
-                "megascale.resilience.faults",
+                "megascale.resilience.rank.faults",
                 "throttle",
                 str(os.getpid()),
                 str(fault.params.get("stop", 0.2)),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megascale.resilience.rules import Finding, abnormal_exits
+from megascale.resilience.driver.rules import Finding, abnormal_exits
 
 
 @dataclass

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import psutil
 from pydantic import ValidationError
 
-from megascale.resilience.protocol import RANK_MESSAGE, Assign, Rejoin, first_error
+from megascale.resilience.common.protocol import RANK_MESSAGE, Assign, Rejoin, first_error
 
 # what a collective raises when a peer is gone (gloo, NCCL, the stores, the node's data ring)
 PEER_FAILURE = re.compile(

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale.resilience.recovery import recovery_phases
-from megascale.resilience.state import JobState, JobStore
+from megascale.resilience.driver.recovery import recovery_phases
+from megascale.resilience.driver.state import JobState, JobStore
 
 
 def final_records(metrics_path: str | Path) -> dict[int, dict[str, Any]]:

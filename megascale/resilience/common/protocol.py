@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 
 from megascale.config.schema import REDIS_PASSWORD_FILE_ENV
 from megascale.plan.env import communication_env
-from megascale.resilience.rankstatus import STATUS_DIR_ENV
+from megascale.resilience.common.rankstatus import STATUS_DIR_ENV
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:%@-]*$")]
 Text = Annotated[str, StringConstraints(max_length=4096)]

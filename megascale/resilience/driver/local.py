@@ -125,7 +125,7 @@ def spawn_executor(
 
 
 def main(argv: list[str]) -> int:
-    """`python -m megascale.resilience.local up|down TAG COUNT` / `cut|restore TAG INDEX`."""
+    """`python -m megascale.resilience.driver.local up|down TAG COUNT` / `cut|restore TAG INDEX`."""
     if len(argv) != 3 or argv[0] not in ("up", "down", "cut", "restore"):
         print("usage: up|down TAG COUNT  or  cut|restore TAG INDEX", file=sys.stderr)
         return 2

@@ -20,8 +20,8 @@ import logging
 import uuid
 from typing import Any
 
-from megascale.resilience import evidence, selfcheck_plan
-from megascale.resilience.decide import (
+from megascale.resilience.driver import evidence, selfcheck_plan
+from megascale.resilience.driver.decide import (
     EVICTING_KINDS,
     IN_PLACE,
     RESTART,
@@ -30,9 +30,9 @@ from megascale.resilience.decide import (
     recovery_path,
     selfcheck_decision,
 )
-from megascale.resilience.placement import slot_ranks, usable_nodes
-from megascale.resilience.rules import Finding
-from megascale.resilience.state import (
+from megascale.resilience.driver.placement import slot_ranks, usable_nodes
+from megascale.resilience.driver.rules import Finding
+from megascale.resilience.driver.state import (
     ACTIVE,
     CHECKING,
     EVICTED,

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megascale.config.operations import ResilienceConfig
-from megascale.resilience.rules import Finding
+from megascale.resilience.driver.rules import Finding
 
 NOISE_Z = 3.0  # MADs (over sqrt(n)) a rank's median must also exceed its peers' by
 KEEP = 3  # closed windows kept per rank while slower ranks' heartbeats catch up

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from megascale.resilience.identity import JOIN, NODE, Principal
+from megascale.resilience.driver.identity import JOIN, NODE, Principal
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from megascale.resilience.local import Netns
+from megascale.resilience.driver.local import Netns
 
 CGROUP = Path("/sys/fs/cgroup")
 PERIOD_US = 20_000  # short periods: a quota slows even a test of a few hundred milliseconds evenly

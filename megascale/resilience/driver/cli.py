@@ -28,19 +28,19 @@ from megascale.config import ConfigError, JobConfig, load_config
 from megascale.config.handoff import config_text, with_generated_password
 from megascale.config.private_files import UnsafePathError, private_dir, write_private
 from megascale.config.schema import redacted_url
-from megascale.resilience import protocol
-from megascale.resilience.api_budget import Budget
-from megascale.resilience.api_server import ApiServer, Limits, Route
-from megascale.resilience.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
-from megascale.resilience.driver import Driver
-from megascale.resilience.identity import JOIN, NODE, OPERATOR, Identities, for_node, for_operator, registration
-from megascale.resilience.local import Netns, netns_available, netns_down, netns_up, spawn_executor
-from megascale.resilience.placement import PlacementError, layout_for
-from megascale.resilience.roster import Roster, load_roster, local_roster
-from megascale.resilience.state import FINISHED, JobState, JobStore
+from megascale.resilience.common import protocol
+from megascale.resilience.common.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
+from megascale.resilience.driver.api_budget import Budget
+from megascale.resilience.driver.api_server import ApiServer, Limits, Route
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.identity import JOIN, NODE, OPERATOR, Identities, for_node, for_operator, registration
+from megascale.resilience.driver.local import Netns, netns_available, netns_down, netns_up, spawn_executor
+from megascale.resilience.driver.placement import PlacementError, layout_for
+from megascale.resilience.driver.roster import Roster, load_roster, local_roster
+from megascale.resilience.driver.state import FINISHED, JobState, JobStore
 
 if TYPE_CHECKING:
-    from megascale.resilience.redis_server import RedisServer
+    from megascale.resilience.common.redis_server import RedisServer
 
 log = logging.getLogger("megascale.driver")
 
@@ -247,7 +247,7 @@ def _job_redis(cfg: JobConfig, state: JobState, continuing: bool, state_dir: Pat
         return None
     if not cfg.parallel.redis_password():  # the driver, its `start`s and the server read it from the URL
         cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url, state_dir / "redis_password")
-    from megascale.resilience.redis_server import RedisServer
+    from megascale.resilience.common.redis_server import RedisServer
 
     server = RedisServer.for_job(cfg.parallel)
     pid = state.api.get("redis_pid")

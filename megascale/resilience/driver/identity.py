@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.resilience.credentials import JobSecret
-from megascale.resilience.roster import NODE_ID, Reply, Roster, addresses, canonical
-from megascale.resilience.state import EVICTED, JobState
+from megascale.resilience.common.credentials import JobSecret
+from megascale.resilience.driver.roster import NODE_ID, Reply, Roster, addresses, canonical
+from megascale.resilience.driver.state import EVICTED, JobState
 
 OPERATOR, JOIN, NODE = "operator", "join", "node"
 

@@ -32,18 +32,18 @@ from megascale.config.fields import ConfigError
 from megascale.config.handoff import attempt_config
 from megascale.config.schema import JobConfig
 from megascale.plan.env import format_applied, launch_env
-from megascale.resilience import evidence
-from megascale.resilience.attempt import AttemptWatch
-from megascale.resilience.attribution import Verdict, attribute
-from megascale.resilience.ettr import job_summary
-from megascale.resilience.identity import admission
-from megascale.resilience.paths import RecoveryPaths
-from megascale.resilience.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
-from megascale.resilience.progress import ProgressCheck
-from megascale.resilience.protocol import log_safe
-from megascale.resilience.recovery import recovery_phases, start_marks
-from megascale.resilience.roster import Roster
-from megascale.resilience.rules import (
+from megascale.resilience.common.protocol import log_safe
+from megascale.resilience.driver import evidence
+from megascale.resilience.driver.attempt import AttemptWatch
+from megascale.resilience.driver.attribution import Verdict, attribute
+from megascale.resilience.driver.ettr import job_summary
+from megascale.resilience.driver.identity import admission
+from megascale.resilience.driver.placement import PlacementError, layout_for, rendezvous_port, slot_ranks
+from megascale.resilience.driver.progress import ProgressCheck
+from megascale.resilience.driver.recovery import recovery_phases, start_marks
+from megascale.resilience.driver.recovery_paths import RecoveryPaths
+from megascale.resilience.driver.roster import Roster
+from megascale.resilience.driver.rules import (
     Finding,
     TrafficRule,
     error_lines,
@@ -51,8 +51,8 @@ from megascale.resilience.rules import (
     interface_bytes,
     slow_rule,
 )
-from megascale.resilience.silence import SilenceWatch
-from megascale.resilience.state import (
+from megascale.resilience.driver.silence import SilenceWatch
+from megascale.resilience.driver.state import (
     ACTIVE,
     CANCELLED,
     CHECKING,
@@ -70,7 +70,7 @@ from megascale.resilience.state import (
     JobStore,
     Node,
 )
-from megascale.resilience.straggler_rule import straggler_findings, straggler_rule
+from megascale.resilience.driver.straggler_rule import straggler_findings, straggler_rule
 
 log = logging.getLogger("megascale.driver")
 TICK_S = 0.25

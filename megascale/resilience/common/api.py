@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from megascale.resilience.credentials import load_secret, pinned_context
+from megascale.resilience.common.credentials import load_secret, pinned_context
 
 MAX_REPLY = 64 << 20
 

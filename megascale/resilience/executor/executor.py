@@ -43,8 +43,8 @@ from pydantic import ValidationError
 
 from megascale.config.handoff import write_rank_files
 from megascale.config.private_files import open_private, private_dir, read_secret, write_private
-from megascale.resilience.api import ApiClient, ApiError, UntrustedDriver
-from megascale.resilience.protocol import (
+from megascale.resilience.common.api import ApiClient, ApiError, UntrustedDriver
+from megascale.resilience.common.protocol import (
     COMMAND,
     COMMAND_ID,
     MAX_ERROR_LINES,
@@ -57,8 +57,8 @@ from megascale.resilience.protocol import (
     StartCommand,
     first_error,
 )
-from megascale.resilience.ranks import RankProcess, StandbyPool, rank_environment, signal_group
-from megascale.resilience.rankstatus import STATUS_DIR_ENV, read_status
+from megascale.resilience.common.rankstatus import STATUS_DIR_ENV, read_status
+from megascale.resilience.executor.ranks import RankProcess, StandbyPool, rank_environment, signal_group
 
 log = logging.getLogger("megascale.executor")
 KILL_GRACE_S = 1.0

@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.resilience.rules import Finding
+from megascale.resilience.driver.rules import Finding
 
 RANK_FINDINGS = ("abnormal_exit", "error_keyword")
 

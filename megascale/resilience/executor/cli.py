@@ -21,9 +21,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from megascale.config.private_files import UnsafePathError
-from megascale.resilience.api import ApiClient, ApiError
-from megascale.resilience.credentials import SecretError, load_secret
-from megascale.resilience.executor import REQUEST_TIMEOUT_S, Executor
+from megascale.resilience.common.api import ApiClient, ApiError
+from megascale.resilience.common.credentials import SecretError, load_secret
+from megascale.resilience.executor.executor import REQUEST_TIMEOUT_S, Executor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

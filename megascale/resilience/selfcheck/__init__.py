@@ -1,0 +1,5 @@
+"""The self-check process a node runs before it is trusted again (`megascale selfcheck`).
+
+`checks.py`: the node and network tests and their baselines; `cli.py`: the command the executor
+(or an operator) runs. Who checks with whom is the driver's plan (`driver/selfcheck_plan.py`).
+"""
