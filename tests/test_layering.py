@@ -1,6 +1,7 @@
 """The packages load each other only downwards, and no modules load each other in a loop.
 
-The order is the picture in docs/architecture.md. Every way code is loaded counts, at any depth
+The order is the picture in docs/architecture.md: the packages' LAYERS, and inside a package of
+SUBLAYERS (resilience: one subpackage per process) its subpackages'. Every way code is loaded counts, at any depth
 of a file: `import` statements (a lazy import that hides a loop is still a loop), module names
 given as strings (`importlib.import_module("megascale...")`, `__import__`, lazy export tables
 such as `_EXPORTS` in an `__init__.py`), and `python -m megascale...` commands a module starts
@@ -51,10 +52,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "megascale.train.cli",
     ): "an executor's warm standby ranks are `megascale train --standby` processes: the rank is "
     "the top of the stack, started across a process boundary; resilience imports nothing of train",
-    (
-        "megascale.resilience.selfcheck.cli",
-        "megascale.resilience.driver.selfcheck_plan",
-    ): "`megascale selfcheck --judge` compares reports as the driver does (the verdict moves next)",
 }
 # module -> why it may load a module whose name is computed at run time
 DYNAMIC: dict[str, str] = {
@@ -288,6 +285,13 @@ def test_every_package_has_a_layer():
         subpackages = {p for p in inside if (PACKAGE / package / p / "__init__.py").exists()}
         assert subpackages == set().union(*layers), f"add the new subpackage to SUBLAYERS[{package!r}]"
         assert inside - subpackages == {"__init__.py"}, f"modules of {package}/ belong in one of its subpackages"
+
+
+def test_the_architecture_page_names_every_package_and_subpackage():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    names = set().union(*LAYERS) | {sub for layers in SUBLAYERS.values() for sub in set().union(*layers)}
+    missing = sorted(name for name in names if f"{name}/" not in text)
+    assert not missing, f"docs/architecture.md does not show {missing}"
 
 
 def test_packages_load_only_downwards():

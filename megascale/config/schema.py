@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from megascale.config.fields import ConfigError, divisors, opt, positive
+from megascale.config.fields import ConfigError, at_least, divisors, opt, positive
 from megascale.config.operations import CheckpointConfig, DiagnosticsConfig, ResilienceConfig
 
 # The Redis store's password: from this variable rather than the URL, it stays out of command
@@ -100,16 +100,8 @@ class MoEConfig:
         positive(self, "model.moe", ["experts", "top_k", "every"])
         if self.top_k > self.experts:
             raise ConfigError(f"model.moe.top_k={self.top_k} must be <= model.moe.experts={self.experts}")
-        for key in (
-            "ffn_hidden",
-            "shared_ffn_hidden",
-            "aux_loss_coef",
-            "z_loss_coef",
-            "bias_update_rate",
-            "capacity_factor",
-        ):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"model.moe.{key} must be >= 0, got {getattr(self, key)}")
+        widths, rates = ("ffn_hidden", "shared_ffn_hidden"), ("aux_loss_coef", "z_loss_coef", "bias_update_rate")
+        at_least(self, "model.moe", (*widths, *rates, "capacity_factor"), 0)
 
 
 @dataclass
@@ -228,9 +220,7 @@ class OptimConfig:
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
-        for key in ("warmup_steps", "decay_steps", "weight_decay", "grad_clip"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"optim.{key} must be >= 0, got {getattr(self, key)}")
+        at_least(self, "optim", ("warmup_steps", "decay_steps", "weight_decay", "grad_clip"), 0)
         if self.eps <= 0:
             raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
 
@@ -413,9 +403,7 @@ class TrainConfig:
                 "loss_chunk",
             ],
         )
-        for key in ("eval_every", "eval_batches", "gc_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        at_least(self, "train", ("eval_every", "eval_batches", "gc_every"), 0)
         for key in ("dtype", "param_dtype", "reduce_dtype"):
             check_dtype(f"train.{key}", getattr(self, key))
         if self.spike_window < 8:

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megascale.config import ConfigError, load_config
+from megascale.config import ConfigError, JobConfig, load_config
 from megascale.layout.grid import RankGrid
 from megascale.plan import ecmp, placement
 from megascale.plan.calibrate import calibrate, format_calibration
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def job_features(args: argparse.Namespace, cfg, system: SystemSpec) -> Features:
+def job_features(args: argparse.Namespace, cfg: JobConfig, system: SystemSpec) -> Features:
     """The job's (or --system's) switches, the system's constants, the command's overrides."""
     if args.system:
         features = system.features

@@ -82,7 +82,7 @@ class Trainer:
         if cfg.train.param_dtype == "bf16":  # parameters and gradients; fp32 masters in the ZeRO shards
             model.to(torch.bfloat16)
         # values: a pretrained checkpoint's (weights only), or the seeded initialisation
-        values = init_source(cfg) if cfg.checkpoint.init_from else None
+        values = init_source(cfg.checkpoint.init_from, cfg.model) if cfg.checkpoint.init_from else None
         self.runner = build_runner(model, cfg, self.mesh, values)
         self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)

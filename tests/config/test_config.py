@@ -31,6 +31,13 @@ def _error(overrides, path=None):
         (["--model.layers=1", "--parallel.pp=2"], ["model.layers", "pipeline chunks"]),
         (["--model.layers=4", "--parallel.pp=2", "--parallel.pp_split=[1,2]"], ["parallel.pp_split", "model.layers=4"]),
         (["--parallel.vpp=2"], ["parallel.vpp", "parallel.pp"]),
+        (["--optim.grad_clip=-1"], ["optim.grad_clip must be >= 0, got -1"]),  # the range checks of fields.py
+        (["--train.gc_every=-1"], ["train.gc_every must be >= 0, got -1"]),
+        (["--model.moe.experts=4", "--model.moe.z_loss_coef=-1"], ["model.moe.z_loss_coef must be >= 0, got -1"]),
+        (["--resilience.stop_timeout_s=0"], ["resilience.stop_timeout_s must be > 0, got 0"]),
+        (["--resilience.max_step_rate=0"], ["resilience.max_step_rate must be > 0, got 0"]),
+        (["--resilience.spares=-1"], ["resilience.spares must be >= 0, got -1"]),
+        (["--resilience.max_node_faults=0"], ["resilience.max_node_faults must be >= 1, got 0"]),
         (["--nosection.key=1"], ["nosection"]),
         (["model.layers"], ["--section.key=value"]),
     ],

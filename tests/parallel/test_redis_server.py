@@ -89,13 +89,13 @@ def test_a_restarted_driver_adopts_the_jobs_server(tmp_path):
     from megascale.resilience.driver.cli import _alive, _job_redis
 
     port = free_port()
-    cfg = JobConfig(parallel=ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0"))
+    parallel = ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0")
     state = JobState("adopt", 1, 1, {"dp": 1, "tp": 1, "pp": 1}, run_dir=str(tmp_path))
-    first = _job_redis(cfg, state, False, tmp_path)
+    first = _job_redis(parallel, state, False, tmp_path)
     try:
         pid = state.api["redis_pid"]
         assert first.pid == pid and first.answers()
-        second = _job_redis(cfg, state, True, tmp_path)  # the first driver "crashed": no stop()
+        second = _job_redis(parallel, state, True, tmp_path)  # the first driver "crashed": no stop()
         assert second.pid == pid and state.api["redis_pid"] == pid
         second.stop()  # the job ended under the second driver
         deadline = time.monotonic() + 10

@@ -22,10 +22,11 @@ import pytest
 
 from megascale.config import load_config
 from megascale.resilience.driver.local import Netns, netns_available, netns_down, netns_up
-from megascale.resilience.driver.selfcheck_plan import build, judge, relative
+from megascale.resilience.driver.selfcheck_plan import build
 from megascale.resilience.driver.slowdown import CpuQuota, cpu_quota_available, slow_link
 from megascale.resilience.driver.state import Node
 from megascale.resilience.selfcheck import checks as selfcheck
+from megascale.resilience.selfcheck.verdict import judge, relative
 
 REPO = Path(__file__).resolve().parents[2]
 RATIO = 0.7

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megascale.config import ConfigError, JobConfig, load_config
+from megascale.config import ConfigError, JobConfig, ParallelConfig, load_config
 from megascale.config.handoff import config_text, with_generated_password
 from megascale.config.private_files import UnsafePathError, private_dir, write_private
 from megascale.config.schema import redacted_url
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if netns is not None and not continuing:
         netns_up(netns, state.api["count"])
     try:
-        redis_server = _job_redis(cfg, state, continuing, state_dir)
+        redis_server = _job_redis(cfg.parallel, state, continuing, state_dir)
     except (OSError, RuntimeError) as exc:  # no redis-server, it could not start, or its password file is unsafe
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
@@ -238,18 +238,18 @@ def _job_secret(directory: Path, host: str) -> JobSecret:
     return load_secret(directory, need_key=True)
 
 
-def _job_redis(cfg: JobConfig, state: JobState, continuing: bool, state_dir: Path) -> RedisServer | None:
+def _job_redis(parallel: ParallelConfig, state: JobState, continuing: bool, state_dir: Path) -> RedisServer | None:
     """The job's redis-server when `parallel.redis_start` asks for one, always with a password
     (a generated one kept in the state directory when none is configured: a restarted driver
     uses it again); a restarted driver adopts the server its predecessor started instead of
     starting a second on the same port."""
-    if not cfg.parallel.redis_start:  # checked here: the import below brings in torch
+    if not parallel.redis_start:  # checked here: the import below brings in torch
         return None
-    if not cfg.parallel.redis_password():  # the driver, its `start`s and the server read it from the URL
-        cfg.parallel.redis_url = with_generated_password(cfg.parallel.redis_url, state_dir / "redis_password")
+    if not parallel.redis_password():  # the driver, its `start`s and the server read it from the URL
+        parallel.redis_url = with_generated_password(parallel.redis_url, state_dir / "redis_password")
     from megascale.resilience.common.redis_server import RedisServer
 
-    server = RedisServer.for_job(cfg.parallel)
+    server = RedisServer.for_job(parallel)
     pid = state.api.get("redis_pid")
     if continuing and pid and _alive(pid) and server.answers(pid):
         server.adopt(pid)

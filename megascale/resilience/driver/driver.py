@@ -3,7 +3,7 @@
 Control loop (a tick every 0.25 s): STARTING waits for the nodes to register, then sends each
 active node a `start` for attempt k (ranks, world, rendezvous address chosen per attempt).
 RUNNING evaluates the detection rules on the latest heartbeats. A fault starts one of the two
-recovery paths (`paths.py`): the fast one (RECOVERING: healthy ranks paused, failed ones
+recovery paths (`recovery_paths.py`): the fast one (RECOVERING: healthy ranks paused, failed ones
 replaced, state from peer memory) or the restart (STOPPING, CHECKING when the self-check rule
 asks for it, every rank restarted from the newest valid checkpoint), then RUNNING at attempt
 k+1. The state is written to SQLite on each change, so a restarted driver resumes where its
@@ -107,7 +107,7 @@ class Driver(RecoveryPaths):
         self.held_since = 0.0
         self.tick_failure, self.tick_failure_logged = "", 0.0
         self.background_checks: dict[str, tuple[str, float]] = {}  # suspect node -> (command, deadline)
-        self.reprobes = 0  # stops sent again because no node got the first (paths.py)
+        self.reprobes = 0  # stops sent again because no node got the first (recovery_paths.py)
         self.attempt_watch = AttemptWatch(state.ranks_per_node, cfg.train.steps)
         self.attempt_watch.watch([n.node_id for n in state.role(ACTIVE)] if state.phase == RUNNING else [])
         now = time.time()

@@ -43,6 +43,7 @@ from megascale.resilience.driver.state import (
     SUSPECT,
     Node,
 )
+from megascale.resilience.selfcheck.verdict import judge
 
 log = logging.getLogger("megascale.driver")
 REPROBES = 3  # a stop that reached no node is sent again this often (each after stop_timeout_s)
@@ -166,7 +167,7 @@ class RecoveryPaths:
         if not self._phase_done(now):
             return
         reports = {n: self.results.get(self.waiting_for.get(n, "")) for n in self.check_ring}
-        verdict = selfcheck_plan.judge(reports, self.rcfg.selfcheck_min_ratio)
+        verdict = judge(reports, self.rcfg.selfcheck_min_ratio)
         self.store.event("selfcheck", {"attempt": self.state.attempt, "verdict": verdict, "reports": reports}, now)
         self._evict_failed(verdict["failed"], reports, now)
         self._restart(now, (self.current_fault or {}).get("selfcheck"))
@@ -348,7 +349,7 @@ class RecoveryPaths:
             del self.background_checks[node_id]
             if node.role != SUSPECT:
                 continue
-            verdict = selfcheck_plan.judge({node_id: self.results.get(command)}, self.rcfg.selfcheck_min_ratio)
+            verdict = judge({node_id: self.results.get(command)}, self.rcfg.selfcheck_min_ratio)
             self.store.event(
                 "selfcheck",
                 {

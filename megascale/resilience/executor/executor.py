@@ -67,7 +67,7 @@ UNTRUSTED_LOG_EVERY_S = 30.0
 # A heartbeat the driver did not answer is retried at once and then after a growing pause, all
 # well inside the driver's heartbeat timeout (5 s by default): one lost request, or a driver
 # busy for a moment, must not cost the node its place. The request timeout is short for the
-# same reason (`executor_cli.py`).
+# same reason (`cli.py`).
 REQUEST_TIMEOUT_S = 2.0
 RETRY_S = (0.0, 0.25, 0.5, 1.0)
 BUSY = (429, 503)  # the driver sheds load (api_budget.py, the handlers' queue): retried, never fatal

@@ -8,7 +8,7 @@ gloo on CPU. Each figure is the best of repeats after a warm-up, each repeat lon
 (`MIN_S`) that a throttled node (a CPU quota acts per scheduling period) shows its real rate.
 
 What a figure is compared with, in order of weight: the other nodes of the same hardware
-checked together (`selfcheck_plan.judge`: below `min_ratio` of their median fails), the
+checked together (`verdict.judge`: below `min_ratio` of their median fails), the
 healthy baseline recorded for its hardware type (`megascale selfcheck --measure FILE`: below
 `min_ratio` of it fails; the only reference of a node checked alone), and absolute floors as
 a backstop, low enough that only a dead or broken node misses them.
@@ -273,9 +273,9 @@ def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, m
 
 
 def run_checks(node_id: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """Every test of `plan` (see selfcheck_plan.build); a test's failure never stops the rest.
+    """Every test of `plan` (see driver/selfcheck_plan.build); a test's failure never stops the rest.
     Each figure is checked against its floor and its hardware's baseline here; against the
-    other nodes by the judge (`selfcheck_plan.judge`)."""
+    other nodes by the judge (`verdict.judge`)."""
     expected, baselines = load_expected(plan.get("expected_file", ""))
     hardware = hardware_type()
     baseline = baselines.get(hardware, {})

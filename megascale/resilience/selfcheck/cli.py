@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from megascale.config.operations import ResilienceConfig
-from megascale.resilience.driver.selfcheck_plan import judge
 from megascale.resilience.selfcheck.checks import record_baseline, run_checks
+from megascale.resilience.selfcheck.verdict import judge
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
