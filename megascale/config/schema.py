@@ -232,7 +232,7 @@ class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (ZeRO-2 shards gradients and optimizer state over it)")
     tp: int = opt(1, "tensor-parallel degree (inside a node; with sequence parallelism)")
     pp: int = opt(1, "pipeline stages")
-    cp: int = opt(1, "context-parallel degree: each sequence split along its length over cp ranks (SWA halo exchange)")
+    cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (ring attention; a window: a halo)")
     ep: int = opt(1, "expert-parallel degree, carved from dp: ep consecutive dp ranks split each MoE layer's experts")
     vpp: int = opt(1, "virtual pipeline chunks per stage (interleaved 1F1B when > 1)")
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
@@ -471,7 +471,7 @@ class JobConfig:
             )
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
         if p.cp > 1:
-            check_context_parallel(m, p, self.checkpoint.every)
+            check_context_parallel(m, p)
         check_expert_parallel(m, p)
         check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
         if p.vpp > 1 and self.micro_batches % p.pp:
@@ -509,29 +509,25 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
         raise ConfigError(f"parallel.tp={tp} must divide model.seq_len={m.seq_len} with sequence parallelism")
 
 
-def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
-    """What the halo exchange (`parallel/context.py`) needs, and the combinations not built yet."""
-    if m.window is None:
-        raise ConfigError(
-            f"parallel.cp={p.cp} needs sliding-window attention (set model.window): ring attention "
-            "for full causal attention is not implemented yet"
-        )
-    if m.seq_len % p.cp:
-        raise ConfigError(f"parallel.cp={p.cp} must divide model.seq_len={m.seq_len}")
+def check_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """What ring attention (full causal, `parallel/ring.py`) or the halo exchange (a window,
+    `parallel/context.py`) needs, and the combinations not built yet."""
+    ring = m.window is None or m.window >= m.seq_len
+    parts = 2 * p.cp if ring else p.cp
+    if m.seq_len % parts:
+        what = "2 * parallel.cp (ring attention: two chunks per rank)" if ring else "parallel.cp"
+        raise ConfigError(f"{what} = {parts} must divide model.seq_len={m.seq_len}")
     local = m.seq_len // p.cp
-    if m.window - 1 > local:
+    if not ring and m.window is not None and m.window - 1 > local:
         raise ConfigError(
             f"model.window={m.window} reaches past the previous cp rank's {local} positions "
-            f"(seq_len / cp): use model.window <= {local + 1} or a smaller parallel.cp"
+            f"(seq_len / cp): use model.window <= {local + 1}, a smaller parallel.cp, or full attention "
+            "(model.window unset: ring attention)"
         )
     if p.sequence_parallel and p.tp > 1 and local % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
-    if p.pp > 1 or p.ep > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp} with parallel.pp={p.pp}, parallel.ep={p.ep} is not supported yet; use pp=1 and ep=1"
-        )
-    if checkpoint_every > 0:
-        raise ConfigError(f"parallel.cp={p.cp}: checkpoints do not reshard across cp yet; set checkpoint.every=0")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not supported yet; use ep=1")
 
 
 def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:

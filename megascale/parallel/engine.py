@@ -23,7 +23,7 @@ from megascale.model.efficiency import (
     set_loss_chunk,
 )
 from megascale.model.init import SeededValues, ValueSource
-from megascale.parallel.context import apply_context_parallel
+from megascale.parallel.context import apply_context_parallel, uses_ring
 from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
@@ -59,7 +59,8 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg.parallel, mesh)
     if distributed and mesh.cp_size > 1:
-        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size)
+        ring = uses_ring(cfg.model.window, cfg.model.seq_len)
+        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size, ring)
     if distributed and mesh.ep_size > 1:
         # before materialization: other ranks' experts never exist here
         apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)

@@ -34,6 +34,7 @@ TERMS = (
     "bubble",
     "pp_exposed",
     "dp_exposed",
+    "cp_exposed",
     "contention",
     "stragglers",
     "optimizer",
@@ -106,7 +107,7 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     """Compute and TP communication of one micro-batch through the slowest stage."""
     m, gpu = work.model, cluster.gpu
     dt, ab, t = work.dtype, work.act_bytes, layout.tp
-    tokens = layout.micro_batch * m.seq_len
+    tokens = layout.micro_batch * m.seq_len // layout.cp  # under cp: this rank's part of each sequence
     h, f = m.hidden, m.ffn
 
     # (column GEMM, row GEMM) pairs: each column GEMM follows a TP all-gather and each row GEMM
@@ -124,8 +125,9 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     gemm_fwd = sum(gemm(col) + gemm(row) for col, row in pairs)
     span = mean_attention_span(m.seq_len, m.window)
     if features.attention == "unfused":
-        attn_fwd, attn_bwd = eff.unfused_attention_time(
-            gpu, dt, layout.micro_batch, m.seq_len, m.heads / t, m.head_dim, ab
+        attn_fwd, attn_bwd = (
+            x / layout.cp
+            for x in eff.unfused_attention_time(gpu, dt, layout.micro_batch, m.seq_len, m.heads / t, m.head_dim, ab)
         )
     else:
         attn_fwd, attn_bwd = eff.attention_time(gpu, dt, attention_flops(span, h) * tokens / t, span, m.head_dim)
@@ -188,6 +190,7 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
             "layer_bwd": layer_bwd,
             "gemm_fwd": gemm_fwd,
             "attention_fwd": attn_fwd,
+            "attention_bwd": attn_bwd,
             "elementwise_fwd": elem_fwd,
             "tp_collective": coll,
             "head_fwd": head_fwd,
@@ -210,16 +213,17 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
     # Pipeline: each micro-batch crosses 2v stage boundaries per stage (forward and backward).
     pp_total = pp_exposed = 0.0
     if p > 1:
-        traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp, p)
+        traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp * layout.cp, p)  # cp sits next to tp
         slowdown = traffic.slowdown if effects.collisions else 1.0
-        link = comm.p2p_link(cluster, layout.tp * layout.dp, slowdown)
-        hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes / layout.tp, link)
+        link = comm.p2p_link(cluster, layout.tp * layout.cp * layout.dp, slowdown)
+        hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes / layout.tp / layout.cp, link)
         pp_total = (micro + (p - 1) / v) * 2 * v * hop
         # decoupled sends: only the fill and drain hops are on the critical path
         pp_exposed = 2 * (p - 1) * hop if features.pp_overlap else pp_total
         inputs["collisions_pp"] = _traffic_text(traffic, slowdown)
 
     dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro, inputs)
+    cp_total, cp_exposed, cp_detail = _context_parallel(work, layout, cluster, mb, micro)
     split = param_split(work)
     psi = split.stage(m.layers, p) / layout.tp
     shard = psi / layout.dp if layout.zero >= 1 else psi
@@ -239,8 +243,10 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
         "bubble": (p - 1) / v * mb.busy,
         "pp_exposed": pp_exposed,
         "dp_exposed": dp_exposed,
+        "cp_exposed": cp_exposed,
     }
     hidden = micro * (mb.tp_total - mb.tp_exposed) + (pp_total - pp_exposed) + (dp_total - dp_exposed)
+    hidden += cp_total - cp_exposed
     terms["contention"] = impl.overlap_contention * hidden if effects.contention else 0.0
     busy = terms["compute"] + terms["tp_exposed"] + terms["launch_gaps"] + terms["interleave"] + terms["contention"]
     hosts = max(1, world // cluster.gpus_per_node)
@@ -265,10 +271,11 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
         flops_per_step={c: tokens * training_flops_per_token(m, c, layout.recompute) for c in CONVENTIONS},
         peak_flops_total=cluster.gpu.peak(work.dtype) * world,
         memory=memory_per_gpu(work, layout, cluster.gpu, features.attention),
-        totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total},
+        totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total, "cp": cp_total},
         detail={
             **mb.detail,
             **dp_detail,
+            **cp_detail,
             "fwd_mb": mb.fwd,
             "bwd_mb": mb.bwd,
             "busy_mb": mb.busy,
@@ -307,10 +314,10 @@ def _data_parallel(
         return 0.0, 0.0, {}
     split = param_split(work)
     t, v = layout.tp, layout.v
-    traffic = congestion.dp_traffic(cluster, n, t, layout.pp)
+    traffic = congestion.dp_traffic(cluster, n, t * layout.cp, layout.pp)  # dp ranks are tp * cp apart
     slowdown = features.network_slowdown or (traffic.slowdown if features.effects.collisions else 1.0)
     inputs["collisions_dp"] = _traffic_text(traffic, slowdown)
-    link = comm.group_link(cluster, n, t, slowdown)
+    link = comm.group_link(cluster, n, t * layout.cp, slowdown)
     nbytes = work.act_bytes  # bf16 parameters on the wire (fp32 on CPU)
     grad_bytes = features.impl.grad_wire_bytes or nbytes
     layers = work.model.layers // layout.pp
@@ -343,3 +350,43 @@ def _data_parallel(
     exposed_ag = first + max(0.0, ag - ag_unit - mb.fwd)
     exposed_rs = rs_unit + max(0.0, rs / v - mb.bwd / v)
     return total, min(total, exposed_ag + exposed_rs), detail
+
+
+def _context_parallel(
+    work: Workload, layout: Layout, cluster: ClusterSpec, mb: MicroBatchTimes, micro: int
+) -> tuple[float, float, dict[str, float]]:
+    """(issued, exposed, detail) seconds of context parallelism's traffic per step.
+
+    Per layer and micro-batch, between cp neighbours (`parallel/ring.py`, `parallel/context.py`):
+    full causal attention sends cp - 1 key/value blocks (this rank's part of the sequence) around
+    the ring in the forward, each hidden behind one block's attention (1/cp of it), and in the
+    backward the blocks again with their gradient accumulators (fp32, cp of them); a window w
+    sends one halo of w - 1 positions forward and its gradient back, hidden behind the attention
+    of the local queries. Then, once per step, the gradients' all-reduce over cp (after ZeRO's
+    reduce-scatter, on this rank's shard), exposed.
+    """
+    c, m = layout.cp, work.model
+    if c == 1:
+        return 0.0, 0.0, {}
+    local = layout.micro_batch * m.seq_len // c
+    kv_bytes = 2 * m.kv_groups * m.head_dim / layout.tp * work.act_bytes  # K and V of one position
+    link = comm.p2p_link(cluster, layout.tp)
+    attn_fwd, attn_bwd = mb.detail["attention_fwd"], mb.detail["attention_bwd"]
+    if m.window is None or m.window >= m.seq_len:  # ring attention
+        hop = comm.p2p_time(local * kv_bytes, link)
+        grad_hop = comm.p2p_time(local * kv_bytes * 4 / work.act_bytes, link)
+        layer_total = 2 * (c - 1) * hop + c * grad_hop
+        layer_exposed = (c - 1) * (max(0.0, hop - attn_fwd / c) + max(0.0, hop + grad_hop - attn_bwd / c)) + grad_hop
+    else:  # the halo
+        halo = min(m.window - 1, local)
+        hop = comm.p2p_time(layout.micro_batch * halo * kv_bytes, link)
+        hidden_share = 1 - halo / local
+        layer_total = 2 * hop
+        layer_exposed = max(0.0, hop - hidden_share * attn_fwd) + max(0.0, hop - hidden_share * attn_bwd)
+    layers = m.layers // layout.pp
+    psi = param_split(work).stage(m.layers, layout.pp) / layout.tp
+    shard = psi / layout.dp if layout.zero >= 2 else psi
+    grads = comm.all_reduce_time(c, shard * work.act_bytes, comm.group_link(cluster, c, layout.tp))
+    total = micro * layers * layer_total + grads
+    exposed = micro * layers * layer_exposed + grads
+    return total, exposed, {"cp_hop": hop, "cp_grad_allreduce": grads}

@@ -65,6 +65,7 @@ class Layout:
     micro_batch: int = 1
     zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
     recompute: Recompute = "none"
+    cp: int = 1  # context parallelism: each sequence split along its length over cp ranks
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Layout:
@@ -78,6 +79,7 @@ class Layout:
             micro_batch=cfg.train.micro_batch,
             zero=2 if p.dp > 1 else 0,
             recompute=cfg.train.recompute,
+            cp=p.cp,
         )
 
     @property
@@ -90,7 +92,7 @@ class Layout:
     def label(self) -> str:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
-            f"zero={self.zero} rc={self.recompute}"
+            f"zero={self.zero} rc={self.recompute}{f' cp={self.cp}' if self.cp > 1 else ''}"
         )
 
     def overrides(self) -> list[str]:
@@ -102,6 +104,7 @@ class Layout:
             f"--parallel.vpp={self.v}",
             f"--train.micro_batch={self.micro_batch}",
             f"--train.recompute={self.recompute}",
+            *([f"--parallel.cp={self.cp}"] if self.cp > 1 else []),
         ]
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
@@ -116,7 +119,7 @@ class Layout:
         job = JobConfig(
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
-            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v),
+            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, cp=self.cp),
             train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()

@@ -119,7 +119,7 @@ def memory_per_gpu(work: Workload, layout: Layout, gpu: GPUSpec, attention: str 
     grads = GRAD_BYTES * psi / (dp if layout.zero >= 2 else 1)
     optimizer = state_bytes * psi / (dp if layout.zero >= 1 else 1)
 
-    tokens = layout.micro_batch * m.seq_len
+    tokens = layout.micro_batch * m.seq_len // layout.cp  # under cp: this rank's part of each sequence
     per_layer = tokens * activation_elements_per_token(work, layout.recompute) * ab / t
     per_layer += tokens * m.heads * 4 / t  # fused attention's fp32 log-sum-exp per head
     if attention == "unfused" and layout.recompute == "none":  # the softmax output, s x s per head

@@ -18,6 +18,7 @@ from megascale.plan.system import SystemSpec, ablation_steps, switch_on
 RECOMPUTE_ORDER: tuple[Recompute, ...] = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 12
+LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SearchSpace:
     pps: tuple[int, ...] | None = None
     virtuals: tuple[int, ...] | None = None
     recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
+    cps: tuple[int, ...] | None = None  # None: cp = 1, and for long sequences powers of two in a node
 
 
 def _divisors(n: int) -> list[int]:
@@ -38,6 +40,16 @@ def _divisors(n: int) -> list[int]:
 
 def _allowed(values: list[int], only: tuple[int, ...] | None) -> list[int]:
     return values if only is None else [x for x in values if x in only]
+
+
+def _context_degrees(work: Workload, tp: int, cluster: ClusterSpec, space: SearchSpace) -> list[int]:
+    """cp degrees to try: cp's traffic is every layer's, so by default it stays in the node with tp,
+    and it is only worth trying when one sequence's activations are large."""
+    if space.cps is not None:
+        return list(space.cps)
+    if work.model.seq_len < LONG_SEQUENCE:
+        return [1]
+    return [1 << i for i in range((cluster.gpus_per_node // tp).bit_length()) if (1 << i) * tp <= cluster.gpus_per_node]
 
 
 def candidate_layouts(
@@ -51,17 +63,18 @@ def candidate_layouts(
     for tp in _allowed(_divisors(max_tp), space.tps):
         if cluster.gpus_per_node % tp:
             continue
-        for pp in _allowed(_divisors(m.layers), space.pps):
-            if gpus % (tp * pp):
+        cps = _context_degrees(work, tp, cluster, space)
+        for pp, cp in ((pp, cp) for pp in _allowed(_divisors(m.layers), space.pps) for cp in cps):
+            if gpus % (tp * pp * cp):
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * pp * cp)
             for mb in space.micro_batches:
                 if work.global_batch % (dp * mb):
                     continue
                 virtuals = [1] if pp == 1 else [v for v in _divisors(m.layers // pp) if v <= space.max_virtual]
                 for v in _allowed(virtuals, space.virtuals):
                     for zero in space.zero_stages:
-                        layout = Layout(dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0)
+                        layout = Layout(dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0, cp=cp)
                         try:
                             layout.check(work, cluster.gpus_per_node if gpus > 1 else None)
                         except ConfigError:

@@ -34,7 +34,7 @@ from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_to_norm_, global_grad_norm, lr_at
-from megascale.parallel.context import split_batch
+from megascale.parallel.context import split_batch, uses_ring
 from megascale.parallel.engine import build_runner, reduce_sum
 from megascale.parallel.mesh import init_mesh
 from megascale.plan.memory import job_memory_estimate
@@ -184,7 +184,8 @@ class Trainer:
         """This cp rank's part of every sequence (the loader gives cp ranks the same batch)."""
         if batch is None or self.mesh.cp_size == 1:
             return batch
-        return split_batch(batch, self.mesh.cp_rank, self.mesh.cp_size)
+        ring = uses_ring(self.cfg.model.window, self.cfg.model.seq_len)
+        return split_batch(batch, self.mesh.cp_rank, self.mesh.cp_size, ring)
 
     def train_step(self, batch: TokenBatch | None) -> dict[str, float]:
         """Forward, backward, then the optimizer step unless the gradient norm is not finite or
