@@ -128,6 +128,13 @@ class ResilienceConfig:
         "micro-batch counts, the global batch and the optimizer's trajectory stay) or divide "
         "(the largest dp dividing the batch: more nodes idle)",
     )
+    roster: str = opt(
+        "",
+        'the node ids a cluster job expects, each bound to its host: "file:PATH", one '
+        "`NODE_ID [HOST]` a line (HOST defaults to the id); a listed id registers only from "
+        "its host, another only as a name resolving to where it connects from, at most "
+        'spare_pool of them; "" = any id within nodes + spares + spare_pool (trust on first use)',
+    )
     peer_address_check: bool = opt(
         True,
         "a registration's address must be the one it connects to the driver "

@@ -8,8 +8,10 @@ the driver's address learns nothing (a token is sent only inside a channel whose
 it holds the key) and cannot command a node. The driver also signs each node's own credential
 with a key derived from `tls.key` (`identity.py`).
 
-The driver makes what is missing (`megascale launch`, local and Slurm runs); on Kubernetes
-`megascale secret DIR --name megascale-driver` makes it once, for `kubectl create secret`.
+The driver makes what is missing (`megascale launch`, local runs); on Kubernetes
+`megascale secret DIR --name megascale-driver` makes it once, for `kubectl create secret`; the
+Slurm script makes it on the driver's host and gives executors only `token` and `tls.crt`
+(`megascale secret DIR --executors SHARED_DIR`).
 """
 
 from __future__ import annotations
@@ -188,13 +190,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="a name or address the driver is reached by (repeatable), e.g. megascale-driver",
     )
+    parser.add_argument(
+        "--executors",
+        metavar="DIR",
+        help="also write what executors need, token and tls.crt only, to DIR (e.g. on the shared "
+        "filesystem, while the secret directory with tls.key and operator stays on the driver's host)",
+    )
+
+
+def write_executor_part(secret: JobSecret, directory: str | Path) -> Path:
+    """`directory` with the executors' part of `secret`: the join token and the certificate they
+    pin. Never the key (node credentials are derived from it: whoever held it could make any
+    node's) nor the operator token; a directory that holds either is refused, not cleaned."""
+    directory = private_dir(directory)
+    if stale := [part for part in (KEY, OPERATOR) if (directory / part).exists()]:
+        raise SecretError(f"{directory} holds {' and '.join(stale)}: executors must not; use another directory")
+    write_private(directory / TOKEN, secret.token + "\n")
+    write_private(directory / CERT, secret.cert_pem)
+    return directory
 
 
 def run(args: argparse.Namespace) -> int:
     old = os.umask(0o077)
     try:
         directory = ensure_secret(args.directory, args.name)
-        load_secret(directory, need_key=True)
+        secret = load_secret(directory, need_key=True)
+        if args.executors:
+            print(f"{write_executor_part(secret, args.executors)}: {TOKEN}, {CERT} (for executors)")
     except (SecretError, OSError) as exc:
         print(f"megascale secret: {exc}", file=sys.stderr)
         return 2

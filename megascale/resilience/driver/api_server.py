@@ -111,8 +111,8 @@ class ApiServer:
         self.pending = 0  # requests submitted to the pool and not yet answered
         self.shed = 0  # requests refused or dropped for load (503)
         self.budgets = CallerBudgets(limits.budget)
-        self.refusals = _RateLimitedLog(per_s=10)
-        self.at_cap = _RateLimitedLog(per_s=2)  # apart: a flood of bad requests never hides the cap
+        self.refusals = _RateLimitedLog(per_s=10)  # per status
+        self.at_cap = _RateLimitedLog(per_s=2)  # per event at the caps
         self._loop = asyncio.new_event_loop()
         self._pool = ThreadPoolExecutor(limits.handler_threads, thread_name_prefix="api-handler")
         self._thread = threading.Thread(target=self._run, name="driver-api", daemon=True)
@@ -150,13 +150,14 @@ class ApiServer:
 
     # ------------------------------------------------------------------ connections
     def _accept(self) -> None:
+        evictions = 0  # each one's descriptor is freed on a later turn of the loop: bounded per batch
         for _ in range(128):  # a batch per wake-up; the rest wait in the backlog
             try:
                 sock, peer = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of descriptors after all: shed one, pause, never spin
-                self.at_cap.note("api: accept failed (%s); closing the oldest idle connection", exc)
+                self.at_cap.note("accept failures", "api: accept failed (%s); closing the oldest idle connection", exc)
                 self.evict_idle()
                 fd = self._sock.fileno()
                 self._loop.remove_reader(fd)
@@ -164,23 +165,29 @@ class ApiServer:
                 return
             sock.setblocking(False)
             ip = peer[0] if isinstance(peer, tuple) else str(peer)
-            if len(self.conns) >= self.cap and not self.evict_idle():
-                self.at_cap.note("api: connection from %s refused: %d connections, all busy", _peer(peer), self.cap)
+            evicted = len(self.conns) >= self.cap
+            if evicted and not self.evict_idle():
+                self.at_cap.note("busy refusals", "api: %s refused: %d connections, all busy", _peer(peer), self.cap)
                 sock.close()
                 continue
             if len(self.unauthenticated) >= self.limits.max_unauthenticated:
                 oldest = self._most_unauthenticated()
                 self.at_cap.note(
+                    "tokenless closes",
                     "api: %d connections without a token yet: closed the oldest, from %s "
                     "(the address holding the most)",
                     len(self.unauthenticated),
                     oldest.peer,
                 )
                 oldest.abort()
+                evicted = True
             conn = _Connection(self, sock, _peer(peer), ip)
             self.conns[conn] = None
             self.unauthenticated[conn] = None
             self._loop.create_task(conn.handshake())
+            evictions += evicted
+            if evictions >= RESERVED_FDS // 4:  # a batch at the cap once held 128 more and hit EMFILE
+                return
 
     def _most_unauthenticated(self) -> _Connection:
         """The oldest connection without a token of the address that holds the most of them: a
@@ -194,7 +201,10 @@ class ApiServer:
         victim = next(iter(self.unauthenticated), None) or next((c for c in self.conns if not c.busy), None)
         if victim is not None:
             self.at_cap.note(
-                "api: at the cap of %d connections: closed the oldest idle one, from %s", self.cap, victim.peer
+                "idle closes",
+                "api: at the cap of %d connections: closed the oldest idle one, from %s",
+                self.cap,
+                victim.peer,
             )
             victim.abort()
         return victim is not None
@@ -417,7 +427,9 @@ class _Connection(asyncio.Protocol):
 
     def _log_refusal(self, status: int, why: str) -> None:
         method, path = self.request or ("-", "-")
-        self.server.refusals.note("api: %d %s %s from %s: %s", status, method, path, self.peer, why)
+        self.server.refusals.note(
+            f"{status} refusals", "api: %d %s %s from %s: %s", status, method, path, self.peer, why
+        )
 
     def _respond(self, status: int, data: dict[str, Any], close: bool) -> None:
         raw = json.dumps(data, default=str).encode()
@@ -462,22 +474,25 @@ class _Connection(asyncio.Protocol):
 
 
 class _RateLimitedLog:
-    """At most `per_s` lines a second: a flood of bad requests must not become a flood of log."""
+    """At most `per_s` lines a second of each kind (a status, a cap's event; few): a flood must not
+    flood the log, nor hide another kind (401s of wrong tokens once hid a node's forged 403s)."""
 
     def __init__(self, per_s: int) -> None:
-        self.per_s, self.start, self.count, self.dropped = per_s, 0.0, 0, 0
+        self.per_s = per_s
+        self.windows: dict[str, list[float]] = {}  # kind -> [window start, logged, dropped]
 
-    def note(self, message: str, *args: Any) -> None:
+    def note(self, kind: str, message: str, *args: Any) -> None:
         now = time.monotonic()
-        if now - self.start >= 1.0:
-            if self.dropped:
-                log.warning("api: %d more refusals in the last second, not logged one by one", self.dropped)
-            self.start, self.count, self.dropped = now, 0, 0
-        if self.count < self.per_s:
-            self.count += 1
+        window = self.windows.setdefault(kind, [now, 0, 0])
+        if now - window[0] >= 1.0:
+            if window[2]:
+                log.warning("api: %d more %s in the last second, not logged one by one", window[2], kind)
+            window[:] = [now, 0, 0]
+        if window[1] < self.per_s:
+            window[1] += 1
             log.warning(message, *args)
         else:
-            self.dropped += 1
+            window[2] += 1
 
 
 def _peer(address: Any) -> str:

@@ -36,6 +36,7 @@ from megascale.resilience.driver.driver import Driver
 from megascale.resilience.driver.identity import JOIN, NODE, OPERATOR, Identities, for_node, for_operator, registration
 from megascale.resilience.driver.local import Netns, netns_available, netns_down, netns_up, spawn_executor
 from megascale.resilience.driver.placement import PlacementError, layout_for
+from megascale.resilience.driver.roster import Roster, load_roster, local_roster
 from megascale.resilience.driver.state import FINISHED, JobState, JobStore
 
 if TYPE_CHECKING:
@@ -136,8 +137,11 @@ def run(args: argparse.Namespace) -> int:
             "count": args.nodes + spares,
             "topology": args.topology,
         }
-        if not args.external:  # local executors are node0...: no other id is one of the job's
-            state.api["roster"] = [f"node{i}" for i in range(args.nodes + spares)]
+    try:  # local executors are node0...: no other id is one of the job's
+        roster = local_roster(state.api["count"]) if state.api.get("local") else load_roster(rcfg.roster)
+    except ConfigError as exc:
+        print(f"megascale launch: config error: {exc}", file=sys.stderr)
+        return 2
     netns = Netns(state.job_id[:4]) if state.api.get("netns") else None
     host = netns.bridge_address if netns and rcfg.api_host == "127.0.0.1" else rcfg.api_host
     try:
@@ -152,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as exc:  # no redis-server, it could not start, or its password file is unsafe
         print(f"megascale launch: {exc}", file=sys.stderr)
         return 2
-    driver = Driver(cfg, state, store)
+    driver = Driver(cfg, state, store, roster)
     # every node of the job may connect at once (a registration storm), all through one address in
     # local mode: the cap on connections without a token yet is twice that, never below the
     # default, and an address-keyed caller (the join token) has the whole roster's budget
@@ -168,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         host,
         state.api.get("port") or rcfg.api_port,
         identities.authenticate,
-        _routes(driver, identities),
+        _routes(driver, identities, roster),
         server_context(secret),
         limits,
     ).start()
@@ -212,12 +216,12 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _routes(driver: Driver, identities: Identities) -> dict[tuple[str, str], Route]:
+def _routes(driver: Driver, identities: Identities, roster: Roster | None) -> dict[tuple[str, str], Route]:
     """The API: each route's handler, the schema its body must pass first, and who may call it."""
     node, operator = frozenset({NODE}), frozenset({OPERATOR})
     return {
         ("POST", "/v1/register"): Route(
-            registration(driver.on_register, identities, driver.rcfg.peer_address_check),
+            registration(driver.on_register, identities, driver.rcfg.peer_address_check, roster),
             protocol.Register,
             frozenset({JOIN, NODE}),
         ),

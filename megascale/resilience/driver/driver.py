@@ -42,6 +42,7 @@ from megascale.resilience.driver.placement import PlacementError, compute_scale,
 from megascale.resilience.driver.progress import ProgressCheck
 from megascale.resilience.driver.recovery import recovery_phases, start_marks
 from megascale.resilience.driver.recovery_paths import RecoveryPaths
+from megascale.resilience.driver.roster import Roster
 from megascale.resilience.driver.rules import (
     Finding,
     TrafficRule,
@@ -78,8 +79,9 @@ EVIDENCE_WAIT_S = 30.0  # at the end, for queued evidence whose alerts belong in
 
 
 class Driver(RecoveryPaths):
-    def __init__(self, cfg: JobConfig, state: JobState, store: JobStore) -> None:
+    def __init__(self, cfg: JobConfig, state: JobState, store: JobStore, roster: Roster | None = None) -> None:
         self.cfg, self.rcfg, self.state, self.store = cfg, cfg.resilience, state, store
+        self.roster = roster  # the node ids the job expects (roster.py); None: any within the pool
         self.lock = threading.RLock()
         self.reports: dict[str, dict[str, Any]] = {}
         self.silence = SilenceWatch(self.rcfg.heartbeat_timeout_s, self.rcfg.silence_fraction)
@@ -139,7 +141,7 @@ class Driver(RecoveryPaths):
             known = self.state.nodes.get(node_id)
             if (known and known.role == EVICTED) or address in self.state.blocked:
                 return 403, {"error": f"node {node_id} ({address}) is evicted from this job"}
-            refusal = admission(self.state, node_id, address, proven, self.rcfg.spare_pool)
+            refusal = admission(self.state, self.roster, node_id, address, proven, self.rcfg.spare_pool)
             if refusal is not None:
                 return refusal
             if known is None:

@@ -21,19 +21,15 @@ import base64
 import binascii
 import hashlib
 import hmac
-import ipaddress
-import re
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from megascale.resilience.common.credentials import JobSecret
+from megascale.resilience.driver.roster import NODE_ID, Reply, Roster, addresses, canonical
 from megascale.resilience.driver.state import EVICTED, JobState
 
 OPERATOR, JOIN, NODE = "operator", "join", "node"
-NODE_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:%@-]{0,252}$")  # protocol.Name
-Reply = tuple[int, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -78,14 +74,21 @@ class Identities:
         return hmac.new(self._key, node_id.encode(), hashlib.sha256).hexdigest()
 
 
-def admission(state: JobState, node_id: str, address: str, proven: bool, spare_pool: int) -> Reply | None:
+def admission(
+    state: JobState, roster: Roster | None, node_id: str, address: str, proven: bool, spare_pool: int
+) -> Reply | None:
     """The refusal of a registration, None to admit it. A registered node may register again
     only with its own credential and from its address (the rendezvous of every attempt is an
-    active node's address); a new id must be one the job expects, and the job admits at most
-    `count` (nodes + spares) + `spare_pool` node ids over its life, evicted ones included."""
+    active node's address), or with the join token from its host when the roster binds it to
+    one (an executor that lost its credential: a new work directory, a resubmitted Slurm job);
+    a new id must be one the job expects: with a roster, one on it (its
+    host checked before, `registration`) or at most `spare_pool` ids beyond it (where the
+    roster has a pool); without one, at most `count` (nodes + spares) + `spare_pool` node ids
+    over the job's life, evicted ones included."""
     known = state.nodes.get(node_id)
     if known is not None and known.role != EVICTED:
-        if not proven:
+        bound = roster is not None and bool(roster.hosts.get(node_id))  # its host is its proof
+        if not proven and not bound:
             return 403, {
                 "error": f"node {node_id} is registered; only it may register again, with the "
                 "credential the driver gave it"
@@ -98,17 +101,23 @@ def admission(state: JobState, node_id: str, address: str, proven: bool, spare_p
         return None
     if known is not None:
         return None  # the caller refuses an evicted node with its own message
-    roster = state.api.get("roster")
-    if roster is not None and node_id not in roster:
+    if roster is not None and node_id in roster:
+        return None
+    if roster is not None and not roster.pool:
+        listed = list(roster.hosts)
         return 403, {
-            "error": f"node {node_id} is not a node of this job (expected: {', '.join(roster[:8])}"
-            f"{', ...' if len(roster) > 8 else ''})"
+            "error": f"node {node_id} is not a node of this job (expected: {', '.join(listed[:8])}"
+            f"{', ...' if len(listed) > 8 else ''})"
         }
-    limit = int(state.api.get("count", state.nodes_wanted)) + spare_pool
-    if len(state.nodes) >= limit:
+    if roster is None:
+        limit, taken = int(state.api.get("count", state.nodes_wanted)) + spare_pool, len(state.nodes)
+        what = "node ids have registered", "nodes + spares + resilience.spare_pool"
+    else:
+        limit, taken = spare_pool, sum(1 for n in state.nodes if n not in roster)
+        what = "node ids beyond the roster have registered", "resilience.spare_pool"
+    if taken >= limit:
         return 403, {
-            "error": f"node {node_id} refused: {len(state.nodes)} node ids have registered, the most "
-            f"this job admits (nodes + spares + resilience.spare_pool = {limit})"
+            "error": f"node {node_id} refused: {taken} {what[0]}, the most this job admits ({what[1]} = {limit})"
         }
     return None
 
@@ -126,16 +135,23 @@ def for_node(handler: Callable[[dict[str, Any]], Reply]) -> Callable[[dict[str, 
 
 
 def registration(
-    handler: Callable[[dict[str, Any], bool], Reply], identities: Identities, peer_check: bool = True
+    handler: Callable[[dict[str, Any], bool], Reply],
+    identities: Identities,
+    peer_check: bool = True,
+    roster: Roster | None = None,
 ) -> Callable[[dict[str, Any], Principal], Reply]:
     """The register route: with the join token (a new node) or the node's own credential; the
     reply carries the node's credential. `peer_check`: the address registered (every attempt's
-    rendezvous is an active node's) must be the one the request comes from."""
+    rendezvous is an active node's) must be the one the request comes from. `roster`: a listed
+    id only from its host, another id only as a name of the address it comes from (`roster.py`;
+    names resolved here, in a handler thread, not under the driver's lock)."""
 
     def call(body: dict[str, Any], who: Principal) -> Reply:
         if who.role == NODE and who.node != body["node_id"]:
             return 403, {"error": f"this credential speaks for {who.node}, not for {body['node_id']}"}
-        if peer_check and who.address and _canonical(who.address) not in _addresses(body["address"]):
+        if roster is not None and (refusal := roster.binding(body["node_id"], who.address)) is not None:
+            return refusal
+        if peer_check and who.address and canonical(who.address) not in addresses(body["address"]):
             return 403, {
                 "error": f"node {body['node_id']} registers address {body['address']} but connects from "
                 f"{who.address}; register the address the driver sees (behind NAT, set "
@@ -147,24 +163,6 @@ def registration(
         return status, reply
 
     return call
-
-
-def _canonical(address: str) -> str:
-    ip = ipaddress.ip_address(address)
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return str(mapped or ip)
-
-
-def _addresses(address: str) -> set[str]:
-    """The IP addresses `address` (an IP, or a name: resolved, in a handler thread) stands for."""
-    try:
-        return {_canonical(address)}
-    except ValueError:
-        pass
-    try:
-        return {_canonical(str(info[4][0]).split("%")[0]) for info in socket.getaddrinfo(address, None)}
-    except (OSError, ValueError):
-        return set()
 
 
 def for_operator(handler: Callable[[dict[str, Any]], Reply]) -> Callable[[dict[str, Any], Principal], Reply]:

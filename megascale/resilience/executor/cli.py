@@ -1,8 +1,9 @@
 """`megascale executor --driver URL --secret-dir DIR`: a node's executor (started by `launch`,
 Kubernetes or Slurm).
 
-The secret directory holds the driver's token and certificate (`credentials.py`: a mounted
-Kubernetes Secret, or `<run_dir>/resilience/secret` on a shared filesystem); no secret is ever
+The secret directory holds the join token and the driver's certificate (`credentials.py`: a
+mounted Kubernetes Secret, `<run_dir>/resilience/executor-secret` on Slurm's shared filesystem,
+or the job's secret directory in local mode); no secret is ever
 taken on the command line, where `ps` would show it. The work directory defaults to one only
 this user can reach: `$XDG_RUNTIME_DIR/megascale/NODE`, else a fresh private directory in the
 temporary directory, never a predictable path another user could create first.

@@ -203,28 +203,32 @@ def pair_backend() -> tuple[str, str]:
     return ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
 
 
+def join_pair(backend: str, device: str, role: int, master: str, port: int, timeout_s: float) -> None:
+    """The 2-rank default group of a pair test, through a store on `master`:`port` that takes no
+    connection once both nodes hold one (`sealed_tcp_store`): before, it was open to anyone who
+    could reach the port for the whole check."""
+    import torch
+    import torch.distributed as dist
+
+    from megascale.parallel.store import StoreAddress, sealed_tcp_store
+
+    timeout = timedelta(seconds=timeout_s)
+    store = sealed_tcp_store(StoreAddress(master, port, "selfcheck", 0), 2, role == 0, timeout)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=store, rank=role, world_size=2, timeout=timeout)
+
+
 def pair_tests(peer: str, role: int, master: str, port: int, timeout_s: float, mb: int = 4) -> list[dict]:
     """p2p bandwidth and all-reduce with one neighbour node over a 2-rank group (pair_backend)."""
     import torch
     import torch.distributed as dist
 
-    from megascale.parallel.store import bound_listener
-
     tests = []
     backend, device = pair_backend()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
-        store = dist.TCPStore(
-            master,
-            port,
-            2,
-            is_master=role == 0,
-            timeout=timedelta(seconds=timeout_s),
-            **(bound_listener(master, port) if role == 0 else {}),
-        )
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        dist.init_process_group(backend, store=store, rank=role, world_size=2, timeout=timedelta(seconds=timeout_s))
+        join_pair(backend, device, role, master, port, timeout_s)
     except Exception as exc:  # the peer or the link is down: both pair tests fail
         error = f"cannot reach {peer}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return [{"name": n, "peer": peer, "error": error} for n in ("p2p_bandwidth", "all_reduce")]
