@@ -86,7 +86,8 @@ def test_a_flood_of_wrong_tokens_does_not_hide_a_forged_report_in_the_log(driver
     assert refused(driver.client_as(driver.other.credential), "POST", "/v1/heartbeat", forged).status == 403
     seen = flood.result(proc)
     log = driver.log()
-    assert seen.get("401", 0) > 100 and "refusals in the last second, not logged one by one" in log, seen
+    # more refusals than the log's ten lines a second let through over the 4 s flood
+    assert seen.get("401", 0) > 40 and "refusals in the last second, not logged one by one" in log, seen
     assert f"speaks for {OTHER}, not for forged-in-a-flood" in log, seen
     driver.untouched()
 
