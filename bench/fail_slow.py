@@ -30,7 +30,7 @@ from pathlib import Path
 
 from soak import MODEL, REPO, Soak
 
-from megascale.resilience.slowdown import CpuQuota, cpu_quota_available, cpu_rates, tree
+from megascale.resilience.driver.slowdown import CpuQuota, cpu_quota_available, cpu_rates, tree
 
 
 def _step(status: dict) -> int:

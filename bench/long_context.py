@@ -10,14 +10,16 @@ after the timed ones (the tracker slows every op).
 Goals: the SWA time grows linearly (ratio 32k/4k <= 10 at fixed w) and SWA is faster than full
 from 2k on.
 
-Then context parallelism at the longest length: the SWA layer's forward + backward with the
+Then context parallelism: at the longest length the SWA layer's forward + backward with the
 sequence whole on one process (cp = 1) and split over two gloo processes with the halo exchange
-(cp = 2, `parallel/context.py`), one thread per process: tokens/s (the sequence over the slowest
+(cp = 2, `parallel/context.py`), and at `--ring-seq` (8k) full causal attention against ring
+attention (`parallel/ring.py`), one thread per process: tokens/s (the sequence over the slowest
 rank's time) and peak tensor memory per rank.
 
     python bench/long_context.py [--all] [--window 512] [--repeats 2]
+    python bench/long_context.py --cp-only --out bench/results/long_context_ring.json
 
-Writes bench/results/long_context.json.
+Writes bench/results/long_context.json (`--cp-only`: the cp comparisons alone).
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def measure(seq: int, args: argparse.Namespace) -> dict:
     return row
 
 
-def _cp_rank(seq: int, window: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
-    """One rank of the cp comparison (spawned by `run_local`: its environment, one thread)."""
+def _cp_rank(seq: int, window: int | None, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+    """One rank of the cp comparison (spawned by `run_local`: its environment, one thread);
+    `window` None: full causal attention (ring attention under cp)."""
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
@@ -83,7 +86,7 @@ def _cp_rank(seq: int, window: int, heads: int, kv_heads: int, head_dim: int, re
         q = torch.randn(1, heads, local, head_dim, generator=g).requires_grad_()
         k, v = (torch.randn(1, kv_heads, local, head_dim, generator=g).requires_grad_() for _ in range(2))
         grad_out = torch.randn(q.shape, generator=g)
-        context = ContextParallel(dist.group.WORLD, rank, size)
+        context = ContextParallel(dist.group.WORLD, rank, size, ring=window is None)
 
         def step() -> None:
             q.grad = k.grad = v.grad = None
@@ -100,13 +103,13 @@ def _cp_rank(seq: int, window: int, heads: int, kv_heads: int, head_dim: int, re
         dist.destroy_process_group()
 
 
-def measure_cp(seq: int, args: argparse.Namespace) -> dict:
-    out: dict = {"seq": seq, "window": args.window}
+def measure_cp(seq: int, window: int | None, args: argparse.Namespace) -> dict:
+    out: dict = {"seq": seq, "window": window}
     for size in (1, 2):
         ranks = run_local(
             _cp_rank,
             size,
-            args=(seq, args.window, args.heads, args.kv_heads, args.head_dim, args.repeats),
+            args=(seq, window, args.heads, args.kv_heads, args.head_dim, args.repeats),
             timeout_s=1800,
         )
         slowest = max(r["best_s"] for r in ranks)
@@ -117,10 +120,11 @@ def measure_cp(seq: int, args: argparse.Namespace) -> dict:
         }
     out["cp2_vs_cp1_tokens_per_s"] = out["cp2"]["tokens_per_s"] / out["cp1"]["tokens_per_s"]
     out["cp2_vs_cp1_memory_per_rank"] = out["cp2"]["peak_bytes_per_rank"] / out["cp1"]["peak_bytes_per_rank"]
+    kind = "ring attention" if window is None else f"halo, window {window}"
     print(
-        f"cp at {seq}: cp1 {out['cp1']['tokens_per_s']:.0f} tok/s {out['cp1']['peak_bytes_per_rank'] / 2**20:.1f} "
-        f"MiB/rank; cp2 {out['cp2']['tokens_per_s']:.0f} tok/s {out['cp2']['peak_bytes_per_rank'] / 2**20:.1f} "
-        f"MiB/rank",
+        f"cp at {seq} ({kind}): cp1 {out['cp1']['tokens_per_s']:.0f} tok/s "
+        f"{out['cp1']['peak_bytes_per_rank'] / 2**20:.1f} MiB/rank; cp2 {out['cp2']['tokens_per_s']:.0f} tok/s "
+        f"{out['cp2']['peak_bytes_per_rank'] / 2**20:.1f} MiB/rank",
         flush=True,
     )
     return out
@@ -135,14 +139,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per variant and length (best kept)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--ring-seq", type=int, default=8192, help="length of the ring attention comparison")
+    ap.add_argument("--cp-only", action="store_true", help="only the cp comparisons (at the longest length)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    rows = [measure(seq, args) for seq in (ALL_LENGTHS if args.all else DEFAULT_LENGTHS)]
+    lengths = ALL_LENGTHS if args.all else DEFAULT_LENGTHS
+    result = {
+        "benchmark": "long_context",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "note": "CPU, fp32, the machine shared with other jobs (see the load average): times are noisy; "
+        "full and SWA are timed side by side at each length; cp: one thread per rank, gloo on loopback",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
+    if not args.cp_only:
+        result |= sweep(lengths, args)
+    result["context_parallel"] = measure_cp(max(lengths), args.window, args)
+    result["ring_attention"] = measure_cp(args.ring_seq, None, args)
+    result["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def sweep(lengths: list[int], args: argparse.Namespace) -> dict:
+    """Full against SWA at every length, and the summary against the goals."""
+    rows = [measure(seq, args) for seq in lengths]
     by_seq = {r["seq"]: r for r in rows}
     longest = max(by_seq)
-    context = measure_cp(longest, args)
     summary = {
         "swa_time_ratio_longest_vs_4k": by_seq[longest]["swa"]["best_s"] / by_seq[4096]["swa"]["best_s"],
         "longest": longest,
@@ -153,24 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal": "swa time ratio 32k/4k <= 10; swa faster than full from 2048 on",
     }
     print(summary)
-    result = {
-        "benchmark": "long_context",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
-        "note": "CPU, fp32, the machine shared with other jobs (see the load average): times are noisy; "
-        "full and SWA are timed side by side at each length; cp: one thread per rank, gloo on loopback",
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "rows": rows,
-        "context_parallel": context,
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return {"rows": rows, "summary": summary}
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ load balance with and without the balancing loss / the DeepSeek-V3 bias.
 1. dp = ep = 2 on gloo (two local ranks). Two copies of one MoE model train side by side in one
    run, `parallel.ep_overlap_chunks` = 2 (overlap: part c+1's dispatch and part c's combine in
    flight while experts compute) and 1 (the plain all-to-all: dispatch, compute, combine);
-   rounds of a few steps alternate between them. Per step: wall time (tokens/s) and the
-   *exposed* all-to-all time, the self time of the `ep.all_to_all*` timer spans (they cover only
-   waits), forward and backward apart (only the forward is pipelined).
+   rounds of a few steps alternate between them. Per step: wall time (tokens/s), CPU seconds of
+   the rank's process (all its threads, gloo's included), and the *exposed* all-to-all time, the
+   self time of the `ep.all_to_all*` timer spans (they cover only waits), forward and backward
+   apart (both are pipelined with 2 parts).
 2. Load balance on one process: the same small MoE trained on tokens with structure (a few
    recurring phrases over a Zipf background, so the router can specialise) without any
    balancing, with the balancing loss, and with the auxiliary-loss-free bias; per setting the
@@ -99,25 +100,28 @@ def overlap_rank(args: argparse.Namespace, run_dir: str) -> dict:
             for mode, chunks in (("on", args.chunks), ("off", 1))
         }
         data = random_batches(trainers["on"].cfg, mesh.dp_rank, args.steps)
-        steps: dict[str, list[tuple[int, float]]] = {m: [] for m in trainers}
+        steps: dict[str, list[tuple[int, float, float]]] = {m: [] for m in trainers}
         counter = 0
         for _ in range(args.rounds):
             for mode, trainer in trainers.items():
                 timers.end_step(counter)
                 for i, batch in enumerate(data):
+                    cpu = time.process_time()
                     trainer.train_step(batch)
+                    cpu = time.process_time() - cpu
                     trainer.step += 1
                     counter += 1
                     totals = timers.end_step(counter)
                     if i:  # the first step of a round warms up
-                        steps[mode].append((counter, totals["step"]))
+                        steps[mode].append((counter, totals["step"], cpu))
         timers.close()
         exposed = _exposed(timers.path)
         return {
             mode: {
-                "step_s": [t for _, t in rows],
-                "forward_s": [exposed[s]["forward"] for s, _ in rows],
-                "backward_s": [exposed[s]["backward"] for s, _ in rows],
+                "step_s": [t for _, t, _ in rows],
+                "cpu_s": [c for _, _, c in rows],
+                "forward_s": [exposed[s]["forward"] for s, _, _ in rows],
+                "backward_s": [exposed[s]["backward"] for s, _, _ in rows],
             }
             for mode, rows in steps.items()
         }
@@ -203,6 +207,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
+    load_at_start = os.getloadavg()
     print("1. dp = ep = 2, gloo: chunked overlap on vs the plain all-to-all")
     with tempfile.TemporaryDirectory() as run_dir:
         ranks = run_local(overlap_rank, 2, args=(args, run_dir), timeout_s=1800)
@@ -211,28 +216,33 @@ def main() -> None:
         step = statistics.median([t for r in ranks for t in r[mode]["step_s"]])
         fwd = statistics.median([t for r in ranks for t in r[mode]["forward_s"]])
         bwd = statistics.median([t for r in ranks for t in r[mode]["backward_s"]])
+        cpu = statistics.median([t for r in ranks for t in r[mode]["cpu_s"]])
         tokens = args.micro_batch * 2 * args.seq_len / step
         part1[mode] = {
             "step_s_median": step,
             "tokens_per_s": tokens,
             "exposed_forward_a2a_s_median": fwd,
             "exposed_backward_a2a_s_median": bwd,
+            "cpu_s_per_step_median": cpu,
             "samples": len(ranks[0][mode]["step_s"]),
         }
         print(
-            f"  overlap {mode:3s}: step {step * 1e3:7.1f} ms ({tokens:7.0f} tokens/s), exposed all-to-all "
+            f"  overlap {mode:3s}: step {step * 1e3:7.1f} ms ({tokens:7.0f} tokens/s, {cpu:.2f} CPU s), exposed a2a "
             f"forward {fwd * 1e3:6.2f} ms, backward {bwd * 1e3:6.2f} ms (median per step)"
         )
     on, off = part1["on"], part1["off"]
     ratios = {
         "exposed_forward_a2a_on_over_off": on["exposed_forward_a2a_s_median"]
         / max(off["exposed_forward_a2a_s_median"], 1e-9),
+        "exposed_backward_a2a_on_over_off": on["exposed_backward_a2a_s_median"]
+        / max(off["exposed_backward_a2a_s_median"], 1e-9),
         "exposed_total_a2a_on_over_off": (on["exposed_forward_a2a_s_median"] + on["exposed_backward_a2a_s_median"])
         / max(off["exposed_forward_a2a_s_median"] + off["exposed_backward_a2a_s_median"], 1e-9),
         "tokens_per_s_on_over_off": on["tokens_per_s"] / off["tokens_per_s"],
     }
     print(
-        f"  on/off: exposed forward all-to-all x{ratios['exposed_forward_a2a_on_over_off']:.2f}, total "
+        f"  on/off: exposed all-to-all forward x{ratios['exposed_forward_a2a_on_over_off']:.2f}, backward "
+        f"x{ratios['exposed_backward_a2a_on_over_off']:.2f}, total "
         f"x{ratios['exposed_total_a2a_on_over_off']:.2f}, tokens/s x{ratios['tokens_per_s_on_over_off']:.2f}"
     )
 
@@ -246,6 +256,7 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        "load_average_1m_at_start": load_at_start[0],
         "load_average_1m_at_end": load[0],
         "machine_loaded": True,
         "note": "2-core CPU shared with other jobs while measured (load average above); gloo on loopback; "

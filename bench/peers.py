@@ -59,14 +59,22 @@ RTOL = 1e-5
 
 
 def parse_layout(name: str) -> dict[str, int]:
-    """'dp2tp2pp2v2' -> {'dp': 2, 'tp': 2, 'pp': 2, 'v': 2}; missing dimensions are 1."""
-    pairs = re.findall(r"(dp|tp|pp|v)(\d+)", name)
+    """'dp2tp2pp2v2' -> {'dp': 2, 'tp': 2, 'pp': 2, 'v': 2, 'zbv': 0}; missing dimensions are 1.
+    A trailing 'zbv' (e.g. 'pp2v2zbv') runs the zero-bubble V schedule on both sides:
+    `parallel.schedule = "zbv"` against `ScheduleZBVZeroBubble`."""
+    zbv = name.endswith("zbv")
+    dims = name[:-3] if zbv else name
+    pairs = re.findall(r"(dp|tp|pp|v)(\d+)", dims)
     parts = dict(pairs)
-    if not pairs or "".join(k + v for k, v in pairs) != name or len(parts) != len(pairs):
-        raise SystemExit(f"layout {name!r}: write it as dimension-size pairs, e.g. dp2, tp2, pp2v2, dp2tp2pp2v2")
-    layout = {d: int(parts.get(d, 1)) for d in ("dp", "tp", "pp", "v")}
+    if not pairs or "".join(k + v for k, v in pairs) != dims or len(parts) != len(pairs):
+        raise SystemExit(
+            f"layout {name!r}: write it as dimension-size pairs, e.g. dp2, tp2, pp2v2, dp2tp2pp2v2, pp2v2zbv"
+        )
+    layout = {d: int(parts.get(d, 1)) for d in ("dp", "tp", "pp", "v")} | {"zbv": int(zbv)}
     if layout["v"] > 1 and layout["pp"] == 1:
         raise SystemExit(f"layout {name!r}: v > 1 needs pp > 1")
+    if zbv and layout["v"] != 2:
+        raise SystemExit(f"layout {name!r}: zbv runs two chunks per stage: write v2")
     return layout
 
 
@@ -101,6 +109,7 @@ def job(args: argparse.Namespace, layout: dict[str, int]) -> JobConfig:
             tp=layout["tp"],
             pp=layout["pp"],
             vpp=layout["v"],
+            schedule="zbv" if layout.get("zbv") else "1f1b",
             backend="nccl" if args.device == "cuda" else "gloo",
         ),
         train=TrainConfig(

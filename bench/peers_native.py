@@ -8,7 +8,8 @@ torchtitan recipe composes it, around megascale's own GPT (the model code has no
 - dp: FSDP2 `fully_shard(reshard_after_forward=False)` (ZeRO-2-like) on every block and on the
   stage, with gradient sync and resharding only after the last micro-batch;
 - pp: `torch.distributed.pipelining` stages under `ScheduleInterleaved1F1B` (`Schedule1F1B`
-  when v = 1), the model cut into the same chunks as megascale's;
+  when v = 1; `ScheduleZBVZeroBubble`, stages in a V, against megascale's `zbv`), the model
+  cut into the same chunks as megascale's;
 
 then AdamW with global-norm clipping (the norm summed over pipeline stages, as torchtitan does).
 Parameters get the values megascale gives them, `initial_value(name, seed)`, so both sides
@@ -35,7 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -196,7 +202,8 @@ class NativePeer:
         self.optimizer_s = 0.0  # the last step's clipping and optimizer step (host time)
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (last stage)
         pp_rank, chunks = self.mesh["pp"].get_local_rank(), par.pp * par.vpp
-        stage_ids = [pp_rank + c * par.pp for c in range(par.vpp)]
+        zbv = par.schedule == "zbv"  # the V: rank r holds stages r and 2p-1-r
+        stage_ids = [pp_rank, chunks - 1 - pp_rank] if zbv else [pp_rank + c * par.pp for c in range(par.vpp)]
         # async-TP: inductor fuses the TP collectives into the GEMMs of compiled blocks, but only
         # with NCCL and CUDA symmetric memory (its pass returns at once otherwise)
         self.async_tp = cfg.train.compile and par.tp > 1 and device.type == "cuda" and dist.is_nccl_available()
@@ -227,7 +234,7 @@ class NativePeer:
                 PipelineStage(part, s, chunks, device, group=self.groups["pp"])
                 for part, s in zip(self.parts, stage_ids, strict=True)
             ]
-            kind = ScheduleInterleaved1F1B if par.vpp > 1 else Schedule1F1B
+            kind = ScheduleZBVZeroBubble if zbv else ScheduleInterleaved1F1B if par.vpp > 1 else Schedule1F1B
             self.schedule = kind(
                 stages if par.vpp > 1 else stages[0],
                 n_microbatches=cfg.micro_batches,

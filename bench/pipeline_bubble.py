@@ -1,10 +1,11 @@
 """Measured pipeline bubble vs theory per schedule, peak activation memory, the end-of-step
 sync, and exposed send/recv time with and without decoupling.
 
-One run spawns `p` gloo ranks (one thread each) and trains the same GPT with five runners,
-alternating step by step so machine noise hits all alike: 1F1B, interleaved 1F1B (v=2) and
-ZB-H1 (split backward) with decoupled sends (the default: isend, waited lazily), and 1F1B and
-interleaved with coupled sends (each send waited before going on).
+One run spawns `p` gloo ranks (one thread each) and trains the same GPT with six runners,
+alternating step by step so machine noise hits all alike: 1F1B, interleaved 1F1B (v=2), ZB-H1
+and ZB-V (split backward; ZB-V's two chunks per rank in a V) with decoupled sends (the default:
+isend, waited lazily), and 1F1B and interleaved with coupled sends (each send waited before
+going on).
 Every action is timed by the runner itself (`pp.forward`/`pp.backward`/`pp.weight` compute
 spans, `pp.recv`/`pp.send`/`pp.send_wait` p2p spans, read back from the per-rank timer files).
 A step's window runs from a common start (after a barrier) to the moment the last rank
@@ -26,6 +27,7 @@ Memory: one extra step per schedule runs under the profiler's CPU memory account
 of bytes allocated above the step's start is the schedule's activation (and W-stash) peak.
 
     python bench/pipeline_bubble.py [--p 2] [--m 8] [--hidden 256] [--rounds 3]
+    python bench/pipeline_bubble.py --memory-only   # one warm-up step, then each mode's peak
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from megascale.model import GPT
 from megascale.optim import global_grad_norm
 from megascale.parallel import init_mesh
 from megascale.parallel.pipeline import PipelineRunner, build_schedule, simulate, split_model
-from megascale.parallel.pipeline.schedule import Op
+from megascale.parallel.pipeline.schedule import V_SHAPED, Op
 from megascale.testing.launch import run_local
 
 # name -> (parallel.schedule, v, decoupled)
@@ -58,12 +60,17 @@ MODES = {
     "1f1b": ("1f1b", 1, True),
     "interleaved": ("1f1b", 2, True),
     "zb-h1": ("zb-h1", 1, True),
+    "zbv": ("zbv", 2, True),
     "1f1b coupled": ("1f1b", 1, False),
     "interleaved coupled": ("1f1b", 2, False),
 }
 
 
 def theory(kind: str, p: int, v: int, m: int) -> float:
+    """Idle / compute with F = B (= W) per chunk: ZB-V idles p-1 chunk-ops in 6m (simulated,
+    m >= 2p-1), ZB-H1 p-1 stage-ops in 3m, (interleaved) 1F1B (p-1)/(v m)."""
+    if kind == "zbv":
+        return simulate(build_schedule(kind, p, v, m)).idle[0] / (6 * m)
     return (p - 1) / (3 * m) if kind == "zb-h1" else (p - 1) / (v * m)
 
 
@@ -137,7 +144,7 @@ def rank_main(args, out_dir: str) -> dict:
         for name, (kind, v, decoupled) in MODES.items():
             cfg = job(args, kind, v)
             torch.manual_seed(0)
-            chunks = split_model(GPT(cfg.model), args.p, v, mesh.pp_rank, cfg.parallel.pp_split)
+            chunks = split_model(GPT(cfg.model), args.p, v, mesh.pp_rank, cfg.parallel.pp_split, kind in V_SHAPED)
             runners[name] = PipelineRunner(chunks, cfg, mesh, decoupled=decoupled)
         g = torch.Generator().manual_seed(1)
         shape = (args.m, args.micro_batch, args.seq)
@@ -262,6 +269,35 @@ def deeper_replay(mode_ranks: dict[int, dict[str, float]], kind: str, v: int, p:
     return statistics.mean(i / b for i, b in zip(sim.idle, sim.busy, strict=True))
 
 
+def memory_report(args, results: list[dict], load: tuple[float, ...]) -> int:
+    """Peak bytes per mode and rank against 1F1B's, and what the schedule holds (simulated)."""
+    memory: dict[str, dict] = {}
+    base = {r["rank"]: r["memory"]["1f1b"] for r in results}
+    for mode, (kind, v, decoupled) in MODES.items():
+        if not decoupled:
+            continue
+        sim = simulate(build_schedule(kind, args.p, v, args.m))
+        peaks = {r["rank"]: r["memory"][mode] for r in results}
+        memory[mode] = {
+            "peak_bytes": peaks,
+            "vs_1f1b_same_rank": {r: peaks[r] / base[r] for r in peaks},
+            "vs_1f1b_max": max(peaks.values()) / max(base.values()),
+            "schedule_peak_activations": sim.peak_activations,
+            "schedule_peak_held": sim.peak_held,
+        }
+        print(
+            f"{mode:<12} peak MiB per rank {[round(b / 2**20, 1) for b in peaks.values()]}; vs 1F1B same rank "
+            f"{[round(x, 2) for x in memory[mode]['vs_1f1b_same_rank'].values()]}; max vs 1F1B's max "
+            f"{memory[mode]['vs_1f1b_max']:.2f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"config": vars(args), "torch": torch.__version__, "load_average_at_start": load, "memory": memory}
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--p", type=int, default=2)
@@ -278,13 +314,18 @@ def main() -> int:
         action="store_false",
         help="do not pin each rank to its own physical core (pinned when enough)",
     )
+    ap.add_argument("--memory-only", action="store_true", help="only each mode's peak bytes (no timed rounds)")
     ap.add_argument("--out", default="bench/results/pipeline_bubble.json")
     args = ap.parse_args()
+    if args.memory_only:
+        args.rounds = 0
 
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         results = run_local(rank_main, args.p, (args, tmp), timeout_s=1800)
         stats = collect(Path(tmp), results, args)
+    if args.memory_only:
+        return memory_report(args, results, load)
 
     report = {
         "config": vars(args),
@@ -357,7 +398,7 @@ def main() -> int:
         }
     print()
     modes = report["modes"]
-    for mode in ("1f1b", "interleaved", "zb-h1"):
+    for mode in ("1f1b", "interleaved", "zb-h1", "zbv"):
         d = modes[mode]
         deep = f"replay_bubble_p{args.replay_p}"
         print(
@@ -375,11 +416,16 @@ def main() -> int:
             f"{1e3 * c['send_blocked_s']:.1f} ms coupled; step {d['step_s']:.3f} s vs "
             f"{c['step_s']:.3f} s (coupled/decoupled {c['step_s'] / d['step_s']:.3f})"
         )
-    zb, inter = modes["zb-h1"], modes["interleaved"]
+    zb, zbv, inter = modes["zb-h1"], modes["zbv"], modes["interleaved"]
     report["zb_h1_vs_interleaved"] = {
         "bubble_points": 100 * (zb["bubble_mean"] - inter["bubble_mean"]),
         "step_ratio": zb["step_s"] / inter["step_s"],
         "zb_h1_gap_to_its_theory_points": zb["gap_to_theory_points"],
+    }
+    report["zbv_vs_zb_h1"] = {
+        "bubble_points": 100 * (zbv["bubble_mean"] - zb["bubble_mean"]),
+        "step_ratio": zbv["step_s"] / zb["step_s"],
+        "zbv_gap_to_its_theory_points": zbv["gap_to_theory_points"],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

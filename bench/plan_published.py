@@ -311,6 +311,7 @@ def predict(row: Row, constants: dict[str, float] | None = None) -> StepEstimate
         pps=(row.pp,),
         virtuals=row.v,
         recompute=row.recompute,
+        schedules=("1f1b",),  # the published runs' schedule (interleaved when v > 1)
     )
     found = search(work, row.gpus, cluster, system.features, space)
     if not found:

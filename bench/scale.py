@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from megascale.resilience.api_server import raise_fd_limit
+from megascale.resilience.driver.api_server import raise_fd_limit
 from megascale.testing.scale import RANKS_PER_NODE, REPO, run_size
 
 

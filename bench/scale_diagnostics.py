@@ -3,7 +3,8 @@
 Every rank's timer file (5 steps of 1F1B with two micro-batches, one rank 20% slower) and hang
 dump (one rank SIGSTOPped in the gradient sync) are written by the real writers
 (megascale.testing.simtraces), then each analyser runs on them as `megascale report` and the
-driver's live evidence do: the collector's ingest, the straggler analysis, the heat maps,
+driver's live evidence do: the live straggler evidence (the step summaries' tails), the
+collector's ingest, the straggler analysis, the heat maps,
 the breakdown, the two traces, the hang analysis and its figure. Each size runs in a fresh
 process; per phase: CPU seconds (the machine is shared: wall time is mostly waiting) and the
 peak RSS reached in it (the peak is reset between phases through /proc/self/clear_refs).
@@ -27,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megascale.diagnostics import hang, report, straggler, timeline  # noqa: E402
+from megascale.diagnostics import hang, recent, report, straggler, timeline  # noqa: E402
 from megascale.diagnostics.store import Collector  # noqa: E402
 from megascale.layout.grid import RankGrid  # noqa: E402
 from megascale.testing.simtraces import TraceShape, write_hang_dumps, write_timer_files  # noqa: E402
@@ -69,7 +70,10 @@ def one_size(world: int, steps: int, work: Path) -> dict:
         return result
 
     out["spans"] = phase("write_timer_files", lambda: write_timer_files(work, shape))
-    out["timer_files_mb"] = round(sum(p.stat().st_size for p in (work / "timers").iterdir()) / 2**20, 1)
+    out["timer_files_mb"] = round(sum(p.stat().st_size for p in (work / "timers").glob("*.jsonl")) / 2**20, 1)
+    # the driver's live straggler evidence (resilience/driver/evidence.py): the tails of the step summaries
+    live = phase("live_evidence", lambda: straggler.find_stragglers(recent.recent_rank_steps(work, 16)))
+    out["live_evidence_found"] = [s.rank for s in live]
     phase("write_hang_dumps", lambda: write_hang_dumps(work, grid, stuck))
     collector = Collector(work)
     phase("collect", collector.poll)

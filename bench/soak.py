@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from megascale.resilience.api import ApiClient
-from megascale.resilience.ettr import final_records
+from megascale.resilience.common.api import ApiClient
+from megascale.resilience.driver.ettr import final_records
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = [

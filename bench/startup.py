@@ -41,7 +41,7 @@ from megascale.config import ParallelConfig
 from megascale.layout.grid import DIMS, Dim, RankGrid
 from megascale.parallel.mesh import create_groups, init_mesh, join_world
 from megascale.parallel.redis_store import RedisStore
-from megascale.resilience.redis_server import RedisServer
+from megascale.resilience.common.redis_server import RedisServer
 from megascale.testing.launch import run_local
 
 LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2), 16: (4, 2, 2)}  # (pp, dp, tp)

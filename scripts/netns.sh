@@ -9,10 +9,10 @@
 #   scripts/netns.sh down TAG COUNT     remove the namespaces, veths and the bridge
 #
 # `megascale launch --netns` does the same itself (TAG = the first 4 characters of the job id,
-# shown by GET /v1/status). The commands live in megascale/resilience/local.py, one copy only.
+# shown by GET /v1/status). The commands live in megascale/resilience/driver/local.py, one copy only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ $EUID -ne 0 ]]; then echo "netns.sh: run as root" >&2; exit 1; fi
 PY=${PYTHON:-python}
 [[ -x .venv/bin/python ]] && PY=.venv/bin/python
-exec "$PY" -m megascale.resilience.local "$@"
+exec "$PY" -m megascale.resilience.driver.local "$@"

@@ -24,7 +24,8 @@ export OMP_NUM_THREADS=1
 # Two phases: everything but the tests marked serial on the workers, then those alone (they measure
 # CPU costs, speeds or detection bounds, and a neighbour's load would move them). A phase that finds no test is
 # fine when the other ran some; both finding none is pytest's exit code 5, a failure.
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+# --durations: the slowest tests of each phase, printed, so the suite's time can be kept under its limit
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25)
 set +e
 "${pytest[@]}" -n "${MEGASCALE_TEST_WORKERS:-2}" --dist loadfile -m "${marks:+$marks and }not serial" "$@"
 first=$?

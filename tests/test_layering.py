@@ -1,6 +1,7 @@
 """The packages load each other only downwards, and no modules load each other in a loop.
 
-The order is the picture in docs/architecture.md. Every way code is loaded counts, at any depth
+The order is the picture in docs/architecture.md: the packages' LAYERS, and inside a package of
+SUBLAYERS (resilience: one subpackage per process) its subpackages'. Every way code is loaded counts, at any depth
 of a file: `import` statements (a lazy import that hides a loop is still a loop), module names
 given as strings (`importlib.import_module("megascale...")`, `__import__`, lazy export tables
 such as `_EXPORTS` in an `__init__.py`), and `python -m megascale...` commands a module starts
@@ -36,11 +37,18 @@ LAYERS: list[set[str]] = [
     {"train", "testing"},
 ]
 TOP_LEVEL = "megascale.cli"  # dispatches to every command
+# Inside these packages the subpackages are layered the same way, bottom to top, and the package
+# holds no module outside them. resilience: one subpackage per process, over what they share.
+# The driver starts executors (local mode), an executor starts ranks and self-checks: processes
+# started are above the processes that start them only as `-m` commands, never imports.
+SUBLAYERS: dict[str, list[set[str]]] = {
+    "resilience": [{"common"}, {"rank", "selfcheck"}, {"executor"}, {"driver"}],
+}
 
 # (loading module, loaded module) -> why this load against the layer order is sanctioned
 ALLOWED: dict[tuple[str, str], str] = {
     (
-        "megascale.resilience.ranks",
+        "megascale.resilience.executor.ranks",
         "megascale.train.cli",
     ): "an executor's warm standby ranks are `megascale train --standby` processes: the rank is "
     "the top of the stack, started across a process boundary; resilience imports nothing of train",
@@ -201,15 +209,30 @@ def _layer_of(module: str) -> int | None:
     return None
 
 
+def _sublayer_of(module: str) -> int | None:
+    """The layer of `module`'s subpackage inside a package of SUBLAYERS (None: no layer)."""
+    parts = module.split(".")
+    for i, layer in enumerate(SUBLAYERS.get(parts[1], []) if len(parts) > 2 else []):
+        if parts[2] in layer:
+            return i
+    return None
+
+
 def against_the_order(loads: list[Load]) -> list[Load]:
-    """Loads of a package of the same or a higher layer (or of no layer), less the sanctioned ones."""
+    """Loads of a package of the same or a higher layer (or of no layer), and inside a package of
+    SUBLAYERS loads of a sibling subpackage of the same or a higher layer, less the sanctioned ones."""
     wrong = []
     for load in loads:
         if load.source == TOP_LEVEL or load.how == "dynamic" or (load.source, load.target) in ALLOWED:
             continue
-        same_package = load.target.split(".")[:2] == load.source.split(".")[:2]
-        mine, theirs = _layer_of(load.source), _layer_of(load.target)
-        if not same_package and (theirs is None or mine is None or theirs >= mine):
+        source, target = load.source.split("."), load.target.split(".")
+        if source[:2] != target[:2]:
+            mine, theirs = _layer_of(load.source), _layer_of(load.target)
+        elif source[1:2] and source[1] in SUBLAYERS and len(target) > 2 and source[:3] != target[:3]:
+            mine, theirs = _sublayer_of(load.source), _sublayer_of(load.target)
+        else:
+            continue  # inside one package (or one subpackage of a layered one)
+        if theirs is None or mine is None or theirs >= mine:
             wrong.append(load)
     return wrong
 
@@ -257,6 +280,18 @@ def problems(root: Path = PACKAGE) -> list[str]:
 def test_every_package_has_a_layer():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert packages == set().union(*LAYERS), "add the new package to LAYERS and to docs/architecture.md"
+    for package, layers in SUBLAYERS.items():
+        inside = {p.name for p in (PACKAGE / package).iterdir() if p.name != "__pycache__"}
+        subpackages = {p for p in inside if (PACKAGE / package / p / "__init__.py").exists()}
+        assert subpackages == set().union(*layers), f"add the new subpackage to SUBLAYERS[{package!r}]"
+        assert inside - subpackages == {"__init__.py"}, f"modules of {package}/ belong in one of its subpackages"
+
+
+def test_the_architecture_page_names_every_package_and_subpackage():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    names = set().union(*LAYERS) | {sub for layers in SUBLAYERS.values() for sub in set().union(*layers)}
+    missing = sorted(name for name in names if f"{name}/" not in text)
+    assert not missing, f"docs/architecture.md does not show {missing}"
 
 
 def test_packages_load_only_downwards():
@@ -287,7 +322,7 @@ def test_the_loads_that_are_there_are_seen():
     seen = {(x.source, x.target, x.how) for x in tree_loads()}
     assert ("megascale.data", "megascale.data.loader", "string") in seen  # the _EXPORTS table
     assert ("megascale.cli", "megascale.train.cli", "string") in seen  # SUBCOMMANDS
-    assert ("megascale.resilience.ranks", "megascale.train.cli", "process") in seen  # -m megascale.cli train
+    assert ("megascale.resilience.executor.ranks", "megascale.train.cli", "process") in seen  # -m megascale.cli train
     assert ("megascale.checkpoint.stage2", "megascale.checkpoint.writer", "process") in seen
 
 
@@ -301,11 +336,17 @@ BYPASSES = {
     "computed name, concatenated": ("layout/grid.py", IMPORTLIB + '_T = importlib.import_module("megascale." + "x")\n'),
     "lazy export table": ("data/__init__.py", ("_EXPORTS = {", '_EXPORTS = {"Trainer": "megascale.train.trainer", ')),
     "-m megascale.cli train, elsewhere": (
-        "resilience/faults.py",
+        "resilience/rank/faults.py",
         '\nARGV = ("python", "-m", "megascale.cli", "train", "--standby")\n',
     ),
     "-m in a shell line": ("checkpoint/writer.py", '\nCMD = "python -m megascale.cli launch --nodes 2"\n'),
     "module:attr string": ("model/flops.py", '\nENTRY = "megascale.parallel.engine:build_runner"\n'),
+    "executor imports the driver": (
+        "resilience/executor/ranks.py",
+        "\n\ndef _f():\n    from megascale.resilience.driver import state\n",
+    ),
+    "rank imports its executor": ("resilience/rank/faults.py", "\nfrom megascale.resilience.executor import ranks\n"),
+    "common imports a process": ("resilience/common/api.py", '\nENTRY = "megascale.resilience.driver.cli"\n'),
     "string import loop": ("config/fields.py", IMPORTLIB + '_L = importlib.import_module("megascale.config.loader")\n'),
 }
 

@@ -95,7 +95,7 @@ class CheckpointManager:
 
     def _grid_layout(self) -> dict[str, int]:
         grid = self.mesh.grid
-        return {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp, "vpp": self.job_cfg.parallel.vpp}
+        return {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp, "vpp": self.job_cfg.parallel.vpp, "ep": grid.ep}
 
     # ------------------------------------------------------------------------------ saving
     @property
@@ -251,13 +251,12 @@ class CheckpointManager:
         return True
 
     def _header(self, step: int) -> dict[str, Any]:
-        grid = self.mesh.grid
         return {
             "format": FORMAT,
             "version": VERSION,
             "step": step,
             "world_size": self.world,
-            "layout": {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp, "vpp": self.job_cfg.parallel.vpp},
+            "layout": self._grid_layout(),
             "config": to_dict(self.job_cfg),
             "created": time.time(),
             "run_id": self.run_id,
@@ -445,11 +444,13 @@ class CheckpointManager:
         }
         saved = shape.layout
         log.info(
-            "resumed from %s at step %d (saved as pp=%d dp=%d tp=%d, %d ranks; read %d of %d stored bytes, %.2f s)",
+            "resumed from %s at step %d (saved as pp=%d dp=%d ep=%d tp=%d, %d ranks; "
+            "read %d of %d stored bytes, %.2f s)",
             path,
             self.state.step,
             saved.pp,
             saved.dp,
+            saved.ep,
             saved.tp,
             shape.world_size,
             read,

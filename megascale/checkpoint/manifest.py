@@ -120,6 +120,7 @@ class Layout(Strict):
     dp: Positive
     tp: Positive
     vpp: Positive
+    ep: Positive = 1  # expert-parallel degree within dp (manifests before it had none: 1)
 
 
 class PythonRng(Strict):

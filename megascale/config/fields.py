@@ -3,7 +3,7 @@ documentation, and the common range checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, field
 from typing import Any
 
@@ -20,11 +20,18 @@ def opt(default: Any = MISSING, doc: str = "", *, factory: Callable[[], Any] | N
     return field(default=default, metadata={"doc": doc})
 
 
-def positive(section: object, name: str, keys: list[str]) -> None:
+def at_least(section: object, name: str, keys: Iterable[str], low: float, *, strict: bool = False) -> None:
+    """Each of `keys` of the section called `name` is >= `low` (> `low` when `strict`); the error
+    names the first that is not, the bound and its value."""
     for key in keys:
         value = getattr(section, key)
-        if value < 1:
-            raise ConfigError(f"{name}.{key} must be >= 1, got {value}")
+        if value < low or (strict and value == low):
+            raise ConfigError(f"{name}.{key} must be {'>' if strict else '>='} {low:g}, got {value}")
+
+
+def positive(section: object, name: str, keys: Iterable[str]) -> None:
+    """Counts and sizes: each at least 1."""
+    at_least(section, name, keys, 1)
 
 
 def divisors(n: int) -> list[int]:

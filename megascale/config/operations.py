@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megascale.config.fields import ConfigError, opt
+from megascale.config.fields import ConfigError, at_least, opt, positive
 
 
 @dataclass
@@ -122,6 +122,19 @@ class ResilienceConfig:
         "node ids admitted beyond nodes + spares over the job's life (replacement "
         "nodes); any further new id is refused",
     )
+    shrink: Literal["keep-batch", "divide"] = opt(
+        "keep-batch",
+        "fewer nodes and no spare: keep-batch (the largest dp that fits; replicas take uneven "
+        "micro-batch counts, the global batch and the optimizer's trajectory stay) or divide "
+        "(the largest dp dividing the batch: more nodes idle)",
+    )
+    roster: str = opt(
+        "",
+        'the node ids a cluster job expects, each bound to its host: "file:PATH", one '
+        "`NODE_ID [HOST]` a line (HOST defaults to the id); a listed id registers only from "
+        "its host, another only as a name resolving to where it connects from, at most "
+        'spare_pool of them; "" = any id within nodes + spares + spare_pool (trust on first use)',
+    )
     peer_address_check: bool = opt(
         True,
         "a registration's address must be the one it connects to the driver "
@@ -175,18 +188,9 @@ class ResilienceConfig:
     max_evictions_per_hour: int = opt(2, "stragglers replaced per hour at most; beyond, only an alert")
 
     def validate(self) -> None:
-        for key in (
-            "heartbeat_s",
-            "heartbeat_timeout_s",
-            "startup_timeout_s",
-            "hang_floor_s",
-            "traffic_window_s",
-            "stop_timeout_s",
-            "selfcheck_timeout_s",
-            "api_request_timeout_s",
-        ):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"resilience.{key} must be > 0, got {getattr(self, key)}")
+        periods = ("heartbeat_s", "heartbeat_timeout_s", "startup_timeout_s", "hang_floor_s", "traffic_window_s")
+        timeouts = ("stop_timeout_s", "selfcheck_timeout_s", "api_request_timeout_s")
+        at_least(self, "resilience", periods + timeouts, 0, strict=True)
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ConfigError(
                 f"resilience.heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
@@ -197,13 +201,10 @@ class ResilienceConfig:
         _share("silence_fraction", self.silence_fraction, one_allowed=True)
         _share("traffic_fall_ratio", self.traffic_fall_ratio, one_allowed=False)
         self._validate_fail_slow()
-        if self.max_step_rate <= 0:
-            raise ConfigError(f"resilience.max_step_rate must be > 0, got {self.max_step_rate}")
-        for key in ("warmup_steps", "restart_budget", "spares", "spare_pool", "standby", "max_evictions_per_hour"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"resilience.{key} must be >= 0, got {getattr(self, key)}")
-        if self.max_node_faults < 1:
-            raise ConfigError(f"resilience.max_node_faults must be >= 1, got {self.max_node_faults}")
+        at_least(self, "resilience", ["max_step_rate"], 0, strict=True)
+        counts = ("warmup_steps", "restart_budget", "spares", "spare_pool", "standby", "max_evictions_per_hour")
+        at_least(self, "resilience", counts, 0)
+        positive(self, "resilience", ["max_node_faults"])
         for key in ("api_port", "rendezvous_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ConfigError(f"resilience.{key} must be a port in [0, 65535]")

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from megascale.config.fields import ConfigError, divisors, opt, positive
+from megascale.config.fields import ConfigError, at_least, divisors, opt, positive
 from megascale.config.operations import CheckpointConfig, DiagnosticsConfig, ResilienceConfig
+from megascale.config.shares import BatchShares
 
 # The Redis store's password: from this variable rather than the URL, it stays out of command
 # lines, RUN_DIR/config.toml and checkpoint manifests. Ranks get the path of a 0600 file instead
@@ -79,6 +80,9 @@ class MoEConfig:
     )
     normalize: bool = opt(True, "rescale each token's top-k gates to sum to 1 (Mixtral); sigmoid always does")
     shared_ffn_hidden: int = opt(0, "width of a shared expert every token goes through; 0 = none")
+    shared_gate: bool = opt(
+        False, "scale the shared expert's output by sigmoid(a learned linear function of the token) (Qwen2-MoE)"
+    )
     aux_loss_coef: float = opt(0.01, "load-balancing loss (Switch/GShard, per sequence) coefficient; 0 = off")
     z_loss_coef: float = opt(0.001, "router z-loss (ST-MoE: mean squared log-sum-exp of router logits) coefficient")
     bias_balancing: bool = opt(
@@ -100,16 +104,10 @@ class MoEConfig:
         positive(self, "model.moe", ["experts", "top_k", "every"])
         if self.top_k > self.experts:
             raise ConfigError(f"model.moe.top_k={self.top_k} must be <= model.moe.experts={self.experts}")
-        for key in (
-            "ffn_hidden",
-            "shared_ffn_hidden",
-            "aux_loss_coef",
-            "z_loss_coef",
-            "bias_update_rate",
-            "capacity_factor",
-        ):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"model.moe.{key} must be >= 0, got {getattr(self, key)}")
+        if self.shared_gate and not self.shared_ffn_hidden:
+            raise ConfigError("model.moe.shared_gate=true gates the shared expert: set model.moe.shared_ffn_hidden > 0")
+        widths, rates = ("ffn_hidden", "shared_ffn_hidden"), ("aux_loss_coef", "z_loss_coef", "bias_update_rate")
+        at_least(self, "model.moe", (*widths, *rates, "capacity_factor"), 0)
 
 
 @dataclass
@@ -136,6 +134,9 @@ class ModelConfig:
     tie_embeddings: bool = opt(False, "the head shares the token embedding's weight (needs pp = 1)")
     bias: bool = opt(True, "the linear layers have biases (LayerNorms always do)")
     qkv_bias: bool = opt(False, "the QKV projection has a bias even when bias = false (Qwen 2)")
+    qk_norm: bool = opt(
+        False, "RMSNorm over each query and key head (head_dim wide) before the rotary embedding (Qwen 3)"
+    )
     norm_eps: float = opt(1e-5, "epsilon of every LayerNorm/RMSNorm")
     init_std: float = opt(0.02, "standard deviation of the initial weights (residual projections are scaled down)")
     rope_base: float = opt(10000.0, "rotary base (theta): 10000 for GPT-NeoX/Llama 2, 500000 for Llama 3")
@@ -228,9 +229,7 @@ class OptimConfig:
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
-        for key in ("warmup_steps", "decay_steps", "weight_decay", "grad_clip"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"optim.{key} must be >= 0, got {getattr(self, key)}")
+        at_least(self, "optim", ("warmup_steps", "decay_steps", "weight_decay", "grad_clip"), 0)
         if self.eps <= 0:
             raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
 
@@ -242,7 +241,7 @@ class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (ZeRO-2 shards gradients and optimizer state over it)")
     tp: int = opt(1, "tensor-parallel degree (inside a node; with sequence parallelism)")
     pp: int = opt(1, "pipeline stages")
-    cp: int = opt(1, "context-parallel degree: each sequence split along its length over cp ranks (SWA halo exchange)")
+    cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (ring attention; a window: a halo)")
     ep: int = opt(1, "expert-parallel degree, carved from dp: ep consecutive dp ranks split each MoE layer's experts")
     vpp: int = opt(1, "virtual pipeline chunks per stage (interleaved 1F1B when > 1)")
     # layers per pipeline chunk: "auto" balances FLOPs (the first chunk has the embedding, the
@@ -250,8 +249,10 @@ class ParallelConfig:
     pp_split: Literal["auto", "even"] | list[int] = opt(
         "auto", "layers per chunk: auto (FLOP-balanced), even, or a list of pp*vpp counts"
     )
-    schedule: Literal["1f1b", "gpipe", "zb-h1"] = opt(
-        "1f1b", "1f1b (interleaved when vpp > 1), gpipe, or zb-h1 (zero-bubble: split backward, vpp=1)"
+    schedule: Literal["1f1b", "gpipe", "zb-h1", "zbv"] = opt(
+        "1f1b",
+        "1f1b (interleaved when vpp > 1), gpipe, zb-h1 (zero-bubble: split backward, vpp=1) or zbv "
+        "(zero-bubble V: two chunks per stage in a V, vpp=2)",
     )
     sequence_parallel: bool = opt(True, "shard LayerNorm/residual activations along the sequence over tp")
     tp_overlap: bool = opt(True, "chunked all-gather/reduce-scatter fused into the GEMMs")
@@ -295,6 +296,8 @@ class ParallelConfig:
             raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
         if self.schedule == "zb-h1" and self.vpp > 1:
             raise ConfigError("parallel.schedule='zb-h1' runs one chunk per stage: set parallel.vpp=1")
+        if self.schedule == "zbv" and self.vpp != 2:
+            raise ConfigError("parallel.schedule='zbv' runs two chunks per stage in a V: set parallel.vpp=2")
         if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ConfigError("parallel.init_timeout_s and parallel.collective_timeout_s must be > 0")
         if self.redis_connect_timeout_s <= 0:
@@ -415,9 +418,7 @@ class TrainConfig:
                 "loss_chunk",
             ],
         )
-        for key in ("eval_every", "eval_batches", "gc_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        at_least(self, "train", ("eval_every", "eval_batches", "gc_every"), 0)
         for key in ("dtype", "param_dtype", "reduce_dtype"):
             check_dtype(f"train.{key}", getattr(self, key))
         if self.spike_window < 8:
@@ -466,18 +467,23 @@ class JobConfig:
         self._validate_layout()
 
     @property
+    def shares(self) -> BatchShares:
+        """Each data-parallel replica's share of the global batch (`shares.py`)."""
+        return BatchShares(self.train.global_batch, self.train.micro_batch, self.parallel.dp)
+
+    @property
     def micro_batches(self) -> int:
-        """Micro-batches per data-parallel rank per optimizer step."""
-        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+        """Micro-batches per data-parallel rank per optimizer step: the most any replica runs
+        (with uneven shares, `resilience.shrink='keep-batch'`, some run one fewer)."""
+        return self.shares.most
+
+    def micro_batches_of(self, dp_rank: int) -> int:
+        """Micro-batches data-parallel replica `dp_rank` runs per optimizer step."""
+        return self.shares.micro_batches(dp_rank)
 
     def _validate_layout(self) -> None:
         m, p, t = self.model, self.parallel, self.train
-        per_step = t.micro_batch * p.dp
-        if t.global_batch % per_step:
-            raise ConfigError(
-                f"train.global_batch={t.global_batch} must be a multiple of "
-                f"train.micro_batch * parallel.dp = {t.micro_batch} * {p.dp} = {per_step}"
-            )
+        self.shares.check(self.resilience.shrink)
         if t.spike_action == "rollback" and self.checkpoint.every <= 0:
             raise ConfigError(
                 "train.spike_action='rollback' restores the last checkpoint: it needs "
@@ -485,12 +491,19 @@ class JobConfig:
             )
         check_tensor_parallel(m, p.tp, p.sequence_parallel)
         if p.cp > 1:
-            check_context_parallel(m, p, self.checkpoint.every)
+            check_context_parallel(m, p)
         check_expert_parallel(m, p)
-        check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
-        if p.vpp > 1 and self.micro_batches % p.pp:
+        if p.ep > 1 and not self.shares.even and self.shares.total % p.ep:
+            # ep groups are ep consecutive dp ranks: with ep | total the replicas taking one more fill whole groups
             raise ConfigError(
-                f"interleaved 1F1B needs micro-batches per step ({self.micro_batches} = "
+                f"parallel.ep={p.ep} with {self.shares.describe()}: an ep group's dp ranks exchange tokens "
+                f"every micro-batch, so they must run the same count; with uneven shares "
+                f"train.global_batch / train.micro_batch = {self.shares.total} must be a multiple of parallel.ep"
+            )
+        check_pipeline_split(m.layers, p.pp, p.vpp, p.pp_split)
+        if p.vpp > 1 and p.schedule != "zbv" and {self.shares.fewest % p.pp, self.micro_batches % p.pp} != {0}:
+            raise ConfigError(
+                f"interleaved 1F1B needs micro-batches per step ({self.shares.describe()}: "
                 f"global_batch / (micro_batch * dp)) to be a multiple of parallel.pp={p.pp}"
             )
         if p.pp > 1 and m.tie_embeddings:
@@ -523,29 +536,25 @@ def check_tensor_parallel(m: ModelConfig, tp: int, sequence_parallel: bool) -> N
         raise ConfigError(f"parallel.tp={tp} must divide model.seq_len={m.seq_len} with sequence parallelism")
 
 
-def check_context_parallel(m: ModelConfig, p: ParallelConfig, checkpoint_every: int) -> None:
-    """What the halo exchange (`parallel/context.py`) needs, and the combinations not built yet."""
-    if m.window is None:
-        raise ConfigError(
-            f"parallel.cp={p.cp} needs sliding-window attention (set model.window): ring attention "
-            "for full causal attention is not implemented yet"
-        )
-    if m.seq_len % p.cp:
-        raise ConfigError(f"parallel.cp={p.cp} must divide model.seq_len={m.seq_len}")
+def check_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """What ring attention (full causal, `parallel/ring.py`) or the halo exchange (a window,
+    `parallel/context.py`) needs, and the combinations not built yet."""
+    ring = m.window is None or m.window >= m.seq_len
+    parts = 2 * p.cp if ring else p.cp
+    if m.seq_len % parts:
+        what = "2 * parallel.cp (ring attention: two chunks per rank)" if ring else "parallel.cp"
+        raise ConfigError(f"{what} = {parts} must divide model.seq_len={m.seq_len}")
     local = m.seq_len // p.cp
-    if m.window - 1 > local:
+    if not ring and m.window is not None and m.window - 1 > local:
         raise ConfigError(
             f"model.window={m.window} reaches past the previous cp rank's {local} positions "
-            f"(seq_len / cp): use model.window <= {local + 1} or a smaller parallel.cp"
+            f"(seq_len / cp): use model.window <= {local + 1}, a smaller parallel.cp, or full attention "
+            "(model.window unset: ring attention)"
         )
     if p.sequence_parallel and p.tp > 1 and local % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
-    if p.pp > 1 or p.ep > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp} with parallel.pp={p.pp}, parallel.ep={p.ep} is not supported yet; use pp=1 and ep=1"
-        )
-    if checkpoint_every > 0:
-        raise ConfigError(f"parallel.cp={p.cp}: checkpoints do not reshard across cp yet; set checkpoint.every=0")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not supported yet; use ep=1")
 
 
 def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:

@@ -163,8 +163,9 @@ class EvalLoader:
             yield to_batch(pair)
 
     def _read(self, batch: int) -> np.ndarray:
-        n = self.shape.sequences
-        out = self.shape.empty()[0]
-        items = self.order.val_items(batch, self.dp_rank * n, (self.dp_rank + 1) * n)
-        self.order.sequences(items, out.reshape(2, n, self.shape.seq_len))
-        return out
+        """This rank's share of held-out batch `batch`, split over dp as the training batch is."""
+        shares, out = self.shape.shares, self.shape.empty()[0]
+        lo = shares.first_sequence(self.dp_rank)
+        items = self.order.val_items(batch, lo, lo + shares.sequences(self.dp_rank))
+        self.order.sequences(items, self.shape.sequences_view(out, self.dp_rank))
+        return self.shape.part(out, self.dp_rank)

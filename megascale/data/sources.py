@@ -12,35 +12,59 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megascale.config.shares import BatchShares
 from megascale.data.dataset import GlobalOrder
 from megascale.data.shm import StepRing
 
 
 @dataclass(frozen=True)
 class Shape:
-    """Sequences of one dp rank per step, laid out as micro-batches."""
+    """A step's sequences as micro-batches: the job's split of the global batch over dp ranks
+    (`BatchShares`: uneven under `resilience.shrink='keep-batch'`). Buffers hold the most
+    micro-batches any rank takes; a rank's batch is the first `micro_batches_of(r)` of them."""
 
-    micro_batches: int
-    micro_batch: int
+    shares: BatchShares
     seq_len: int
 
     @property
-    def sequences(self) -> int:
-        return self.micro_batches * self.micro_batch
+    def micro_batches(self) -> int:
+        return self.shares.most
+
+    @property
+    def micro_batch(self) -> int:
+        return self.shares.micro_batch
+
+    def micro_batches_of(self, dp_rank: int) -> int:
+        return self.shares.micro_batches(dp_rank)
 
     def empty(self, ranks: int = 1) -> np.ndarray:
         """[ranks, 2 (inputs, labels), micro_batches, micro_batch, seq_len] int32."""
         return np.empty((ranks, 2, self.micro_batches, self.micro_batch, self.seq_len), np.int32)
+
+    def part(self, buffer: np.ndarray, dp_rank: int) -> np.ndarray:
+        """Rank `dp_rank`'s batch in its buffer `[2, micro_batches, micro_batch, seq_len]` (a view)."""
+        return buffer[:, : self.micro_batches_of(dp_rank)]
+
+    def sequences_view(self, buffer: np.ndarray, dp_rank: int) -> np.ndarray:
+        """The same part as `[2, sequences, seq_len]`, a view (setting `.shape` refuses to copy)."""
+        view = self.part(buffer, dp_rank)
+        view.shape = (2, self.shares.sequences(dp_rank), self.seq_len)
+        return view
+
+    def read(self, order: GlobalOrder, step: int, consumed: list[int], dp_rank: int, buffer: np.ndarray) -> None:
+        """Fill rank `dp_rank`'s part of `buffer` with its sequences of `step`: its run of the
+        global batch, which is the same whatever dp is."""
+        lo = self.shares.first_sequence(dp_rank)
+        items = order.train_items(step, consumed, lo, lo + self.shares.sequences(dp_rank))
+        order.sequences(items, self.sequences_view(buffer, dp_rank))
 
 
 def read_dp_slices(
     order: GlobalOrder, shape: Shape, step: int, consumed: list[int], dp_ranks: list[int], out: np.ndarray
 ) -> None:
     """Fill `out[i]` with dp rank `dp_ranks[i]`'s sequences of `step`."""
-    n = shape.sequences
     for i, r in enumerate(dp_ranks):
-        items = order.train_items(step, consumed, r * n, (r + 1) * n)
-        order.sequences(items, out[i].reshape(2, n, shape.seq_len))
+        shape.read(order, step, consumed, r, out[i])
 
 
 @dataclass
@@ -55,9 +79,9 @@ class OwnReads:
     def __call__(self, step: int, consumed: list[int], stop: threading.Event) -> np.ndarray | None:
         if not self.needs_data:
             return None
-        out = self.shape.empty()
-        read_dp_slices(self.order, self.shape, step, consumed, [self.dp_rank], out)
-        return out[0]
+        out = self.shape.empty()[0]
+        self.shape.read(self.order, step, consumed, self.dp_rank, out)
+        return self.shape.part(out, self.dp_rank)
 
 
 @dataclass
@@ -80,7 +104,7 @@ class RingWriter:
             self.ring.fail(f"rank {self.rank}: {exc}")
             raise
         self.ring.publish(step)
-        return slot[self.part].copy()
+        return self.shape.part(slot[self.part], self.dp_ranks[self.part]).copy()
 
 
 @dataclass
@@ -91,6 +115,7 @@ class RingReader:
     index: int  # consumer index in the ring header
     part: int
     timeout: float
+    micro_batches: int  # this rank's (the ring's slots hold the most any rank takes)
 
     def __call__(self, step: int, consumed: list[int], stop: threading.Event) -> np.ndarray:
-        return self.ring.copy(self.index, step, self.part, stop, self.timeout)
+        return self.ring.copy(self.index, step, self.part, stop, self.timeout)[:, : self.micro_batches]

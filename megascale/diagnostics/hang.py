@@ -299,6 +299,14 @@ def plot_hang_detail(analysis: HangAnalysis, path: str | Path) -> Path | None:
     return _plot_cells(analysis, path, replicas[: max(1, DETAIL_RANKS // (g.pp * g.tp))], stages_as_rows=True)
 
 
+def _legend(ax: Any, below: float) -> None:
+    """The key of the state colours, under a figure (both hang figures use it)."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=5, fontsize=8)
+
+
 def _state_of(analysis: HangAnalysis, rank: int) -> str:
     return "stuck" if rank in analysis.stuck else analysis.ranks[rank].state
 
@@ -310,7 +318,7 @@ def _plot_overview(analysis: HangAnalysis, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Rectangle
 
     g, gap = analysis.grid, 1
     names = list(COLOURS)
@@ -343,13 +351,7 @@ def _plot_overview(analysis: HangAnalysis, path: str | Path) -> Path:
         )
     ax.set_xticks([p * (g.tp + gap) + g.tp / 2 for p in range(g.pp)], [f"pp {p}" for p in range(g.pp)])
     ax.set_ylabel(f"dp (0..{g.dp - 1}, bottom up); x: tp within each stage")
-    ax.legend(
-        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.06),
-        ncol=5,
-        fontsize=8,
-    )
+    _legend(ax, below=0.06)
     more = f" +{len(analysis.stuck) - 8} more" if len(analysis.stuck) > 8 else ""
     stuck = ", ".join(f"r{r}" for r in analysis.stuck[:8]) + more or "none found"
     ax.set_title(f"hang at {g.world_size} ranks: stuck {stuck} (boxed); the detail figure draws their replicas")
@@ -364,7 +366,7 @@ def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int], s
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Rectangle
 
     g = analysis.grid
     index = {d: i for i, d in enumerate(replicas)}
@@ -427,13 +429,7 @@ def _plot_cells(analysis: HangAnalysis, path: str | Path, replicas: list[int], s
     ax.set_xlim(-2.2 if stages_as_rows else -0.2, width + 0.2)
     ax.set_ylim(-0.6, height + 0.5)
     ax.set_axis_off()
-    ax.legend(
-        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.02),
-        ncol=5,
-        fontsize=8,
-    )
+    _legend(ax, below=0.02)
     stuck = ", ".join(f"r{r}" for r in analysis.stuck) or "none found"
     shown = "" if len(index) == g.dp else f" (dp replicas {', '.join(map(str, replicas))} of {g.dp})"
     ax.set_title(f"hang: stuck {stuck}; arrows: waits for{shown}")

@@ -50,11 +50,18 @@ class Straggler:
         return asdict(self)
 
 
-def compute_ratios(conn: sqlite3.Connection, warmup_steps: int = 1, metric: str = "compute") -> list[dict]:
-    """Per (step, rank): the metric, its stage peers' median and MAD, ratio and robust z."""
+def compute_ratios(
+    source: sqlite3.Connection | list[dict], warmup_steps: int = 1, metric: str = "compute"
+) -> list[dict]:
+    """Per (step, rank): the metric, its stage peers' median and MAD, ratio and robust z.
+    `source`: the store, or rows shaped like its `rank_steps` view (`diagnostics/recent.py`)."""
     if metric not in ("compute", "comm", "p2p", "data", "optimizer", "step_time"):
         raise ValueError(f"unknown metric {metric!r}")
-    rows = query(conn, f"SELECT step, rank, host, pp, dp, tp, {metric} AS value FROM rank_steps ORDER BY step, rank")
+    if isinstance(source, list):
+        rows = [dict(r, value=r.get(metric)) for r in source]
+    else:
+        sql = f"SELECT step, rank, host, pp, dp, tp, {metric} AS value FROM rank_steps ORDER BY step, rank"
+        rows = query(source, sql)
     steps = sorted({r["step"] for r in rows})
     keep = set(steps[warmup_steps:]) if len(steps) > warmup_steps else set(steps)
     groups: dict[tuple[int, int], list[dict]] = {}
@@ -88,7 +95,7 @@ def _median_without(ordered: list[float], value: float) -> float:
 
 
 def find_stragglers(
-    conn: sqlite3.Connection,
+    source: sqlite3.Connection | list[dict],
     threshold: float = 1.10,
     min_fraction: float = 0.5,
     z_min: float = 3.0,
@@ -96,7 +103,7 @@ def find_stragglers(
 ) -> list[Straggler]:
     """Ranks consistently slower in compute than their stage peers, slowest first."""
     per_rank: dict[int, list[dict]] = {}
-    for r in compute_ratios(conn, warmup_steps):
+    for r in compute_ratios(source, warmup_steps):
         if r["peers"] >= 2:
             per_rank.setdefault(r["rank"], []).append(r)
     found = []

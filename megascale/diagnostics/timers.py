@@ -3,8 +3,10 @@
 Why: a compute straggler hides behind everyone else's collective waits unless compute is timed
 apart from communication. Every span is buffered in memory and written once per step (one JSON
 line per span) to `out_dir/timers/rank{rank:05d}.jsonl`, so the cost per span is a few
-microseconds. On GPU a span records two CUDA events on the current stream; they are read one
-step later (when the GPU has long finished them), so the step's stream is never synchronised.
+microseconds; the step's per-kind totals go to `timers/steps/` too, one line a step (the live
+straggler evidence reads their tail, not the run's spans). On GPU a span records two CUDA
+events on the current stream; they are read one step later (when the GPU has long finished
+them), so the step's stream is never synchronised.
 `data` spans stay on the host clock even on GPU: waiting for the loader is the host's time.
 
 Accounting: per-kind totals use each span's *self time* -- the part of its interval not covered
@@ -100,11 +102,14 @@ class Timers:
         self._pool: list[torch.cuda.Event] = []  # events are reused: creating one is a driver call
         self._anchor = self._new_anchor() if self._cuda else None
         self.path: Path | None = None
-        self._file = None
+        self._file = self._steps = None
         if enabled and out_dir is not None:
             self.path = Path(out_dir) / "timers" / f"rank{rank:05d}.jsonl"
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = os.fdopen(open_private(self.path), "a", buffering=1 << 16)  # kept open; never a link
+            steps = step_summary_path(out_dir, rank)
+            steps.parent.mkdir(exist_ok=True)
+            self._steps = os.fdopen(open_private(steps), "a", buffering=1 << 12)
 
     # ---- recording -------------------------------------------------------------------------
     def span(self, name: str, kind: str = "compute", **attrs: Any) -> AbstractContextManager:
@@ -197,9 +202,10 @@ class Timers:
         if self.enabled and self._cuda:
             previous, self._pending = self._pending, None
             self._resolve(previous)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for f in (self._file, self._steps):
+            if f is not None:
+                f.close()
+        self._file = self._steps = None
 
     # ---- internals -------------------------------------------------------------------------
     def _event(self) -> torch.cuda.Event:
@@ -261,6 +267,11 @@ class Timers:
             )
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
+        if self._steps is not None and rows:
+            row = {"step": step, "rank": self.rank, "host": self.host, **self.coords}
+            row.update({k: round(totals[k], 7) for k in KINDS}, step_time=round(totals["step"], 7))
+            self._steps.write(json.dumps(row) + "\n")
+            self._steps.flush()
         return totals
 
 
@@ -326,6 +337,12 @@ def set_timers(timers: Timers) -> None:
     """Make `timers` the process-wide one (the trainer does this once it knows its rank)."""
     global _current
     _current = timers
+
+
+def step_summary_path(out_dir: str | Path, rank: int) -> Path:
+    """A rank's one line per step: its per-kind self-time totals (the store's `rank_steps` row).
+    Live readers take the tail of it (`diagnostics/recent.py`) instead of every span of the run."""
+    return Path(out_dir) / "timers" / "steps" / f"rank{rank:05d}.jsonl"
 
 
 def get_timers() -> Timers:

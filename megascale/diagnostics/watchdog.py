@@ -102,20 +102,21 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="megascale-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
-        t = self.timers
-        write_json(
-            roll_call_dir(self.run_dir) / f"rank{t.rank}.json",
-            {
-                "rank": t.rank,
-                "host": t.host,
-                "pid": os.getpid(),
-                "coords": t.coords,
-                "grid": self.grid,
-                "time": time.time(),
-            },
-        )
+        write_json(roll_call_dir(self.run_dir) / f"rank{self.timers.rank}.json", self._whoami())
         self._thread.start()
         return self
+
+    def _whoami(self) -> dict[str, Any]:
+        """Which rank this is, where, and on which layout: the roll call and every dump start so."""
+        t = self.timers
+        return {
+            "rank": t.rank,
+            "host": t.host,
+            "pid": os.getpid(),
+            "coords": t.coords,
+            "grid": self.grid,
+            "time": time.time(),
+        }
 
     def stop(self) -> None:
         self._stop.set()
@@ -156,12 +157,7 @@ class Watchdog:
         else:
             reason = f"step not finished after {step_age:.1f} s (timeout {self.timeout_s} s)"
         return {
-            "rank": t.rank,
-            "host": t.host,
-            "pid": os.getpid(),
-            "coords": t.coords,
-            "grid": self.grid,
-            "time": time.time(),
+            **self._whoami(),
             "reason": reason,
             "last_step": t.last_step,
             "step_age_s": step_age,

@@ -4,8 +4,9 @@ Each `Architecture` says, for one `model_type`: which megascale `ModelConfig` a 
 describes (refusing, in one line, what has no megascale equivalent), which config.json describes
 a `ModelConfig` it can express exactly, and where each megascale parameter lives in its state
 dict (`rules.Rule`). GPT-2, GPT-NeoX, Llama, Mistral and Qwen 2 are mapped; the same option of
-each maps to the same megascale option (docs/interop.md has the table). Mixtral is the Mistral
-layers with every MLP a mixture of experts (megascale's `model.moe`, softmax top-k, renormalised).
+each maps to the same megascale option (docs/interop.md has the table). Mixtral, Qwen2-MoE and
+Qwen3-MoE are the Llama layers with mixture-of-experts MLPs (megascale's `model.moe`;
+`moe_mapping` maps them); Qwen3-MoE also normalises each query and key head (`model.qk_norm`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from megascale.config.fields import ConfigError
 from megascale.config.schema import ModelConfig, MoEConfig, RopeScaling
 from megascale.interop.hf_files import InteropError
+from megascale.interop.moe_mapping import MOE_TYPES, moe_expressed, moe_rules, read_moe, write_moe
 from megascale.interop.rules import Rule, copies, fused_qkv_conv1d, gate_up, same, separate_qkv, transposed
 
 MAX_IMPORTED_SEQ_LEN = 8192  # a rotary model's training length is a choice, not its limit
@@ -136,7 +138,7 @@ def _checked(m: ModelConfig, model_type: str) -> ModelConfig:
     return m
 
 
-# ---------------------------------------------------------------- Llama, Mistral, Qwen 2
+# ---------------------------------------------------------------- Llama, Mistral, Qwen 2, Mixtral, Qwen2-MoE
 
 
 def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
@@ -149,7 +151,7 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
         window = None
         if model_type in ("mistral", "mixtral"):
             window = c.get("sliding_window")
-        elif model_type == "qwen2":
+        elif model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
             window = _qwen2_window(c)
         return _checked(
             ModelConfig(
@@ -162,9 +164,10 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
                 window=window,
                 positions="rotary",
                 bias=attention_bias,
-                qkv_bias=model_type == "qwen2",
+                qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(c.get("qkv_bias", True))),
+                qk_norm=model_type == "qwen3_moe",
                 norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                moe=_mixtral_moe(c) if model_type == "mixtral" else MoEConfig(),
+                moe=read_moe(model_type, c) if model_type in MOE_TYPES else MoEConfig(),
                 **_rope(c, model_type),
             ),
             model_type,
@@ -173,34 +176,16 @@ def _llama_read(model_type: str) -> Callable[[dict], ModelConfig]:
     return read
 
 
-def _mixtral_moe(c: dict) -> MoEConfig:
-    """Mixtral's router: softmax over the experts, top-k, the k gates renormalised; every block.
-    Its balancing loss coefficient carries over; it has no z-loss."""
-    return MoEConfig(
-        experts=int(c["num_local_experts"]),
-        top_k=int(c.get("num_experts_per_tok", 2)),
-        router="softmax",
-        normalize=True,
-        aux_loss_coef=float(c.get("router_aux_loss_coef", 0.01)),
-        z_loss_coef=0.0,
-    )
+def _moe_expresses(model_type: str) -> Callable[[ModelConfig], bool]:
+    """Mixtral: no biases; Qwen2-MoE: QKV biases only; Qwen3-MoE: no biases, query/key head norms.
+    All: `moe_mapping.moe_expressed`."""
 
+    def expresses(m: ModelConfig) -> bool:
+        biases = m.qkv_bias if model_type == "qwen2_moe" else not m.qkv_bias
+        family = _llama_family(m, moe=True, qk_norm=model_type == "qwen3_moe")
+        return family and not m.bias and biases and moe_expressed(model_type, m)
 
-def _mixtral_expresses(m: ModelConfig) -> bool:
-    """Mixtral computes a megascale MoE whose every block routes by renormalised softmax top-k
-    through experts of the model's width, dropless, without a shared expert or routing bias."""
-    e = m.moe
-    return (
-        _llama_family(m, moe=True)
-        and not m.bias
-        and not m.qkv_bias
-        and e.every == 1
-        and e.router == "softmax"
-        and e.normalize
-        and not e.shared_ffn_hidden
-        and not e.bias_balancing
-        and e.capacity_factor == 0
-    )
+    return expresses
 
 
 def _qwen2_window(c: dict) -> int | None:
@@ -216,10 +201,12 @@ def _qwen2_window(c: dict) -> int | None:
     return int(c["sliding_window"])
 
 
-def _llama_family(m: ModelConfig, moe: bool = False) -> bool:
-    """The Llama layers, with dense MLPs (or, `moe`, mixtures of experts)."""
+def _llama_family(m: ModelConfig, moe: bool = False, qk_norm: bool = False) -> bool:
+    """The Llama layers, with dense MLPs (or, `moe`, mixtures of experts), with query/key head
+    norms or (`qk_norm` false) without."""
     return (
-        m.block == "serial"
+        m.qk_norm == qk_norm
+        and m.block == "serial"
         and m.norm == "rmsnorm"
         and m.mlp == "swiglu"
         and m.positions == "rotary"
@@ -239,26 +226,24 @@ def _llama_write(model_type: str) -> Callable[[ModelConfig], dict]:
             "max_position_embeddings": _max_positions(m),
             **_rope_out(m),
         }
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
             out.update(use_sliding_window=m.window is not None, sliding_window=m.window, max_window_layers=0)
-        elif model_type == "mistral":
+        elif model_type in ("mistral", "mixtral"):
             out.update(sliding_window=m.window)
-        elif model_type == "mixtral":
-            out.update(
-                sliding_window=m.window,
-                num_local_experts=m.moe.experts,
-                num_experts_per_tok=m.moe.top_k,
-                intermediate_size=m.expert_ffn,
-                router_aux_loss_coef=m.moe.aux_loss_coef,
-            )
         else:
             out.update(attention_bias=m.bias, mlp_bias=m.bias)
+        if model_type in MOE_TYPES:
+            out.update(write_moe(model_type, m))
         return out
 
     return write
 
 
-def _llama_names(m: ModelConfig) -> dict[str, Rule]:
+def _llama_names(model_type: str) -> Callable[[ModelConfig], dict[str, Rule]]:
+    return lambda m: _llama_rules(model_type, m)
+
+
+def _llama_rules(model_type: str, m: ModelConfig) -> dict[str, Rule]:
     rules = {"embed.tokens.weight": same("model.embed_tokens.weight"), "head.norm.weight": same("model.norm.weight")}
     if not m.tie_embeddings:
         rules["head.out.weight"] = same("lm_head.weight")
@@ -272,13 +257,11 @@ def _llama_names(m: ModelConfig) -> dict[str, Rule]:
                 *(f"{attn}{p}_proj.{kind}" for p in "qkv"), m.heads, m.kv_groups
             )
         rules[ms + "attn.proj.weight"] = same(attn + "o_proj.weight")
-        if m.moe.is_moe_layer(i):  # Mixtral's block_sparse_moe: w1 gate, w3 up, w2 down
-            moe = hf + "block_sparse_moe."
-            rules[ms + "mlp.router.weight"] = same(moe + "gate.weight")
-            for e in range(m.moe.experts):
-                w = f"{moe}experts.{e}."
-                rules[ms + f"mlp.experts.{e}.fc.weight"] = gate_up(w + "w1.weight", w + "w3.weight")
-                rules[ms + f"mlp.experts.{e}.proj.weight"] = same(w + "w2.weight")
+        if m.qk_norm:
+            rules[ms + "attn.q_norm.weight"] = same(attn + "q_norm.weight")
+            rules[ms + "attn.k_norm.weight"] = same(attn + "k_norm.weight")
+        if m.moe.is_moe_layer(i):
+            rules.update(moe_rules(model_type, m, hf, ms))
             continue
         rules[ms + "mlp.fc.weight"] = gate_up(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
         rules[ms + "mlp.proj.weight"] = same(hf + "mlp.down_proj.weight")
@@ -291,7 +274,13 @@ def _llama_names(m: ModelConfig) -> dict[str, Rule]:
 
 def _llama_like(model_type: str, hf_class: str, expresses: Callable[[ModelConfig], bool]) -> Architecture:
     return Architecture(
-        model_type, hf_class, "model.", _llama_read(model_type), expresses, _llama_write(model_type), _llama_names
+        model_type,
+        hf_class,
+        "model.",
+        _llama_read(model_type),
+        expresses,
+        _llama_write(model_type),
+        _llama_names(model_type),
     )
 
 
@@ -332,6 +321,8 @@ def _gpt2_expresses(m: ModelConfig) -> bool:
         and m.bias
         and m.kv_groups == m.heads
         and m.window is None
+        and not m.qk_norm
+        and not m.moe.experts
     )
 
 
@@ -407,6 +398,8 @@ def _neox_expresses(m: ModelConfig) -> bool:
         and m.bias
         and m.kv_groups == m.heads
         and m.window is None
+        and not m.qk_norm
+        and not m.moe.experts
     )
 
 
@@ -456,7 +449,9 @@ ARCHITECTURES: dict[str, Architecture] = {
             lambda m: _llama_family(m) and not m.bias and not m.qkv_bias and m.window is not None,
         ),
         _llama_like("qwen2", "Qwen2ForCausalLM", lambda m: _llama_family(m) and not m.bias and m.qkv_bias),
-        _llama_like("mixtral", "MixtralForCausalLM", _mixtral_expresses),
+        _llama_like("mixtral", "MixtralForCausalLM", _moe_expresses("mixtral")),
+        _llama_like("qwen2_moe", "Qwen2MoeForCausalLM", _moe_expresses("qwen2_moe")),
+        _llama_like("qwen3_moe", "Qwen3MoeForCausalLM", _moe_expresses("qwen3_moe")),
         Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_read, _gpt2_expresses, _gpt2_write, _gpt2_names),
         Architecture(
             "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.", _neox_read, _neox_expresses, _neox_write, _neox_names
@@ -470,10 +465,10 @@ def architecture_of(config: dict) -> Architecture:
     """The mapping for a config.json, or a one-line refusal naming what is unsupported."""
     model_type = config.get("model_type")
     moe = [k for k in MOE_KEYS if config.get(k)]
-    if moe and model_type != "mixtral":
+    if moe and model_type not in MOE_TYPES:
         raise InteropError(
             f"model_type {model_type!r} is a mixture of experts ({moe[0]}={config[moe[0]]}) that "
-            "megascale does not map; of the mixtures of experts it imports mixtral"
+            f"megascale does not map; of the mixtures of experts it imports {', '.join(MOE_TYPES)}"
         )
     if model_type not in ARCHITECTURES:
         raise InteropError(

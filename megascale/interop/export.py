@@ -90,9 +90,9 @@ def write_export(
     arch = standard_architecture(model)
     if arch is None and model.moe.experts:
         raise InteropError(
-            "a mixture-of-experts model exports as mixtral only (serial Llama layers, softmax "
-            "top-k renormalised in every block, no shared expert, routing bias or capacity); the "
-            "remote-code export has no MoE layers"
+            "a mixture-of-experts model exports as mixtral or qwen2_moe only (serial Llama layers, softmax "
+            "top-k, no routing bias or capacity; mixtral: renormalised in every block, no shared expert; "
+            "qwen2_moe: QKV biases and a gated shared expert); the remote-code export has no MoE layers"
         )
     if arch is None:
         config = remote_code_config(model)

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = Pretrained(args.checkpoint)
         cfg = imported_config(source, Path(args.out), args.overrides)
-        init_source(cfg)  # an override must not change what the weights are
+        init_source(cfg.checkpoint.init_from, cfg.model)  # an override must not change what the weights are
     except (InteropError, ConfigError) as exc:
         print(f"megascale import: {exc}", file=sys.stderr)
         return 2

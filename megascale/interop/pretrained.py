@@ -18,7 +18,7 @@ import torch
 
 from megascale.config.fields import ConfigError
 from megascale.config.loader import from_dict
-from megascale.config.schema import JobConfig, ModelConfig
+from megascale.config.schema import ModelConfig
 from megascale.interop.architectures import architecture_of
 from megascale.interop.hf_files import HFDirectory, InteropError
 from megascale.interop.rules import Rule, same
@@ -101,17 +101,17 @@ def differences(wanted: ModelConfig, have: ModelConfig) -> list[str]:
     ]
 
 
-def init_source(cfg: JobConfig) -> Pretrained:
+def init_source(init_from: str, model: ModelConfig) -> Pretrained:
     """`checkpoint.init_from` checked against the job's model config (one line naming a
     difference and the command that writes the matching config)."""
-    source = Pretrained(cfg.checkpoint.init_from)
-    wrong = differences(source.model, cfg.model)
+    source = Pretrained(init_from)
+    wrong = differences(source.model, model)
     if wrong:
         key = wrong[0]
         raise InteropError(
-            f"checkpoint.init_from={cfg.checkpoint.init_from}: model.{key} is {getattr(cfg.model, key)!r} here but "
+            f"checkpoint.init_from={init_from}: model.{key} is {getattr(model, key)!r} here but "
             f"{getattr(source.model, key)!r} in that checkpoint ({len(wrong)} option(s) differ: {', '.join(wrong)}); "
-            f"`megascale import {cfg.checkpoint.init_from} --out DIR` writes the matching config"
+            f"`megascale import {init_from} --out DIR` writes the matching config"
         )
     return source
 

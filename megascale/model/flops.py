@@ -62,6 +62,7 @@ def mlp_layer_matmuls(cfg: ModelConfig, index: int) -> int:
     if not moe.is_moe_layer(index):
         return mlp_matmuls(cfg, cfg.ffn)
     shared = mlp_matmuls(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+    shared += cfg.hidden if moe.shared_gate else 0
     return cfg.hidden * moe.experts + moe.top_k * mlp_matmuls(cfg, cfg.expert_ffn) + shared
 
 
@@ -91,6 +92,7 @@ def parameter_count(cfg: ModelConfig) -> int:
         + h * h
         + h * b  # attention output
         + norms_per_layer * norm_parameters(cfg)
+        + (2 * cfg.head_dim if cfg.qk_norm else 0)  # query and key head norms
     )
     mlps = sum(_mlp_layer_parameters(cfg, i) for i in range(cfg.layers))
     embed = v * h + (cfg.seq_len * h if cfg.positions == "learned" else 0)
@@ -98,16 +100,18 @@ def parameter_count(cfg: ModelConfig) -> int:
     return cfg.layers * per_layer + mlps + embed + norm_parameters(cfg) + head
 
 
-def _mlp_parameters(cfg: ModelConfig, width: int) -> int:
+def mlp_parameters(cfg: ModelConfig, width: int) -> int:
+    """One MLP (a dense block's, an expert's, the shared expert's) of hidden width `width`."""
     b = 1 if cfg.bias else 0
     return (cfg.hidden + b) * width * (2 if cfg.mlp == "swiglu" else 1) + width * cfg.hidden + cfg.hidden * b
 
 
 def _mlp_layer_parameters(cfg: ModelConfig, index: int) -> int:
-    """Block `index`'s MLP: dense, or router + every expert + shared expert (+ routing bias)."""
+    """Block `index`'s MLP: dense, or router + every expert + shared expert (and its gate) (+ routing bias)."""
     moe = cfg.moe
     if not moe.is_moe_layer(index):
-        return _mlp_parameters(cfg, cfg.ffn)
-    shared = _mlp_parameters(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+        return mlp_parameters(cfg, cfg.ffn)
+    shared = mlp_parameters(cfg, moe.shared_ffn_hidden) if moe.shared_ffn_hidden else 0
+    shared += cfg.hidden if moe.shared_gate else 0
     bias = moe.experts if moe.bias_balancing else 0
-    return cfg.hidden * moe.experts + moe.experts * _mlp_parameters(cfg, cfg.expert_ffn) + shared + bias
+    return cfg.hidden * moe.experts + moe.experts * mlp_parameters(cfg, cfg.expert_ffn) + shared + bias

@@ -44,10 +44,10 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """`offset`: the position of the first token (generation with a KV cache)."""
         h = self.tokens(tokens)
-        if self.context is not None:
-            offset = self.context.offset(tokens.shape[1])
         if self.positions is not None:
-            h = h + self.positions.weight[offset : offset + tokens.shape[1]]
+            n = tokens.shape[1]
+            where = slice(offset, offset + n) if self.context is None else self.context.positions(n, tokens.device)
+            h = h + self.positions.weight[where]
         return h
 
 
@@ -82,6 +82,9 @@ class Attention(nn.Module):
         self.context = None  # context parallelism: attends across the cp ranks (parallel.context)
         self.qkv = Linear(cfg.hidden, cfg.qkv_width, bias=cfg.bias or cfg.qkv_bias)
         self.proj = Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        # Qwen 3: each query and key head RMS-normalised (one weight shared by the heads)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """[b, s, groups*(q+2)*d] -> [b, s, groups*q*d].
@@ -97,12 +100,14 @@ class Attention(nn.Module):
         grouped = qkv.view(b, s, groups, per_group + 2, self.head_dim)
         q = grouped[:, :, :, :per_group].reshape(b, s, groups * per_group, self.head_dim).transpose(1, 2)
         k, v = grouped[:, :, :, per_group].transpose(1, 2), grouped[:, :, :, per_group + 1].transpose(1, 2)
-        past = self.cache.seen if self.cache is not None else 0
-        if self.context is not None:
-            past = self.context.offset(s)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
-            cos, sin = rotary_tables(past + s, *self.rope, qkv.device, qkv.dtype)
-            q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
+            past = self.cache.seen if self.cache is not None else 0
+            where = slice(past, past + s) if self.context is None else self.context.positions(s, qkv.device)
+            end = past + s if self.context is None else s * self.context.size  # the whole sequence's
+            cos, sin = rotary_tables(end, *self.rope, qkv.device, qkv.dtype)
+            q, k = apply_rotary(q, cos[where], sin[where]), apply_rotary(k, cos[where], sin[where])
         if self.cache is not None:
             out = self.cache.attend(q, k, v, self.kernel)
         elif self.context is not None:

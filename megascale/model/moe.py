@@ -64,7 +64,7 @@ class _AttachAux(Function):
 
 
 class MoE(nn.Module):
-    """Router, routed experts (`experts["i"]`), an optional shared expert."""
+    """Router, routed experts (`experts["i"]`), an optional shared expert (optionally gated)."""
 
     def __init__(self, cfg: ModelConfig, make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
@@ -76,6 +76,8 @@ class MoE(nn.Module):
         # a dict keyed by the expert's index: expert parallelism keeps only its experts, names unchanged
         self.experts = nn.ModuleDict({str(i): make_mlp(cfg.expert_ffn) for i in range(m.experts)})
         self.shared = make_mlp(m.shared_ffn_hidden) if m.shared_ffn_hidden else None
+        # Qwen2-MoE: each token's shared-expert output scaled by sigmoid(w . x)
+        self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if m.shared_gate else None
         # routing bias (not trained by gradients: moved by `balance_step`)
         self.expert_bias = nn.Parameter(torch.zeros(m.experts), requires_grad=False) if m.bias_balancing else None
         self.dispatcher: Dispatcher = local_dispatch
@@ -146,7 +148,10 @@ class MoE(nn.Module):
         y = self.dispatcher(tokens[token], counts, self.run_experts)
         out = torch.zeros_like(tokens).index_add(0, token, y * weight.unsqueeze(-1).to(y.dtype))
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            shared = self.shared(tokens)
+            if self.shared_gate is not None:
+                shared = shared * self.shared_gate(tokens).sigmoid()
+            out = out + shared
         out = out.view_as(x)
         if torch.is_grad_enabled() and (self.aux_coef > 0 or self.z_coef > 0):
             out = _AttachAux.apply(out, self._aux_loss(logits, probs, index, batch), self.aux_scale)

@@ -92,6 +92,46 @@ def _eager_backward(
     return grad_q, fold(grad_k), fold(grad_v)
 
 
+def _eager_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    if causal:
+        return _band(k.shape[2], q.shape[2], k.shape[2], q.device, q.dtype)
+    return q.new_zeros(()) if mask is None else mask
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of attention with FlashAttention's contract: (output, log-sum-exp `[b, heads, queries]`),
+    under an additive `mask`, or causal (square blocks), or neither. On CPU the fused flash kernel,
+    elsewhere plain PyTorch. The sliding-chunks kernel and ring attention (`parallel/ring.py`) call it."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    return _eager_forward(q, k, v, _eager_mask(q, k, mask, causal), scale)
+
+
+def attention_with_lse_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of q, k, v of one block, its probabilities recomputed from `lse`. Given the output
+    and log-sum-exp of the whole row (over every block of keys), this block's share of the
+    gradients is exact: how ring attention's backward adds blocks up."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    return _eager_backward(grad_out, q, k, v, out, lse, _eager_mask(q, k, mask, causal), scale)
+
+
 GROUP_KEY_BYTES = 16 << 20  # key + value windows of one group of chunks (one kernel call)
 
 
@@ -190,13 +230,7 @@ class _SlidingWindowAttention(Function):
         lse = q.new_empty(*q.shape[:3], 1, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
         for start, count in chunks:
             args = (chunks.rows(q, start, count), chunks.kv(k, start, count), chunks.kv(v, start, count))
-            mask = chunks.mask(start, q)
-            if _fused(q):
-                o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    *args, attn_mask=mask, scale=chunks.scale
-                )
-            else:
-                o, m = _eager_forward(*args, mask, chunks.scale)
+            o, m = attention_with_lse(*args, chunks.mask(start, q), chunks.scale)
             chunks.put(out, start, count, o)
             chunks.put(lse, start, count, m.unsqueeze(-1))
         ctx.save_for_backward(q, k, v, out, lse)
@@ -218,13 +252,7 @@ class _SlidingWindowAttention(Function):
                 chunks.rows(out, start, count),
                 chunks.rows(lse, start, count).squeeze(-1),
             )
-            mask = chunks.mask(start, q)
-            if _fused(q):
-                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    *args, 0.0, False, attn_mask=mask, scale=chunks.scale
-                )
-            else:
-                dq, dk, dv = _eager_backward(*args, mask, chunks.scale)
+            dq, dk, dv = attention_with_lse_backward(*args, chunks.mask(start, q), chunks.scale)
             chunks.put(grad_q, start, count, dq)
             chunks.fold(grad_k, start, count, dk)
             chunks.fold(grad_v, start, count, dv)

@@ -10,7 +10,7 @@ from megascale.config import ConfigError
 from megascale.config.schema import OptimConfig
 from megascale.layout.shard import shard_spec
 from megascale.optim.lamb import Lamb
-from megascale.optim.norms import clip_grad_norm_, clip_to_norm_, global_grad_norm, whole_sq_norms
+from megascale.optim.norms import SumOver, all_reduce, clip_grad_norm_, clip_to_norm_, global_grad_norm, whole_sq_norms
 from megascale.optim.schedule import lr_at
 
 
@@ -20,9 +20,11 @@ def decays(name: str, tensor: torch.Tensor) -> bool:
     return shard_spec(tensor).matrix and not name.endswith("bias")
 
 
-def build_optimizer(named: Iterable[tuple[str, torch.Tensor]], cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    named: Iterable[tuple[str, torch.Tensor]], cfg: OptimConfig, sum_over: SumOver = all_reduce
+) -> torch.optim.Optimizer:
     """`named` pairs a parameter's name with the tensor to optimise: the parameter itself, or
-    this rank's shard of it under ZeRO."""
+    this rank's shard of it under ZeRO. `sum_over`: LAMB's collective for sharded norms."""
     decay: list[torch.Tensor] = []
     no_decay: list[torch.Tensor] = []
     for name, tensor in named:
@@ -39,7 +41,7 @@ def build_optimizer(named: Iterable[tuple[str, torch.Tensor]], cfg: OptimConfig)
     ]
     betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "lamb":
-        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, sum_over=sum_over)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=False)
 
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from megascale.optim.norms import whole_sq_norms
+from megascale.optim.norms import SumOver, all_reduce, whole_sq_norms
 
 
 class Lamb(torch.optim.Optimizer):
@@ -24,10 +24,13 @@ class Lamb(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,
+        sum_over: SumOver = all_reduce,
     ):
+        """`sum_over`: how the shards' norms are summed over their groups (`optim.norms`)."""
         if lr < 0 or eps <= 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.sum_over = sum_over
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -54,8 +57,8 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_div_(updates, [1 - b1**t for t in steps])
             if group["weight_decay"]:
                 torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-            w_norm = whole_sq_norms(params, params).sqrt()
-            u_norm = whole_sq_norms(updates, params).sqrt()
+            w_norm = whole_sq_norms(params, params, self.sum_over).sqrt()
+            u_norm = whole_sq_norms(updates, params, self.sum_over).sqrt()
             trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
             scale = (trust * -group["lr"]).to(params[0].dtype).unbind()
             torch._foreach_mul_(updates, scale)

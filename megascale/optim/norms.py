@@ -9,15 +9,26 @@ whole parameter: LAMB's trust ratio and gradient clipping see the same numbers a
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megascale.layout.shard import shard_spec
 
+# How a partial sum is summed over a process group, in place. The default is the bare collective;
+# the trainer passes one timed as communication (`parallel.engine.timed_all_reduce`): the wait for
+# a slower peer inside it is not this rank's work, and the fail-slow rule reads that work.
+SumOver = Callable[[torch.Tensor, dist.ProcessGroup], object]
 
-def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tensor]) -> torch.Tensor:
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    dist.all_reduce(tensor, group=group)
+
+
+def whole_sq_norms(
+    tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tensor], sum_over: SumOver = all_reduce
+) -> torch.Tensor:
     """Squared L2 norm of each whole tensor, in float32 (float64 if any tensor is float64).
 
     `tensors[i]` is the local piece; `owners[i]` carries the groups it is split over (the
@@ -36,18 +47,20 @@ def whole_sq_norms(tensors: Sequence[torch.Tensor], owners: Sequence[torch.Tenso
         idx = torch.tensor(index, device=local.device)
         part = local.index_select(0, idx)
         for group in groups:
-            dist.all_reduce(part, group=group)
+            sum_over(part, group)
         local = local.index_copy(0, idx, part)
     return local
 
 
-def global_grad_norm(params: Sequence[torch.Tensor], across: Sequence[dist.ProcessGroup | None] = ()) -> torch.Tensor:
+def global_grad_norm(
+    params: Sequence[torch.Tensor], across: Sequence[dist.ProcessGroup | None] = (), sum_over: SumOver = all_reduce
+) -> torch.Tensor:
     """L2 norm of all gradients of the model, counting every element exactly once.
 
     `across` are groups holding disjoint parameters (pipeline stages) whose totals add up; a
     tensor's `ShardSpec.disjoint` names more such groups for its kind (expert parallelism)."""
     with_grad = [p for p in params if p.grad is not None]
-    sq = whole_sq_norms([p.grad for p in with_grad if p.grad is not None], with_grad)
+    sq = whole_sq_norms([p.grad for p in with_grad if p.grad is not None], with_grad, sum_over)
     apart: dict[tuple, list[int]] = defaultdict(list)
     for i, p in enumerate(with_grad):
         apart[shard_spec(p).disjoint].append(i)
@@ -57,11 +70,11 @@ def global_grad_norm(params: Sequence[torch.Tensor], across: Sequence[dist.Proce
     for kind in kinds:
         part = sq[apart[kind]].sum() if apart[kind] else total.new_zeros(())
         for group in kind:
-            dist.all_reduce(part, group=group)
+            sum_over(part, group)
         total = total + part
     for outer in across:
         if outer is not None:
-            dist.all_reduce(total, group=outer)
+            sum_over(total, outer)
     return total.sqrt()
 
 

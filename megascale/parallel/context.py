@@ -1,8 +1,10 @@
-"""Context parallelism for sliding-window attention: a sequence split along its length over the
-cp ranks, with a halo exchange instead of ring attention.
+"""Context parallelism: a sequence split along its length over the cp ranks; only attention
+crosses ranks (everything else is per token). Full causal attention goes around the ring
+(`ring.py`); a sliding window needs only a halo exchange, here.
 
-Rank r of the cp group holds positions [r * s, (r + 1) * s) of every sequence (`split_sequence`);
-everything but attention is per token, so only attention crosses ranks. With a window w, query
+With a window (`uses_ring` false) rank r of the cp group holds positions [r * s, (r + 1) * s) of
+every sequence (`split_sequence`); under ring attention it holds the two mirrored chunks r and
+2c - 1 - r of 2c (the causal load balance), and the positions follow (`positions`). With a window w, query
 i sees keys i - w + 1 .. i: only the first h = w - 1 local queries need keys of the previous
 rank, and only its last h keys and values. So each layer:
 
@@ -18,9 +20,7 @@ local queries' backward runs while it flies; last, `_TailGrad` (an identity on t
 so its backward runs after every use of them) waits for the next rank's gradient of this rank's
 last h keys/values and adds it. Autograd runs ready nodes latest-created first, which gives
 this order. The result equals one process's attention over the whole sequence (tests/parallel/
-test_context_parallel.py); the positions (rotary, learned) start at r * s (`offset`).
-
-Full causal attention (ring attention) is not here yet: `ContextParallel.attend` refuses it.
+test_context_parallel.py); the positions (rotary, learned) start at r * s (`positions`).
 """
 
 from __future__ import annotations
@@ -34,25 +34,39 @@ from torch.autograd import Function
 
 from megascale.config.fields import ConfigError
 from megascale.data import TokenBatch
+from megascale.model.attention import causal_attention
 from megascale.model.sliding_window import sliding_window_attention
+from megascale.parallel.ring import balanced_chunks, ring_attention
 
 FORWARD_TAG, BACKWARD_TAG = 35, 36
 
 
-def split_sequence(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
-    """Rank `rank`'s contiguous part of `x` along the sequence dimension `dim`."""
-    if x.shape[dim] % size:
+def uses_ring(window: int | None, seq_len: int) -> bool:
+    """Full causal attention (no window, or one as long as the sequence) goes around the ring."""
+    return window is None or window >= seq_len
+
+
+def split_sequence(x: torch.Tensor, rank: int, size: int, dim: int = 1, ring: bool = False) -> torch.Tensor:
+    """Rank `rank`'s part of `x` along the sequence dimension `dim`: one contiguous part of
+    `size`, or under ring attention chunks `balanced_chunks(rank, size)` of 2 * size."""
+    parts = 2 * size if ring else size
+    if x.shape[dim] % parts:
         raise ConfigError(
-            f"model.seq_len {x.shape[dim]} is not divisible by parallel.cp = {size}; "
-            "choose a cp that divides the sequence length"
+            f"model.seq_len {x.shape[dim]} is not divisible by {'2 * ' if ring else ''}parallel.cp = {parts}; "
+            "choose a cp that divides it"
         )
-    return x.chunk(size, dim)[rank]
+    if not ring:
+        return x.chunk(size, dim)[rank]
+    chunks = x.chunk(parts, dim)
+    return torch.cat([chunks[i] for i in balanced_chunks(rank, size)], dim)
 
 
-def split_batch(batch: TokenBatch, rank: int, size: int) -> TokenBatch:
+def split_batch(batch: TokenBatch, rank: int, size: int, ring: bool = False) -> TokenBatch:
     """This cp rank's part of every sequence of a `[micro_batches, micro, seq]` batch."""
     return replace(
-        batch, inputs=split_sequence(batch.inputs, rank, size, 2), labels=split_sequence(batch.labels, rank, size, 2)
+        batch,
+        inputs=split_sequence(batch.inputs, rank, size, 2, ring),
+        labels=split_sequence(batch.labels, rank, size, 2, ring),
     )
 
 
@@ -148,22 +162,31 @@ class _ReceiveHalo(Function):
 
 class ContextParallel:
     """This rank's place in its cp group, given to every attention and embedding layer
-    (`apply_context_parallel`)."""
+    (`apply_context_parallel`); `ring`: full causal attention, the balanced layout."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, ring: bool = False):
+        self.group, self.rank, self.size, self.ring = group, rank, size, ring
 
-    def offset(self, local_len: int) -> int:
-        """The position of this rank's first token."""
-        return self.rank * local_len
+    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The sequence positions of this rank's `local_len` tokens, in order."""
+        if not self.ring:
+            return torch.arange(self.rank * local_len, (self.rank + 1) * local_len, device=device)
+        chunk = local_len // 2
+        return torch.cat(
+            [torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in balanced_chunks(self.rank, self.size)]
+        )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
         """Attention of the local queries over the whole sequence's keys within the window."""
         s = q.shape[2]
+        if self.ring:
+            if self.size == 1:
+                return causal_attention(q, k, v, None)
+            return ring_attention(q, k, v, self.group, self.rank, self.size)
         if window is None:
             raise ConfigError(
-                "parallel.cp > 1 needs sliding-window attention (model.window): ring attention "
-                "for full causal attention is not implemented yet"
+                "parallel.cp > 1 without model.window needs the ring layout "
+                "(apply_context_parallel(..., ring=True)): the halo exchange is for sliding windows"
             )
         h = window - 1
         if h > s:
@@ -184,9 +207,11 @@ class ContextParallel:
         return torch.cat([head, local], dim=2)
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+def apply_context_parallel(
+    model: nn.Module, group: dist.ProcessGroup | None, rank: int, size: int, ring: bool = False
+) -> None:
     """Give every layer that needs to know it this rank's place in the sequence."""
-    context = ContextParallel(group, rank, size)
+    context = ContextParallel(group, rank, size, ring)
     for module in model.modules():
         if hasattr(module, "context"):
             module.context = context

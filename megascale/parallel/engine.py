@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megascale.config.schema import JobConfig
+from megascale.diagnostics.timers import get_timers
 from megascale.model.efficiency import (
     apply_compile,
     apply_recompute,
@@ -23,10 +24,11 @@ from megascale.model.efficiency import (
     set_loss_chunk,
 )
 from megascale.model.init import SeededValues, ValueSource
-from megascale.parallel.context import apply_context_parallel
+from megascale.parallel.context import apply_context_parallel, uses_ring
 from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
+from megascale.parallel.pipeline.schedule import V_SHAPED
 from megascale.parallel.runner import ModelRunner
 from megascale.parallel.tensor import apply_tensor_parallel
 from megascale.parallel.zero import ZeroGradSync
@@ -59,12 +61,14 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     if distributed and mesh.tp_size > 1:
         apply_tensor_parallel(model, cfg.parallel, mesh)
     if distributed and mesh.cp_size > 1:
-        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size)
+        ring = uses_ring(cfg.model.window, cfg.model.seq_len)
+        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size, ring)
     if distributed and mesh.ep_size > 1:
         # before materialization: other ranks' experts never exist here
         apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)
     if distributed and mesh.pp_size > 1:
-        chunks = split_model(model, mesh.pp_size, cfg.parallel.vpp, mesh.pp_rank, cfg.parallel.pp_split)
+        p = cfg.parallel
+        chunks = split_model(model, mesh.pp_size, p.vpp, mesh.pp_rank, p.pp_split, p.schedule in V_SHAPED)
         runner: ModelRunner = PipelineRunner(chunks, cfg, mesh)
     else:
         runner = ModelRunner([model], cfg, mesh)
@@ -80,9 +84,20 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     return runner
 
 
-def reduce_sum(value: torch.Tensor, *groups) -> torch.Tensor:
-    """Sum a small CPU/GPU tensor over each group in turn (groups may be None)."""
+def timed_all_reduce(value: torch.Tensor, group: dist.ProcessGroup, mesh=None) -> None:
+    """Sum `value` over `group` in place, timed as a `comm` span named by the mesh dimension
+    the group spans (the hang analysis finds a waiter's peers by it). The step's small
+    collectives (loss, grad norm, LAMB's sharded norms) run inside the `optimizer` span: untimed,
+    a fast rank's wait there for a slow peer counted as its own optimizer work, and the fail-slow
+    rule (compute + optimizer self time against the peers) saw the fast ranks nearly as slow."""
+    dim = mesh.dim_of(group) if mesh is not None else None
+    with get_timers().span(f"{dim or 'group'}.all_reduce", kind="comm", op="all_reduce", group=dim):
+        dist.all_reduce(value, group=group)
+
+
+def reduce_sum(value: torch.Tensor, *groups, mesh=None) -> torch.Tensor:
+    """Sum a small CPU/GPU tensor over each group in turn (groups may be None), timed as comm."""
     for group in groups:
         if group is not None:
-            dist.all_reduce(value, group=group)
+            timed_all_reduce(value, group, mesh)
     return value

@@ -15,8 +15,18 @@ form): a micro-batch's rows are cut into parts, each sorted by expert; part c+1'
 the combine of part c are issued asynchronously, so they are in flight while part c's (and
 then part c+1's) experts compute. Chunking rather than overlapping the shared expert or
 attention with the dispatch keeps the model's block unchanged and works whether or not a shared
-expert exists. Only the forward is pipelined: the backward's exchanges (autograd runs them as
-the graph's nodes come) are synchronous.
+expert exists.
+
+Backward is pipelined the same way. Each exchange's backward node only issues the reverse
+all-to-all of its gradient; a node of its own (`_AwaitGrad`, an identity in forward, placed on
+the exchanged tensor's input) waits for it. Autograd's engine runs ready nodes latest-created
+first, so the waits are placed in forward where backward reaches them late: the dispatches'
+waits before any part's experts, each combine's wait right after its part's experts. Backward
+then runs: both combines' gradient exchanges issued, part 1's waited, part 1's experts' backward
+(part 0's exchange in flight), part 1's dispatch gradient issued, part 0's experts' backward
+(that exchange in flight), part 0's issued, the two waited. The order is the engine's choice,
+not a guarantee: were it to change, the waits still come before any use of the gradients,
+only the overlap would go (the order test, tests/parallel/test_expert_parallel.py, would say so).
 
 Gradients: dense parameters are replicated over dp and ZeRO-sharded over it as before; expert
 parameters are replicated over the expert-data group (ranks with the same experts, dp / ep of
@@ -48,35 +58,74 @@ from megascale.model.moe import ExpertsFn, MoE, is_expert_parameter, moe_layers
 from megascale.parallel.zero import ZeroGradSync
 
 
-class _Exchanged(Function):
-    """`out` (filled by an all-to-all of `x`, rows split `send` ways out and `recv` in) joined
-    to `x` in the graph; backward: the reverse exchange of the gradient."""
+class _Pending:
+    """A gradient all-to-all issued by an exchange's backward, waited for by its `_AwaitGrad`."""
+
+    def __init__(self) -> None:
+        self.work: dist.Work | None = None
+        self.sent: torch.Tensor | None = None  # the gradient sent: alive until the exchange is done
+        self.received: torch.Tensor | None = None
+
+
+class _AwaitGrad(Function):
+    """Identity on `x`; in backward, waits for `pending`'s exchange and gives what it received
+    as `x`'s gradient (the gradient arriving here is that buffer, possibly still being filled)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx, x: torch.Tensor, pending: _Pending) -> torch.Tensor:
+        ctx.pending = pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pending = ctx.pending
+        assert pending.work is not None and pending.received is not None, "exchange's backward did not run"
+        with get_timers().span("ep.all_to_all.backward", kind="comm", op="all_to_all", group="ep"):
+            pending.work.wait()
+        received, pending.work, pending.sent, pending.received = pending.received, None, None, None
+        return received, None
+
+
+class _Exchanged(Function):
+    """`out` (filled by an all-to-all of `x`, rows split `send` ways out and `recv` in) joined
+    to `x` in the graph; backward: issues the reverse exchange of the gradient (`pending`; the
+    `_AwaitGrad` on `x` waits for it)."""
+
+    @staticmethod
+    def forward(ctx, x, out, send: list[int], recv: list[int], group, pending: _Pending) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.pending = send, recv, group, pending
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        with get_timers().span("ep.all_to_all.backward", kind="comm", op="all_to_all", group="ep"):
-            all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None, None
+        pending = ctx.pending
+        pending.sent = grad.contiguous()
+        pending.received = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        pending.work = all_to_all_single(
+            pending.received, pending.sent, ctx.send, ctx.recv, group=ctx.group, async_op=True
+        )
+        return pending.received, None, None, None, None, None
 
 
 class _InFlight:
-    """An all-to-all of rows issued asynchronously; `result()` waits and joins the graph."""
+    """An all-to-all of rows issued asynchronously; `result()` waits and joins the graph.
+    `x` is the output of an `_AwaitGrad` on `pending` (the backward's wait)."""
 
-    def __init__(self, x: torch.Tensor, send: list[int], recv: list[int], group) -> None:
-        self.x, self.send, self.recv, self.group = x, send, recv, group
+    def __init__(self, x: torch.Tensor, send: list[int], recv: list[int], group, pending: _Pending) -> None:
+        self.x, self.send, self.recv, self.group, self.pending = x, send, recv, group, pending
         self.out = x.new_empty((sum(recv), *x.shape[1:]))
         self.work = all_to_all_single(self.out, x.detach().contiguous(), recv, send, group=group, async_op=True)
 
     def result(self) -> torch.Tensor:
         with get_timers().span("ep.all_to_all", kind="comm", op="all_to_all", group="ep"):
             self.work.wait()
-        return _Exchanged.apply(self.x, self.out, self.send, self.recv, self.group)
+        return _Exchanged.apply(self.x, self.out, self.send, self.recv, self.group, self.pending)
+
+
+def _awaiting(x: torch.Tensor) -> tuple[torch.Tensor, _Pending]:
+    """`x` behind a backward wait for the exchange that will consume it."""
+    pending = _Pending()
+    return _AwaitGrad.apply(x, pending), pending
 
 
 def expert_major(recv: torch.Tensor) -> torch.Tensor:
@@ -111,7 +160,7 @@ class ExpertParallelDispatch:
 
     With `chunks` > 1 (parallel.ep_overlap_chunks) the rows are cut into parts, each sorted by
     expert, and pipelined: part c+1's dispatch and part c-1's combine are in flight while part
-    c's experts compute (forward; the backward's exchanges run one after another)."""
+    c's experts compute, in forward and (reversed) in backward."""
 
     def __init__(self, group: dist.ProcessGroup, ep: int, chunks: int = 1) -> None:
         self.group, self.ep, self.chunks = group, ep, chunks
@@ -133,9 +182,12 @@ class ExpertParallelDispatch:
         send_rows = sizes.view(chunks, self.ep, -1).sum(2).tolist()
         recv_rows = recv.sum(2).tolist()
 
+        # every part's backward wait for its dispatch's gradient first: autograd runs them last
+        parts = [_awaiting(x if rows[c] is None else x[rows[c]]) for c in range(chunks)]
+
         def dispatch(c: int) -> _InFlight:
-            part = x if rows[c] is None else x[rows[c]]
-            return _InFlight(part, send_rows[c], recv_rows[c], self.group)
+            part, pending = parts[c]
+            return _InFlight(part, send_rows[c], recv_rows[c], self.group, pending)
 
         dispatches, combines = [dispatch(0)], []
         for c in range(chunks):
@@ -145,7 +197,8 @@ class ExpertParallelDispatch:
             order = expert_major(recv[c])
             y = experts(received[order], recv[c].sum(0).tolist())
             back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-            combines.append(_InFlight(y[back], recv_rows[c], send_rows[c], self.group))
+            y, pending = _awaiting(y[back])  # waited for in backward before this part's experts
+            combines.append(_InFlight(y, recv_rows[c], send_rows[c], self.group, pending))
         outs = [combine.result() for combine in combines]
         if chunks == 1:
             return outs[0]

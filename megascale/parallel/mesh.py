@@ -146,6 +146,10 @@ class ParallelMesh:
         """Context parallelism's ranks: one sequence, split along it (`parallel/context.py`)."""
         return self._groups["cp"]
 
+    def dim_of(self, group: ProcessGroup | None) -> str | None:
+        """The mesh dimension `group` spans (tp, dp, pp, cp, ep, edp), or None for another group."""
+        return next((dim for dim, g in self._groups.items() if g is not None and g is group), None)
+
     @property
     def checkpoint_groups(self) -> dict[Dim, ProcessGroup | None]:
         """Gloo twins of the tp, dp and pp groups for checkpoint traffic, kept off the training

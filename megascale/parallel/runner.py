@@ -48,6 +48,12 @@ class ModelRunner:
     def module(self) -> nn.Module:
         return self.chunks[0]
 
+    @property
+    def holds_loss(self) -> bool:
+        """This rank computes the loss: it holds the model's last chunk (the last pipeline
+        stage, or under ZB-V's V-shaped placement the first)."""
+        return bool(getattr(self.chunks[-1], "is_last", True))
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters of this rank's chunks, named as in the single-process model."""
         for chunk in self.chunks:

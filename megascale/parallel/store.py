@@ -187,8 +187,20 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
         )
         return inner
     # Under torchrun the agent already hosts the TCPStore on MASTER_PORT; workers join it.
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    is_master = rank == 0 and not agent_hosts
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        tcp = dist.TCPStore(
+            address.host, address.port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
+        )
+    else:
+        tcp = sealed_tcp_store(address, world_size, rank == 0, timeout)
+    return dist.PrefixStore(address.prefix, tcp)
+
+
+def sealed_tcp_store(address: StoreAddress, world_size: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore of `world_size` members that takes no new connection once they all hold one:
+    the master binds `address.host` only (`bound_listener`) and seals the listener when every
+    member has counted itself in (`seal_when_joined`). The rendezvous of an attempt and the
+    self-check's pair groups (`resilience/selfcheck/checks.py`) are both made this way."""
     listen = bound_listener(address.host, address.port) if is_master else {}
     listener = socket.socket(fileno=os.dup(listen["master_listen_fd"])) if listen else None
     tcp = dist.TCPStore(
@@ -200,8 +212,7 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
         wait_for_workers=False,
         **listen,
     )
-    if not agent_hosts:
-        tcp.add(address.prefix + JOINED_KEY, 1)
+    tcp.add(address.prefix + JOINED_KEY, 1)
     if listener is not None:
         threading.Thread(
             target=seal_when_joined,
@@ -209,7 +220,7 @@ def create_store(cfg: ParallelConfig, rank: int, world_size: int, address: Store
             name="store-seal",
             daemon=True,
         ).start()
-    return dist.PrefixStore(address.prefix, tcp)
+    return tcp
 
 
 def seal_when_joined(listener: socket.socket, address: StoreAddress, world_size: int, timeout_s: float) -> None:

@@ -187,6 +187,13 @@ class _Slicer:
             if p is not None:
                 set_shard_spec(p, shard_spec(p).with_sp_partial())
 
+    def head_norms(self, attn: nn.Module) -> None:
+        """Query/key head norms (Qwen 3): each tp rank normalises its own heads, so their weights'
+        gradients are partial over tp with or without SP."""
+        for norm in (attn.q_norm, attn.k_norm):
+            for p in norm.parameters() if norm is not None else ():
+                set_shard_spec(p, shard_spec(p).with_sp_partial())
+
     def swap(self, block: nn.Module, path: str, kind: type[_ParallelLinear]) -> None:
         """Replace the layer at `path` by its `kind` counterpart holding this rank's slice."""
         parent_name, name = path.split(".")
@@ -218,6 +225,7 @@ def parallelize(model: GPT, tp: TPContext) -> None:
         for norm in (block.ln1, block.ln2):
             if norm is not None:
                 slicer.partial(*norm.parameters())
+        slicer.head_norms(block.attn)
         block.fuse_gemms = block.fusable  # parallel block: one gather, one reduce-scatter
     if vocab_parallel:
         slicer.split(model.embed.tokens, "weight", 0)

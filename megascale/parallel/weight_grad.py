@@ -72,17 +72,17 @@ def defer(closure: WeightWork) -> None:
 
 
 def run(work: list[WeightWork]) -> None:
-    """The W action: every deferred weight gradient of one (micro-batch, chunk), accumulated in
-    one autograd call (ZeRO's hooks fire here)."""
-    targets: list = []
-    grads: list[torch.Tensor] = []
-    for closure in work:
-        t, g = closure()
-        targets += t
-        grads += g
-    work.clear()
-    if targets:
-        torch.autograd.backward(targets, grads)
+    """The W action: every deferred weight gradient of one (micro-batch, chunk), each layer's
+    accumulated as soon as it is computed (ZeRO's hooks fire here). One layer at a time, as a
+    plain backward does: computing them all before one autograd call held a whole chunk's
+    weight gradients at once beside the accumulated ones (a parameter-sized transient; with
+    ZB-H1 a third of rank 0's peak above 1F1B's)."""
+    work.reverse()  # popped from the end: in the order the backward deferred them
+    while work:
+        targets, grads = work.pop()()
+        if targets:
+            torch.autograd.backward(targets, grads)
+        del targets, grads
 
 
 Root = torch.Tensor | GradientEdge  # where W's autograd call starts
@@ -170,7 +170,12 @@ class _SplitLinear(Function):
 
 
 class _SplitAffine(Function):
-    """y = xhat * w (+ b) of a norm; backward gives dxhat = g * w, W later dw and db."""
+    """y = xhat * w (+ b) of a norm; backward gives dxhat = g * w and reduces dw = sum(g xhat)
+    and db = sum(g) at once, W later accumulates them.
+
+    The reductions are elementwise work over the tokens, no GEMM: deferring them gains no
+    bubble, and would keep `xhat` and `g` ([tokens, hidden] each, per norm) alive from B to W,
+    a fifth of a layer's W-stash; reduced in B only two [hidden] vectors wait for W."""
 
     @staticmethod
     def forward(
@@ -184,7 +189,9 @@ class _SplitAffine(Function):
     def backward(ctx, grad_out: torch.Tensor):
         xhat, weight = ctx.saved_tensors
         target = ctx.target
-        defer(lambda: target.pairs(lambda: _row_sum(grad_out * xhat), lambda: _row_sum(grad_out)))
+        grad_w = _row_sum(grad_out * xhat) if target.weight is not None else None
+        grad_b = _row_sum(grad_out) if target.bias is not None else None
+        defer(lambda: target.pairs(lambda: grad_w, lambda: grad_b))
         return grad_out * weight, None, None, None
 
 

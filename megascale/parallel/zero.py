@@ -121,7 +121,8 @@ class ZeroGradSync:
         self.select = select or (lambda name: True)
         self.reduce_dtype = REDUCE_DTYPES[cfg.train.reduce_dtype]
         self.overlap = cfg.parallel.dp_overlap
-        self.expected_backwards = cfg.micro_batches
+        # this replica's micro-batches (uneven shares: one more on the first replicas)
+        self.expected_backwards = cfg.micro_batches_of(0 if mesh is None else mesh.dp_rank)
         bucket_numel = max(1, int(cfg.parallel.dp_bucket_mb * 2**20) // 4)  # fp32 elements per rank
         self._chunks = [self._build_chunk(c, bucket_numel) for c in chunks]
         self._named = [(s.name, s.shard) for ch in self._chunks for s in self._slots_in_order(ch)]

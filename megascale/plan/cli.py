@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megascale.config import ConfigError, load_config
+from megascale.config import ConfigError, JobConfig, load_config
 from megascale.layout.grid import RankGrid
 from megascale.plan import ecmp, placement
 from megascale.plan.calibrate import calibrate, format_calibration
@@ -42,6 +42,8 @@ LAYOUT_KEYS = {
     "zero": "zero",
     "rc": "recompute",
     "recompute": "recompute",
+    "ep": "ep",
+    "schedule": "schedule",  # 1f1b, zb-h1 or zbv (parallel.schedule)
 }
 
 
@@ -67,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout",
         help="evaluate exactly this layout, e.g. dp=192,tp=8,pp=8,v=6,"
-        "mb=1[,zero=2,rc=none]; without rc, the least recomputation that fits",
+        "mb=1[,zero=2,rc=none,schedule=zb-h1]; without rc, the least recomputation that fits",
     )
     parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
     parser.add_argument("--zero", help="ZeRO stages to consider, e.g. 1,2 (default: the system's)")
@@ -125,7 +127,7 @@ def parse_layout(text: str, base: Layout, gpus: int | None = None) -> tuple[Layo
             raise ConfigError(f"layout: {item!r} is not key=value with key in {sorted(LAYOUT_KEYS)}")
         field = LAYOUT_KEYS[key]
         try:
-            changes[field] = value if field == "recompute" else int(value)
+            changes[field] = value if field in ("recompute", "schedule") else int(value)
         except ValueError as exc:
             raise ConfigError(f"layout: {key}={value!r} must be an integer") from exc
     layout = replace(base, **changes)
@@ -273,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def job_features(args: argparse.Namespace, cfg, system: SystemSpec) -> Features:
+def job_features(args: argparse.Namespace, cfg: JobConfig, system: SystemSpec) -> Features:
     """The job's (or --system's) switches, the system's constants, the command's overrides."""
     if args.system:
         features = system.features

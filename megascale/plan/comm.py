@@ -122,6 +122,14 @@ def all_reduce_time(n: int, nbytes: float, link: Link) -> float:
     return min(ring, tree)
 
 
+def all_to_all_time(n: int, nbytes: float, link: Link) -> float:
+    """All-to-all where every rank holds `nbytes` for the n ranks (itself included): (n-1)/n of
+    it leaves through the rank's slowest link, in n-1 pairwise steps."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bytes_per_s + (n - 1) * link.latency_s
+
+
 def p2p_time(nbytes: float, link: Link) -> float:
     return nbytes / link.bytes_per_s + link.latency_s
 

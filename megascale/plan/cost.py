@@ -5,7 +5,9 @@ recomputation, the tensor-parallel communication the chunked-GEMM overlap does n
 gaps between kernel launches and a fixed cost per model-chunk run. The interleaved 1F1B schedule
 runs m such micro-batches plus a bubble of (p-1)/v of one, i.e. a bubble of (p-1)/(v*m) of the
 busy time (Narayanan et al. 2021). On top come the exposed pipeline sends, the exposed
-data-parallel all-gather/reduce-scatter (ZeRO), the compute lost to communication it overlaps,
+data-parallel all-gather/reduce-scatter (ZeRO), an MoE model's exposed expert-parallel
+all-to-alls (plan/moe.py, which also turns the dense MLPs into MoE ones), the compute lost to
+communication it overlaps,
 the wait for the slowest of N ranks, the optimizer step, the global gradient-norm all-reduce and
 the host's per-step work. Every overlap can be switched off (`Features`) and is modelled so that
 switching it on never makes the step slower; every second-order effect (`Effects`) is its own
@@ -23,7 +25,8 @@ from megascale.plan import efficiency as eff
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.flops import CONVENTIONS, training_flops_per_token
 from megascale.plan.layout import Features, Layout, Workload
-from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split
+from megascale.plan.memory import MemoryEstimate, memory_per_gpu, param_split, stage_parameters
+from megascale.plan.moe import expert_dp_times, moe_times
 
 TERMS = (
     "compute",
@@ -34,6 +37,8 @@ TERMS = (
     "bubble",
     "pp_exposed",
     "dp_exposed",
+    "cp_exposed",
+    "ep_exposed",
     "contention",
     "stragglers",
     "optimizer",
@@ -54,10 +59,12 @@ class MicroBatchTimes:
     launch: float  # idle gaps between the stage's kernels
     chunk: float  # fixed cost of running each of the v chunks forward and backward
     detail: dict[str, float] = field(default_factory=dict)
+    ep_total: float = 0.0  # MoE all-to-alls issued, if nothing overlapped
+    ep_exposed: float = 0.0
 
     @property
     def busy(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.launch + self.chunk
+        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.ep_exposed + self.launch + self.chunk
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     """Compute and TP communication of one micro-batch through the slowest stage."""
     m, gpu = work.model, cluster.gpu
     dt, ab, t = work.dtype, work.act_bytes, layout.tp
-    tokens = layout.micro_batch * m.seq_len
+    tokens = layout.micro_batch * m.seq_len // layout.cp  # under cp: this rank's part of each sequence
     h, f = m.hidden, m.ffn
 
     # (column GEMM, row GEMM) pairs: each column GEMM follows a TP all-gather and each row GEMM
@@ -124,8 +131,9 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     gemm_fwd = sum(gemm(col) + gemm(row) for col, row in pairs)
     span = mean_attention_span(m.seq_len, m.window)
     if features.attention == "unfused":
-        attn_fwd, attn_bwd = eff.unfused_attention_time(
-            gpu, dt, layout.micro_batch, m.seq_len, m.heads / t, m.head_dim, ab
+        attn_fwd, attn_bwd = (
+            x / layout.cp
+            for x in eff.unfused_attention_time(gpu, dt, layout.micro_batch, m.seq_len, m.heads / t, m.head_dim, ab)
         )
     else:
         attn_fwd, attn_bwd = eff.attention_time(gpu, dt, attention_flops(span, h) * tokens / t, span, m.head_dim)
@@ -143,7 +151,7 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     # reduce-scatter of the output; backward re-gathers the input for the weight gradient.
     link = comm.group_link(cluster, t, 1)
     coll = comm.all_gather_time(t, tokens * h * ab, link)
-    tp_fwd_exposed = tp_bwd_exposed = 0.0
+    tp_fwd_exposed = tp_bwd_exposed = pair_exposed = 0.0
     for col, row in pairs:
         if features.tp_overlap and t > 1:
             k = features.tp_chunks
@@ -153,7 +161,10 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
             ag = rs = coll
         tp_fwd_exposed += ag + rs
         tp_bwd_exposed += 2 * ag + rs  # re-gather + grad reduce-scatter, grad all-gather
+        pair_exposed = 3 * ag + 2 * rs
     tp_layer_total = 5 * len(pairs) * coll
+    # an MoE MLP replaces the dense one (its own tp collectives, when not fused with attention's)
+    moe = moe_times(work, layout, cluster, features, (5 * coll, pair_exposed) if len(pairs) == 2 else (0.0, 0.0))
 
     layers = m.layers // layout.pp
     # the last stage (the slowest) also runs the vocabulary head and the loss
@@ -176,18 +187,22 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
     gap = impl.launch_gap_us * 1e-6 if effects.launch_gaps else 0.0
     chunk = impl.chunk_overhead_us * 1e-6 if effects.interleave else 0.0
     return MicroBatchTimes(
-        fwd=layers * layer_fwd + head_fwd,
-        bwd=layers * layer_bwd + head_bwd,
+        fwd=layers * layer_fwd + head_fwd + (moe.fwd if moe else 0.0),
+        bwd=layers * layer_bwd + head_bwd + (moe.bwd if moe else 0.0),
         recompute=recompute,
-        tp_total=layers * tp_layer_total + head_tp,
-        tp_exposed=layers * (tp_fwd_exposed + tp_bwd_exposed) + head_tp,
+        tp_total=layers * tp_layer_total + head_tp + (moe.tp_total if moe else 0.0),
+        tp_exposed=layers * (tp_fwd_exposed + tp_bwd_exposed) + head_tp + (moe.tp_exposed if moe else 0.0),
         launch=layers * kernels * passes * gap,
         chunk=2 * layout.v * chunk,
+        ep_total=moe.ep_total if moe else 0.0,
+        ep_exposed=moe.ep_exposed if moe else 0.0,
         detail={
+            **(moe.detail if moe else {}),
             "layer_fwd": layer_fwd,
             "layer_bwd": layer_bwd,
             "gemm_fwd": gemm_fwd,
             "attention_fwd": attn_fwd,
+            "attention_bwd": attn_bwd,
             "elementwise_fwd": elem_fwd,
             "tp_collective": coll,
             "head_fwd": head_fwd,
@@ -195,6 +210,22 @@ def micro_batch_times(work: Workload, layout: Layout, cluster: ClusterSpec, feat
             "kernels_per_layer": kernels,
         },
     )
+
+
+def bubble_time(layout: Layout, mb: MicroBatchTimes) -> float:
+    """Seconds a stage idles per step, in the schedule's steady-state terms (m >= p; ZB-V
+    m >= 2p - 1). Interleaved 1F1B: (p-1)/v micro-batches of busy time. The zero-bubble
+    schedules split the backward into B and W (the weight-gradient GEMMs, half of it; the
+    recompute belongs to B): ZB-H1 idles (p-1)(F + B - W) = (p-1)(F + recompute), a third of
+    1F1B's with F = B = W; ZB-V, its chunks half a stage, half of that ((p-1) chunk-forwards,
+    as `schedule.simulate` plays it). Overheads (tp exposure, launch gaps) scale with them."""
+    p, v = layout.pp, layout.v
+    if layout.schedule == "1f1b":
+        return (p - 1) / v * mb.busy
+    core = mb.fwd + mb.bwd + mb.recompute
+    forward_share = (mb.fwd + mb.recompute) / core if core > 0 else 1 / 3
+    idle = (p - 1) * forward_share * mb.busy
+    return idle / 2 if layout.schedule == "zbv" else idle
 
 
 def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Features | None = None) -> StepEstimate:
@@ -210,19 +241,19 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
     # Pipeline: each micro-batch crosses 2v stage boundaries per stage (forward and backward).
     pp_total = pp_exposed = 0.0
     if p > 1:
-        traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp, p)
+        traffic = congestion.pp_traffic(cluster, layout.dp, layout.tp * layout.cp, p)  # cp sits next to tp
         slowdown = traffic.slowdown if effects.collisions else 1.0
-        link = comm.p2p_link(cluster, layout.tp * layout.dp, slowdown)
-        hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes / layout.tp, link)
+        link = comm.p2p_link(cluster, layout.tp * layout.cp * layout.dp, slowdown)
+        hop = comm.p2p_time(layout.micro_batch * m.seq_len * m.hidden * work.act_bytes / layout.tp / layout.cp, link)
         pp_total = (micro + (p - 1) / v) * 2 * v * hop
         # decoupled sends: only the fill and drain hops are on the critical path
         pp_exposed = 2 * (p - 1) * hop if features.pp_overlap else pp_total
         inputs["collisions_pp"] = _traffic_text(traffic, slowdown)
 
     dp_total, dp_exposed, dp_detail = _data_parallel(work, layout, cluster, features, mb, micro, inputs)
-    split = param_split(work)
-    psi = split.stage(m.layers, p) / layout.tp
-    shard = psi / layout.dp if layout.zero >= 1 else psi
+    cp_total, cp_exposed, cp_detail = _context_parallel(work, layout, cluster, mb, micro)
+    stage = stage_parameters(work, layout)
+    shard = stage.sharded(layout.dp, layout.ep) if layout.zero >= 1 else stage.total
     opt_bytes = eff.optimizer_bytes_per_param(work.optimizer, work.mixed_precision)
     optimizer = eff.memory_time(cluster.gpu, shard * opt_bytes)
     world = layout.world
@@ -236,13 +267,17 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
         "tp_exposed": micro * mb.tp_exposed,
         "launch_gaps": micro * mb.launch,
         "interleave": micro * mb.chunk,
-        "bubble": (p - 1) / v * mb.busy,
+        "bubble": bubble_time(layout, mb),
         "pp_exposed": pp_exposed,
         "dp_exposed": dp_exposed,
+        "cp_exposed": cp_exposed,
+        "ep_exposed": micro * mb.ep_exposed,
     }
     hidden = micro * (mb.tp_total - mb.tp_exposed) + (pp_total - pp_exposed) + (dp_total - dp_exposed)
+    hidden += cp_total - cp_exposed + micro * (mb.ep_total - mb.ep_exposed)
     terms["contention"] = impl.overlap_contention * hidden if effects.contention else 0.0
-    busy = terms["compute"] + terms["tp_exposed"] + terms["launch_gaps"] + terms["interleave"] + terms["contention"]
+    busy = terms["compute"] + terms["tp_exposed"] + terms["ep_exposed"] + terms["launch_gaps"] + terms["interleave"]
+    busy += terms["contention"]
     hosts = max(1, world // cluster.gpus_per_node)
     slow = cluster.slow_hosts
     slowest = impl.jitter.expected_max(world, hosts, slow) if effects.stragglers else 1.0
@@ -265,10 +300,11 @@ def estimate(work: Workload, layout: Layout, cluster: ClusterSpec, features: Fea
         flops_per_step={c: tokens * training_flops_per_token(m, c, layout.recompute) for c in CONVENTIONS},
         peak_flops_total=cluster.gpu.peak(work.dtype) * world,
         memory=memory_per_gpu(work, layout, cluster.gpu, features.attention),
-        totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total},
+        totals={"tp": micro * mb.tp_total, "pp": pp_total, "dp": dp_total, "cp": cp_total, "ep": micro * mb.ep_total},
         detail={
             **mb.detail,
             **dp_detail,
+            **cp_detail,
             "fwd_mb": mb.fwd,
             "bwd_mb": mb.bwd,
             "busy_mb": mb.busy,
@@ -307,28 +343,30 @@ def _data_parallel(
         return 0.0, 0.0, {}
     split = param_split(work)
     t, v = layout.tp, layout.v
-    traffic = congestion.dp_traffic(cluster, n, t, layout.pp)
+    traffic = congestion.dp_traffic(cluster, n, t * layout.cp, layout.pp)  # dp ranks are tp * cp apart
     slowdown = features.network_slowdown or (traffic.slowdown if features.effects.collisions else 1.0)
     inputs["collisions_dp"] = _traffic_text(traffic, slowdown)
-    link = comm.group_link(cluster, n, t, slowdown)
+    link = comm.group_link(cluster, n, t * layout.cp, slowdown)
     nbytes = work.act_bytes  # bf16 parameters on the wire (fp32 on CPU)
     grad_bytes = features.impl.grad_wire_bytes or nbytes
     layers = work.model.layers // layout.pp
-    unit, grad_unit = split.layer / t * nbytes, split.layer / t * grad_bytes
     ends_params = (split.embedding + split.head if layout.pp == 1 else max(split.embedding, split.head)) / t
+    layer_params = (stage_parameters(work, layout).dense - ends_params) / layers  # an MoE model's experts apart
+    unit, grad_unit = layer_params * nbytes, layer_params * grad_bytes
     ends, grad_ends = ends_params * nbytes, ends_params * grad_bytes
     detail = {"dp_link_gbps": link.bytes_per_s / 1e9, "dp_scope_" + link.scope: 1.0}
+    experts = expert_dp_times(work, layout, cluster, slowdown, nbytes, grad_bytes)  # over dp/ep ranks
 
     if layout.zero == 0:
         ar_unit = comm.all_reduce_time(n, grad_unit, link)
-        total = layers * ar_unit + comm.all_reduce_time(n, grad_ends, link)
+        total = layers * ar_unit + comm.all_reduce_time(n, grad_ends, link) + experts.all_reduce
         exposed = (ar_unit + max(0.0, total / v - mb.bwd / v)) if features.dp_overlap else total
         return total, min(total, exposed), {**detail, "dp_allreduce_layer": ar_unit}
 
     ag_unit = comm.all_gather_time(n, unit, link)
     rs_unit = comm.reduce_scatter_time(n, grad_unit, link)
-    ag = layers * ag_unit + comm.all_gather_time(n, ends, link)
-    rs = layers * rs_unit + comm.reduce_scatter_time(n, grad_ends, link)
+    ag = layers * ag_unit + comm.all_gather_time(n, ends, link) + experts.all_gather
+    rs = layers * rs_unit + comm.reduce_scatter_time(n, grad_ends, link) + experts.reduce_scatter
     detail |= {"dp_allgather_layer": ag_unit, "dp_reducescatter_layer": rs_unit}
     if layout.zero == 3:  # parameters re-gathered in forward and backward of every micro-batch
         total = micro * (2 * ag + rs)
@@ -343,3 +381,43 @@ def _data_parallel(
     exposed_ag = first + max(0.0, ag - ag_unit - mb.fwd)
     exposed_rs = rs_unit + max(0.0, rs / v - mb.bwd / v)
     return total, min(total, exposed_ag + exposed_rs), detail
+
+
+def _context_parallel(
+    work: Workload, layout: Layout, cluster: ClusterSpec, mb: MicroBatchTimes, micro: int
+) -> tuple[float, float, dict[str, float]]:
+    """(issued, exposed, detail) seconds of context parallelism's traffic per step.
+
+    Per layer and micro-batch, between cp neighbours (`parallel/ring.py`, `parallel/context.py`):
+    full causal attention sends cp - 1 key/value blocks (this rank's part of the sequence) around
+    the ring in the forward, each hidden behind one block's attention (1/cp of it), and in the
+    backward the blocks again with their gradient accumulators (fp32, cp of them); a window w
+    sends one halo of w - 1 positions forward and its gradient back, hidden behind the attention
+    of the local queries. Then, once per step, the gradients' all-reduce over cp (after ZeRO's
+    reduce-scatter, on this rank's shard), exposed.
+    """
+    c, m = layout.cp, work.model
+    if c == 1:
+        return 0.0, 0.0, {}
+    local = layout.micro_batch * m.seq_len // c
+    kv_bytes = 2 * m.kv_groups * m.head_dim / layout.tp * work.act_bytes  # K and V of one position
+    link = comm.p2p_link(cluster, layout.tp)
+    attn_fwd, attn_bwd = mb.detail["attention_fwd"], mb.detail["attention_bwd"]
+    if m.window is None or m.window >= m.seq_len:  # ring attention
+        hop = comm.p2p_time(local * kv_bytes, link)
+        grad_hop = comm.p2p_time(local * kv_bytes * 4 / work.act_bytes, link)
+        layer_total = 2 * (c - 1) * hop + c * grad_hop
+        layer_exposed = (c - 1) * (max(0.0, hop - attn_fwd / c) + max(0.0, hop + grad_hop - attn_bwd / c)) + grad_hop
+    else:  # the halo
+        halo = min(m.window - 1, local)
+        hop = comm.p2p_time(layout.micro_batch * halo * kv_bytes, link)
+        hidden_share = 1 - halo / local
+        layer_total = 2 * hop
+        layer_exposed = max(0.0, hop - hidden_share * attn_fwd) + max(0.0, hop - hidden_share * attn_bwd)
+    layers = m.layers // layout.pp
+    psi = param_split(work).stage(m.layers, layout.pp) / layout.tp
+    shard = psi / layout.dp if layout.zero >= 2 else psi
+    grads = comm.all_reduce_time(c, shard * work.act_bytes, comm.group_link(cluster, c, layout.tp))
+    total = micro * layers * layer_total + grads
+    exposed = micro * layers * layer_exposed + grads
+    return total, exposed, {"cp_hop": hop, "cp_grad_allreduce": grads}

@@ -20,6 +20,7 @@ from megascale.layout.grid import RankGrid
 from megascale.plan.stragglers import Jitter
 
 Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["1f1b", "zb-h1", "zbv"]  # parallel.schedule (1f1b: interleaved when v > 1)
 Attention = Literal["flash2", "flash1", "unfused"]
 
 
@@ -65,6 +66,9 @@ class Layout:
     micro_batch: int = 1
     zero: int = 2  # 0: DDP, 1: optimizer sharded, 2: + gradients (MegaScale), 3: + parameters
     recompute: Recompute = "none"
+    cp: int = 1  # context parallelism: each sequence split along its length over cp ranks
+    ep: int = 1  # expert parallelism, carved from dp (MoE models only)
+    schedule: Schedule = "1f1b"  # zb-h1 (v = 1) and zbv (v = 2): zero-bubble, split backward
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Layout:
@@ -78,6 +82,9 @@ class Layout:
             micro_batch=cfg.train.micro_batch,
             zero=2,  # megascale runs ZeRO-2 at every dp: at dp = 1 it still holds the fp32 masters
             recompute=cfg.train.recompute,
+            cp=p.cp,
+            ep=p.ep,
+            schedule="1f1b" if p.schedule == "gpipe" else p.schedule,
         )
 
     @property
@@ -90,7 +97,9 @@ class Layout:
     def label(self) -> str:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} v={self.v} mb={self.micro_batch} "
-            f"zero={self.zero} rc={self.recompute}"
+            f"zero={self.zero} rc={self.recompute}{f' cp={self.cp}' if self.cp > 1 else ''}"
+            + (f" ep={self.ep}" if self.ep > 1 else "")
+            + ("" if self.schedule == "1f1b" else f" {self.schedule}")
         )
 
     def overrides(self) -> list[str]:
@@ -102,6 +111,9 @@ class Layout:
             f"--parallel.vpp={self.v}",
             f"--train.micro_batch={self.micro_batch}",
             f"--train.recompute={self.recompute}",
+            *([f"--parallel.cp={self.cp}"] if self.cp > 1 else []),
+            *([f"--parallel.ep={self.ep}"] if self.ep > 1 else []),
+            *([f"--parallel.schedule={self.schedule}"] if self.schedule != "1f1b" else []),
         ]
 
     def check(self, work: Workload, gpus_per_node: int | None = None) -> None:
@@ -116,7 +128,9 @@ class Layout:
         job = JobConfig(
             model=work.model,
             optim=OptimConfig(name=work.optimizer),  # type: ignore[arg-type]
-            parallel=ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v),
+            parallel=ParallelConfig(
+                dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.v, cp=self.cp, ep=self.ep, schedule=self.schedule
+            ),
             train=TrainConfig(global_batch=work.global_batch, micro_batch=self.micro_batch, recompute=self.recompute),
         )
         job.validate()
@@ -166,6 +180,8 @@ class Features:
     pp_overlap: bool = True  # sends and receives decoupled from compute
     dp_overlap: bool = True  # ZeRO all-gather prefetch, reduce-scatter as chunks finish
     data_overlap: bool = True  # first all-gather hidden behind data loading
+    ep_overlap: bool = True  # MoE all-to-alls pipelined against the experts (chunks of rows)
+    ep_chunks: int = 2  # parts a micro-batch's rows are cut into (parallel.ep_overlap_chunks)
     network_slowdown: float = 0.0  # DP slowdown from ecmp.simulate (0: the closed-form model)
     attention: Attention = "flash2"  # FlashAttention-2, FlashAttention-1, or materialised scores
     fused_elementwise: bool = True  # LayerNorm and GeLU each one kernel (else their pieces)
@@ -175,8 +191,14 @@ class Features:
     @classmethod
     def from_job(cls, cfg: JobConfig) -> Features:
         p = cfg.parallel
-        return cls(tp_overlap=p.tp_overlap, tp_chunks=p.tp_overlap_chunks, dp_overlap=p.dp_overlap)
+        return cls(
+            tp_overlap=p.tp_overlap,
+            tp_chunks=p.tp_overlap_chunks,
+            dp_overlap=p.dp_overlap,
+            ep_overlap=p.ep_overlap_chunks > 1,
+            ep_chunks=p.ep_overlap_chunks,
+        )
 
     @classmethod
     def none(cls) -> Features:
-        return cls(tp_overlap=False, pp_overlap=False, dp_overlap=False, data_overlap=False)
+        return cls(tp_overlap=False, pp_overlap=False, dp_overlap=False, data_overlap=False, ep_overlap=False)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megascale.config.schema import JobConfig, ParallelConfig
+from megascale.config.schema import JobConfig, MoEConfig, ParallelConfig
 from megascale.model.flops import norm_parameters, parameter_count
 from megascale.plan.cluster import GPUSpec
 from megascale.plan.layout import Layout, Workload
+from megascale.plan.moe import StageParams, stage_params
 
 MASTER_STATE_BYTES = 12  # mixed precision: fp32 master weight + two fp32 moments (AdamW, LAMB)
 FP32_STATE_BYTES = 8  # fp32 training: two fp32 moments (the parameter itself is the master)
@@ -50,7 +51,18 @@ def param_split(work: Workload) -> ParamSplit:
 
 
 def stage_params_per_gpu(work: Workload, layout: Layout) -> float:
-    return param_split(work).stage(work.model.layers, layout.pp) / layout.tp
+    return stage_parameters(work, layout).total
+
+
+def stage_parameters(work: Workload, layout: Layout) -> StageParams:
+    """The largest stage's parameters per GPU, an MoE model's routed experts apart (plan.moe)."""
+    dense = replace(work, model=replace(work.model, moe=MoEConfig())) if work.model.moe.experts else work
+    split = param_split(dense)
+    if layout.schedule == "zbv" and layout.pp > 1:  # the V: rank 0 holds the embedding and the head
+        stage = work.model.layers // layout.pp * split.layer + split.embedding + split.head
+    else:
+        stage = split.stage(work.model.layers, layout.pp)
+    return stage_params(work, layout, stage / layout.tp)
 
 
 def activation_elements_per_token(work: Workload, recompute: str) -> float:
@@ -119,7 +131,7 @@ def micro_batch_extra_bytes(work: Workload, tp: int = 1, head: bool = True) -> f
     pipeline stage) its norm's input and statistics and the normed input of the vocabulary
     projection, the whole sequence on every tp rank."""
     m, ab = work.model, work.act_bytes
-    per_token = 8 + 1 + (2 * m.rotary_dim * ab if m.positions == "rotary" else 0)
+    per_token = 8.0 + 1 + (2 * m.rotary_dim * ab if m.positions == "rotary" else 0)
     if head:
         norm_in = (m.hidden * 8 + 4) / tp if m.norm == "rmsnorm" else (m.hidden + 2) * ab / tp
         per_token += norm_in + m.hidden * ab
@@ -127,10 +139,14 @@ def micro_batch_extra_bytes(work: Workload, tp: int = 1, head: bool = True) -> f
 
 
 def in_flight_micro_batches(layout: Layout, micro_batches: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak (1F1B, interleaved)."""
+    """Micro-batches whose activations the first stage holds at its peak. 1F1B: p;
+    interleaved: more. ZB-H1 and ZB-V hold 1F1B's p on every rank (ZB-V: 2p chunk-activations
+    of half a stage), counting a micro-batch between its B and W (each GEMM's input and output
+    gradient) as a whole one; the runtime measures 1.10x / 1.12x 1F1B's peak at p = 2
+    (tests/parallel/test_pipeline_memory.py)."""
     p, v = layout.pp, layout.v
     held = float(min(micro_batches, p))
-    if v > 1:
+    if v > 1 and layout.schedule == "1f1b":
         held *= 1 + (p - 1) / (p * v)
     return held
 
@@ -201,21 +217,22 @@ def memory_per_gpu(
     published systems' accounting (Korthikanti et al. 2022) the search is validated on."""
     m = work.model
     t, dp = layout.tp, layout.dp
-    psi = stage_params_per_gpu(work, layout)
+    stage = stage_parameters(work, layout)
+    psi, shard = stage.total, stage.sharded(dp, layout.ep)
     ab = work.act_bytes
     param_bytes = ab if work.mixed_precision else 4
     state_bytes = MASTER_STATE_BYTES if work.mixed_precision else FP32_STATE_BYTES
 
-    params = param_bytes * psi / (dp if layout.zero >= 3 else 1)
-    grads = GRAD_BYTES * psi / (dp if layout.zero >= 2 else 1)
-    optimizer = state_bytes * psi / (dp if layout.zero >= 1 else 1)
+    params = param_bytes * (shard if layout.zero >= 3 else psi)
+    grads = GRAD_BYTES * (shard if layout.zero >= 2 else psi)
+    optimizer = state_bytes * (shard if layout.zero >= 1 else psi)
 
-    tokens = layout.micro_batch * m.seq_len
+    tokens = layout.micro_batch * m.seq_len // layout.cp  # under cp: this rank's part of each sequence
     stage_layers = m.layers // layout.pp
     micro = layout.micro_batches(work.global_batch)
     if as_built:
         per_layer = tokens * activation_bytes_per_token(work, layout.recompute, t)
-        extra = layout.micro_batch * micro_batch_extra_bytes(work, t, layout.pp == 1)
+        extra = layout.micro_batch * micro_batch_extra_bytes(work, t, layout.pp == 1) / layout.cp
         live = tokens * activation_bytes_per_token(work, "none", t)  # a layer being recomputed
     else:
         per_layer = tokens * activation_elements_per_token(work, layout.recompute) * ab / t

@@ -81,8 +81,8 @@ def read_hosts(path: str | Path) -> list[Host]:
 
 
 def mesh_groups(layout: Layout) -> dict[str, list[list[int]]]:
-    """Global ranks of every tp, dp and pp group (and cp's, where the layout has cp > 1: the
-    planner does not model cp yet), in the job's rank order."""
+    """Global ranks of every tp, dp and pp group (and cp's, where the layout has cp > 1), in the
+    job's rank order."""
     grid = RankGrid.of(layout)
     return {dim: grid.groups(dim) for dim in DIMS if dim != "cp" or grid.cp > 1}
 

@@ -8,16 +8,19 @@ work. Ranking is by predicted step time (equivalently tokens/s and MFU at a fixe
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
 from megascale.config.fields import ConfigError
 from megascale.plan.cluster import ClusterSpec
 from megascale.plan.cost import StepEstimate, estimate
-from megascale.plan.layout import Features, Layout, Recompute, Workload
+from megascale.plan.layout import Features, Layout, Recompute, Schedule, Workload
+from megascale.plan.moe import ep_choices
 from megascale.plan.system import SystemSpec, ablation_steps, switch_on
 
 RECOMPUTE_ORDER: tuple[Recompute, ...] = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 12
+LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,12 @@ class SearchSpace:
     tps: tuple[int, ...] | None = None  # only these degrees (None: every valid one)
     pps: tuple[int, ...] | None = None
     virtuals: tuple[int, ...] | None = None
+    eps: tuple[int, ...] | None = None  # expert-parallel degrees (MoE models; None: every valid one)
     recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER  # tried in this order; the first that fits wins
+    cps: tuple[int, ...] | None = None  # None: cp = 1, and for long sequences powers of two in a node
+    # pipeline schedules tried when pp > 1: 1f1b (interleaved with v > 1), zb-h1 (v = 1, m >= p),
+    # zbv (v = 2, m >= 2p - 1: below that their bubble is larger than the model's formula)
+    schedules: tuple[Schedule, ...] = ("1f1b", "zb-h1", "zbv")
 
 
 def _divisors(n: int) -> list[int]:
@@ -38,6 +46,29 @@ def _divisors(n: int) -> list[int]:
 
 def _allowed(values: list[int], only: tuple[int, ...] | None) -> list[int]:
     return values if only is None else [x for x in values if x in only]
+
+
+def _schedules(pp: int, micro: int, virtuals: list[int], space: SearchSpace) -> list[tuple[int, Schedule]]:
+    """(v, schedule) pairs to try: 1F1B at each v; ZB-H1 at v = 1 with m >= p; ZB-V at v = 2
+    with m >= 2p - 1 (with fewer micro-batches their bubble exceeds the cost model's)."""
+    if pp == 1:
+        return [(v, "1f1b") for v in virtuals]
+    runs: list[tuple[int, Schedule]] = [(v, "1f1b") for v in virtuals if "1f1b" in space.schedules]
+    if "zb-h1" in space.schedules and micro >= pp:
+        runs.append((1, "zb-h1"))
+    if "zbv" in space.schedules and micro >= 2 * pp - 1 and 2 in virtuals:
+        runs.append((2, "zbv"))
+    return runs
+
+
+def _context_degrees(work: Workload, tp: int, cluster: ClusterSpec, space: SearchSpace) -> list[int]:
+    """cp degrees to try: cp's traffic is every layer's, so by default it stays in the node with tp,
+    and it is only worth trying when one sequence's activations are large."""
+    if space.cps is not None:
+        return list(space.cps)
+    if work.model.seq_len < LONG_SEQUENCE:
+        return [1]
+    return [1 << i for i in range((cluster.gpus_per_node // tp).bit_length()) if (1 << i) * tp <= cluster.gpus_per_node]
 
 
 def candidate_layouts(
@@ -51,17 +82,29 @@ def candidate_layouts(
     for tp in _allowed(_divisors(max_tp), space.tps):
         if cluster.gpus_per_node % tp:
             continue
-        for pp in _allowed(_divisors(m.layers), space.pps):
-            if gpus % (tp * pp):
+        cps = _context_degrees(work, tp, cluster, space)
+        for pp, cp in ((pp, cp) for pp in _allowed(_divisors(m.layers), space.pps) for cp in cps):
+            if gpus % (tp * pp * cp):
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * pp * cp)
             for mb in space.micro_batches:
                 if work.global_batch % (dp * mb):
                     continue
                 virtuals = [1] if pp == 1 else [v for v in _divisors(m.layers // pp) if v <= space.max_virtual]
-                for v in _allowed(virtuals, space.virtuals):
-                    for zero in space.zero_stages:
-                        layout = Layout(dp=dp, tp=tp, pp=pp, v=v, micro_batch=mb, zero=zero if dp > 1 else 0)
+                micro = work.global_batch // (dp * mb)
+                for v, schedule in _schedules(pp, micro, _allowed(virtuals, space.virtuals), space):
+                    for zero, ep in product(space.zero_stages, ep_choices(work, dp, space.eps)):
+                        layout = Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            v=v,
+                            micro_batch=mb,
+                            zero=zero if dp > 1 else 0,
+                            cp=cp,
+                            ep=ep,
+                            schedule=schedule,
+                        )
                         try:
                             layout.check(work, cluster.gpus_per_node if gpus > 1 else None)
                         except ConfigError:

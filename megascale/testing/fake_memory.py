@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megascale.config.schema import JobConfig
+from megascale.config.schema import JobConfig, ParallelConfig
 from megascale.layout.grid import RankGrid
 from megascale.layout.launch import LaunchEnv
 from megascale.model import GPT
@@ -64,15 +64,15 @@ def _bytes(tensors, seen: set[int]) -> int:
     return total
 
 
-def _mesh(cfg: JobConfig, rank: int) -> ParallelMesh:
-    grid = RankGrid.of(cfg.parallel)
+def _mesh(parallel: ParallelConfig, rank: int) -> ParallelMesh:
+    grid = RankGrid.of(parallel)
     if dist.is_initialized():
         raise RuntimeError(
             "fake-mode measurement needs a process without a default process group "
             "(it creates torch's fake one); call it before init_process_group"
         )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=grid.world_size)
-    timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
+    timeout = timedelta(seconds=parallel.collective_timeout_s)
     groups, _ = create_groups(grid, rank, timeout)
     return ParallelMesh(
         grid,
@@ -89,7 +89,7 @@ def _mesh(cfg: JobConfig, rank: int) -> ParallelMesh:
 
 def measure_rank(cfg: JobConfig, rank: int = 0) -> RankMemory:
     """Build rank `rank` of the job `cfg` as the trainer does, in fake mode; count its bytes."""
-    mesh = _mesh(cfg, rank)
+    mesh = _mesh(cfg.parallel, rank)
     try:
         with torch.device("meta"):  # no memory yet; outside fake mode (it cannot swap meta tensors)
             model = GPT(cfg.model)

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale.resilience.api import ApiClient, ApiError
-from megascale.resilience.credentials import load_secret
+from megascale.resilience.common.api import ApiClient, ApiError
+from megascale.resilience.common.credentials import load_secret
 from megascale.testing.simnodes import Fleet
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ connection each that trusts only the job's pinned certificate, a bearer token, H
 JSON bodies the driver's schemas check — without ranks behind them. Each node registers, then
 heartbeats at the period the driver asks for, with the payload of a real node of
 `ranks_per_node` ranks (process status, step, step time and a window of recent step times per
-rank, hardware, interface counters), answers `start`, `pause`, `stop` and `selfcheck` as a
+rank, their compute times, hardware, interface counters), answers `start`, `pause`, `stop` and `selfcheck` as a
 healthy node's executor would (at once: nothing runs behind them), and can be told to fall
 silent. Each round trip is timed; the driver's own CPU is read from /proc by the caller.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megascale.resilience.credentials import pinned_context
+from megascale.resilience.common.credentials import pinned_context
 
 RECENT = 8  # step times per rank per heartbeat (the executor sends what its ranks remember)
 
@@ -142,6 +142,7 @@ class SimNode:
                     "step": step or None,
                     "step_time": self.fleet.step_s if step else None,
                     "recent": recent if step else [],
+                    "compute": [[s, 0.8 * t] for s, t in recent] if step else [],  # the straggler rule's input
                     "status_time": now,
                     "start": None,
                     "phase": "training",

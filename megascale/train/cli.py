@@ -17,13 +17,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig, default_config_path, load_config
 from megascale.config.handoff import config_text, with_generated_password, write_rank_files
 from megascale.config.operations import checkpoint_root
-from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
+from megascale.config.schema import REDIS_PASSWORD_ENV, CheckpointConfig, ModelConfig, redacted_url
 from megascale.layout.grid import RankGrid
 from megascale.layout.launch import LaunchEnv
 from megascale.plan.env import format_applied, launch_env, with_defaults
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"megascale train: config error: {exc}", file=sys.stderr)
         return 2
-    if cfg.checkpoint.init_from and not _init_from_fits(cfg):
+    if cfg.checkpoint.init_from and not _init_from_fits(cfg.checkpoint.init_from, cfg.model):
         return 2
     world = RankGrid.of(cfg.parallel).world_size
     nproc = args.nproc or (world if world > 1 and not under_launcher else 0)
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return launch_local(nproc, cfg)
     from megascale.data.shards import DataError
-    from megascale.resilience.faults import rank_step_hook
+    from megascale.resilience.rank.faults import rank_step_hook
     from megascale.train.trainer import Trainer
 
     try:  # a bad value or dataset found while building: its message, not a traceback
@@ -98,14 +100,14 @@ def run(args: argparse.Namespace) -> int:
     return 128 + trainer.stop_signal if trainer.stop_signal else 0  # as if killed by it, once saved
 
 
-def _init_from_fits(cfg: JobConfig) -> bool:
+def _init_from_fits(init_from: str, model: ModelConfig) -> bool:
     """The pretrained checkpoint exists, is supported and matches the model config: said here,
     in one line, before any rank starts."""
     from megascale.interop.hf_files import InteropError
     from megascale.interop.pretrained import init_source
 
     try:
-        init_source(cfg)
+        init_source(init_from, model)
     except InteropError as exc:
         print(f"megascale train: {exc}", file=sys.stderr)
         return False
@@ -114,7 +116,7 @@ def _init_from_fits(cfg: JobConfig) -> bool:
 
 def launch_local(nproc: int, cfg: JobConfig) -> int:
     """Run the ranks under torch.distributed.run; with `parallel.redis_start`, host their Redis too."""
-    from megascale.resilience.redis_server import RedisServer
+    from megascale.resilience.common.redis_server import RedisServer
 
     with ExitStack() as job:
         private = job.enter_context(tempfile.TemporaryDirectory(prefix="megascale-train-"))
@@ -148,13 +150,15 @@ def launch_local(nproc: int, cfg: JobConfig) -> int:
                 print(f"megascale train: {exc}", file=sys.stderr)
                 return 2
             print(f"megascale train: redis-server for this job at {redacted_url(redis_server.url)}", file=sys.stderr)
-        return _wait_forwarding_sigterm(subprocess.Popen(cmd, env=env), cfg)
+        saved = partial(what_was_saved, cfg.checkpoint, cfg.train.run_dir)
+        return _wait_forwarding_sigterm(subprocess.Popen(cmd, env=env), saved)
 
 
-def _wait_forwarding_sigterm(proc: subprocess.Popen, cfg: JobConfig) -> int:
+def _wait_forwarding_sigterm(proc: subprocess.Popen, saved: Callable[[], str]) -> int:
     """Wait for the ranks' launcher. A SIGTERM sent to this process alone (Kubernetes signals only
     a container's first process) is passed on once, so the ranks stop and save; Ctrl-C already
-    reaches every process of the terminal's group, so here it is only kept from ending the wait."""
+    reaches every process of the terminal's group, so here it is only kept from ending the wait.
+    `saved` says what was saved, once the ranks have stopped."""
     forwarded = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -171,21 +175,21 @@ def _wait_forwarding_sigterm(proc: subprocess.Popen, cfg: JobConfig) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if forwarded and code:  # torchrun reports the ranks' exit 143 as a failure above this line
-        print(f"megascale train: stopped by SIGTERM; {what_was_saved(cfg)}", file=sys.stderr)
+        print(f"megascale train: stopped by SIGTERM; {saved()}", file=sys.stderr)
     return code
 
 
-def what_was_saved(cfg: JobConfig) -> str:
+def what_was_saved(checkpoint: CheckpointConfig, run_dir: str) -> str:
     """The step the ranks reached and the newest valid checkpoint, both read from the run's files
     (metrics.jsonl, the checkpoint root), so that the message cannot claim a save that failed."""
     from megascale.checkpoint.catalog import candidates
     from megascale.checkpoint.storage import open_root
 
     reached = None
-    metrics = Path(cfg.train.run_dir) / "metrics.jsonl"
+    metrics = Path(run_dir) / "metrics.jsonl"
     with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
         reached = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    fs, root = open_root(checkpoint_root(cfg.checkpoint, cfg.train.run_dir))
+    fs, root = open_root(checkpoint_root(checkpoint, run_dir))
     found = candidates(fs, root)
     if not found:
         return "nothing is saved; the same command starts from scratch"

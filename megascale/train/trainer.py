@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,8 @@ from megascale.interop.pretrained import init_source
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_to_norm_, global_grad_norm, lr_at
-from megascale.parallel.context import split_batch
-from megascale.parallel.engine import build_runner, reduce_sum
+from megascale.parallel.context import split_batch, uses_ring
+from megascale.parallel.engine import build_runner, reduce_sum, timed_all_reduce
 from megascale.parallel.mesh import init_mesh
 from megascale.plan.memory import job_memory_estimate
 from megascale.train.metrics import MetricsWriter, StepClock, memory_record, progress_line, setup_logging
@@ -82,9 +83,10 @@ class Trainer:
         if cfg.train.param_dtype == "bf16":  # parameters and gradients; fp32 masters in the ZeRO shards
             model.to(torch.bfloat16)
         # values: a pretrained checkpoint's (weights only), or the seeded initialisation
-        values = init_source(cfg) if cfg.checkpoint.init_from else None
+        values = init_source(cfg.checkpoint.init_from, cfg.model) if cfg.checkpoint.init_from else None
         self.runner = build_runner(model, cfg, self.mesh, values)
-        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.sum_over = partial(timed_all_reduce, mesh=self.mesh)  # the step's waits timed as comm
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim, self.sum_over)
         self.train_loader, self.eval_loader = build_loaders(cfg, self.mesh)
         self.timers = Timers(
             self.rank,
@@ -132,13 +134,13 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model).training
         self.peak = peak_flops(self.device, cfg.train.dtype)
         log.info(
-            "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %d micro-batches/step; peak %s",
+            "model %.1fM parameters, layout pp=%d dp=%d tp=%d vpp=%d, %s per step; peak %s",
             parameter_count(cfg.model) / 1e6,
             cfg.parallel.pp,
             cfg.parallel.dp,
             cfg.parallel.tp,
             cfg.parallel.vpp,
-            cfg.micro_batches,
+            cfg.shares.describe(),
             f"{self.peak.value / 1e9:.1f} GFLOP/s ({self.peak.source})" if self.peak.value else self.peak.source,
         )
 
@@ -177,14 +179,15 @@ class Trainer:
         if batch is not None:
             local += (batch.labels != IGNORE_INDEX).sum()
             if self.mesh.dp_group is not None or self.mesh.cp_group is not None:
-                local = reduce_sum(local.to(self.mesh.device), self.mesh.dp_group, self.mesh.cp_group)
+                local = reduce_sum(local.to(self.mesh.device), self.mesh.dp_group, self.mesh.cp_group, mesh=self.mesh)
         return max(int(local), 1)
 
     def cp_part(self, batch: TokenBatch | None) -> TokenBatch | None:
         """This cp rank's part of every sequence (the loader gives cp ranks the same batch)."""
         if batch is None or self.mesh.cp_size == 1:
             return batch
-        return split_batch(batch, self.mesh.cp_rank, self.mesh.cp_size)
+        ring = uses_ring(self.cfg.model.window, self.cfg.model.seq_len)
+        return split_batch(batch, self.mesh.cp_rank, self.mesh.cp_size, ring)
 
     def train_step(self, batch: TokenBatch | None) -> dict[str, float]:
         """Forward, backward, then the optimizer step unless the gradient norm is not finite or
@@ -196,7 +199,8 @@ class Trainer:
         self.runner.finish_grads()
         params = [t for _, t in self.runner.optimizer_tensors()]
         with self.timers.span("optimizer", kind="optimizer"):
-            norm = global_grad_norm(params, across=[self.mesh.pp_group])  # every group: alike on all ranks
+            # every group: alike on all ranks; the waits timed as comm, not as this rank's work
+            norm = global_grad_norm(params, [self.mesh.pp_group], self.sum_over)
             loss = self.reduce_loss(loss_sum) / tokens
             lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
             record = {"loss": loss, "lr": lr, "grad_norm": float(norm), **self.runner.moe_stats}
@@ -266,11 +270,13 @@ class Trainer:
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum of token losses over the global batch, known on every rank: summed over dp and cp
-        on the last stage, then over pp (other stages add zero). tp ranks hold the same value."""
-        value = loss_sum.clone() if self.mesh.is_last_stage else torch.zeros_like(loss_sum)
-        if self.mesh.is_last_stage:
-            reduce_sum(value, self.mesh.dp_group, self.mesh.cp_group)
-        return float(reduce_sum(value, self.mesh.pp_group))
+        on the stage holding the loss (the last; the first under ZB-V), then over pp (other
+        stages add zero). tp ranks hold the same value."""
+        holds = self.runner.holds_loss
+        value = loss_sum.clone() if holds else torch.zeros_like(loss_sum)
+        if holds:
+            reduce_sum(value, self.mesh.dp_group, self.mesh.cp_group, mesh=self.mesh)
+        return float(reduce_sum(value, self.mesh.pp_group, mesh=self.mesh))
 
     def evaluate(self) -> float:
         self.runner.train(False)

@@ -1,7 +1,7 @@
 """A rank under an executor: a warm standby until assigned, then a trainer that outlives faults.
 
 `megascale train --standby` imports everything a rank needs (torch, the model, the trainer) and
-waits on its stdin for the executor's assignment (`resilience/rankctl.py`), so process start and
+waits on its stdin for the executor's assignment (`resilience/rank/rankctl.py`), so process start and
 imports are off the recovery's critical path. Once assigned it trains; when a peer fails (a
 collective's connection closes, or the executor says `abort`), it does not die: it drops its
 process groups without waiting for anything in flight, keeps the peer copies it holds
@@ -30,10 +30,10 @@ from megascale.data.shards import DataError
 from megascale.diagnostics.mfu import peak_flops
 from megascale.layout.launch import LaunchEnv
 from megascale.plan.env import format_applied
-from megascale.resilience.faults import StepHook, rank_step_hook
-from megascale.resilience.protocol import Assign, Rejoin
-from megascale.resilience.rankctl import RankControl, is_peer_failure
-from megascale.resilience.rankstatus import StatusWriter
+from megascale.resilience.common.protocol import Assign, Rejoin
+from megascale.resilience.common.rankstatus import StatusWriter
+from megascale.resilience.rank.faults import StepHook, rank_step_hook
+from megascale.resilience.rank.rankctl import RankControl, is_peer_failure
 from megascale.train.trainer import Trainer
 
 log = logging.getLogger("megascale")

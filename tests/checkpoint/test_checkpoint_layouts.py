@@ -33,12 +33,22 @@ L222 = ["--parallel.pp=2", "--parallel.dp=2", "--parallel.tp=2"]
 L412 = ["--parallel.pp=2", "--parallel.dp=4", "--parallel.tp=1"]
 
 
-def megascale_train(run_dir, *args: str) -> list[float]:
-    """Run 8 ranks; returns the losses of the steps run (from metrics.jsonl)."""
+def megascale_train(run_dir, *args: str, nproc: int = 8) -> list[float]:
+    """Run `nproc` ranks; returns the losses of the steps run (from metrics.jsonl)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     done = subprocess.run(
-        [sys.executable, "-m", "megascale.cli", "train", "--nproc", "8", *TINY, f"--train.run_dir={run_dir}", *args],
+        [
+            sys.executable,
+            "-m",
+            "megascale.cli",
+            "train",
+            "--nproc",
+            str(nproc),
+            *TINY,
+            f"--train.run_dir={run_dir}",
+            *args,
+        ],
         capture_output=True,
         text=True,
         env=env,

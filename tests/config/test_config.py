@@ -1,5 +1,7 @@
 """Bad configuration stops with an error that names the key and what is allowed."""
 
+from dataclasses import replace
+
 import pytest
 
 from megascale.config import ConfigError, JobConfig, default_config_path, dump_config, load_config
@@ -31,6 +33,13 @@ def _error(overrides, path=None):
         (["--model.layers=1", "--parallel.pp=2"], ["model.layers", "pipeline chunks"]),
         (["--model.layers=4", "--parallel.pp=2", "--parallel.pp_split=[1,2]"], ["parallel.pp_split", "model.layers=4"]),
         (["--parallel.vpp=2"], ["parallel.vpp", "parallel.pp"]),
+        (["--optim.grad_clip=-1"], ["optim.grad_clip must be >= 0, got -1"]),  # the range checks of fields.py
+        (["--train.gc_every=-1"], ["train.gc_every must be >= 0, got -1"]),
+        (["--model.moe.experts=4", "--model.moe.z_loss_coef=-1"], ["model.moe.z_loss_coef must be >= 0, got -1"]),
+        (["--resilience.stop_timeout_s=0"], ["resilience.stop_timeout_s must be > 0, got 0"]),
+        (["--resilience.max_step_rate=0"], ["resilience.max_step_rate must be > 0, got 0"]),
+        (["--resilience.spares=-1"], ["resilience.spares must be >= 0, got -1"]),
+        (["--resilience.max_node_faults=0"], ["resilience.max_node_faults must be >= 1, got 0"]),
         (["--nosection.key=1"], ["nosection"]),
         (["model.layers"], ["--section.key=value"]),
     ],
@@ -157,8 +166,11 @@ def test_the_driver_edits_a_typed_validated_config():
         False,
     )
     assert cfg.model == job.model and "pw" not in cfg.parallel.redis_url
+    with pytest.raises(ConfigError, match=r"train.global_batch=8 is 4 micro-batch.*fewer than parallel.dp=5"):
+        attempt_config(config_text(job), dp=5, run_dir="/r")
+    divide = replace(job, resilience=replace(job.resilience, shrink="divide"))
     with pytest.raises(ConfigError, match=r"train.global_batch=8 must be a multiple of .* parallel.dp"):
-        attempt_config(config_text(job), dp=3, run_dir="/r")
+        attempt_config(config_text(divide), dp=3, run_dir="/r")
 
 
 def test_an_attempt_is_checked_with_the_password_the_ranks_get_apart(monkeypatch):

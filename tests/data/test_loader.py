@@ -75,6 +75,25 @@ def test_dp_ranks_split_the_same_global_batch(dataset):
         loader.close()
 
 
+def test_uneven_dp_ranks_split_the_same_global_batch_and_eval_batch(dataset):
+    """dp 3 over 4 micro-batches of 2 (resilience.shrink='keep-batch'): 2, 1 and 1 micro-batches,
+    contiguous runs of the batch one process reads, for training and for evaluation."""
+    path, _ = dataset
+    single, single_eval = build_loaders(job(path), None)
+    loaders = [build_loaders(job(path, parallel__dp=3), one_rank_mesh(r, 3)) for r in range(3)]
+    for _ in range(3):
+        whole = single.next_batch().inputs
+        parts = [train.next_batch().inputs for train, _ in loaders]
+        assert [p.shape[0] for p in parts] == [2, 1, 1]
+        assert torch.equal(torch.cat(parts), whole)
+    wholes = [b.labels for b in single_eval.batches()]
+    for b, want in enumerate(wholes):
+        parts = [list(evaluation.batches())[b].labels for _, evaluation in loaders]
+        assert torch.equal(torch.cat(parts), want)
+    for loader in [single, *(train for train, _ in loaders)]:
+        loader.close()
+
+
 def test_middle_pipeline_stages_get_no_tokens(dataset):
     cfg = job(dataset[0], parallel__pp=3, model__layers=3)
     loaders = [build_loaders(cfg, one_rank_mesh(0, 1, pp, 3)) for pp in range(3)]

@@ -19,6 +19,7 @@ import yaml
 
 from megascale import cli
 from megascale.config import default_config_path
+from megascale.resilience.driver.roster import load_roster
 from tests.deploy.k8s_schemas import ManifestError, render_kustomization, validate
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -116,6 +117,29 @@ def test_the_generated_config_and_secret_are_what_the_pods_mount(
     executors = next(obj for obj in driver if obj["kind"] == "StatefulSet")
     mounted = next(v["secret"] for v in executors["spec"]["template"]["spec"]["volumes"] if "secret" in v)
     assert [item["key"] for item in mounted["items"]] == ["token", "tls.crt"]  # never the key or operator token
+
+
+def test_the_drivers_roster_binds_each_executor_pod_to_its_own_name(
+    rendered: dict[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The driver reads a roster listing every replica of the executors' StatefulSet, each bound
+    to its DNS name under the headless Service (which publishes pods as they start)."""
+    objects = rendered[DEPLOY / "kubernetes"]
+    executors = next(obj for obj in objects if obj["kind"] == "StatefulSet")
+    service = next(obj for obj in objects if obj["metadata"]["name"] == executors["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    driver = next(obj for obj in objects if obj["kind"] == "Deployment")["spec"]["template"]["spec"]
+    command = driver["containers"][0]["command"]
+    path = next(arg for arg in command if arg.startswith("--resilience.roster=file:")).split(":", 1)[1]
+    mount = next(m for m in driver["containers"][0]["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    source = next(v["configMap"]["name"] for v in driver["volumes"] if v["name"] == mount["name"])
+    text = next(obj for obj in objects if obj["metadata"]["name"] == source)["data"][Path(path).name]
+    (tmp_path / "roster").write_text(text)
+    name, replicas = executors["metadata"]["name"], executors["spec"]["replicas"]
+    domain = service["metadata"]["name"]
+    assert load_roster(f"file:{tmp_path / 'roster'}").hosts == {
+        f"{name}-{i}": f"{name}-{i}.{domain}" for i in range(replicas)
+    }
 
 
 def test_a_network_policy_admits_only_the_jobs_pods_to_every_pod(rendered: dict[Path, list[dict[str, Any]]]) -> None:

@@ -63,9 +63,11 @@ def note(event: str) -> None:
 
 command = sys.argv[1]
 note(command)
-if command == "secret":
-    os.makedirs(sys.argv[2], mode=0o700)
+if command == "secret":  # the real one: what it writes where is what is checked
+    os.execv(sys.executable, [sys.executable, "-m", "megascale.cli", *sys.argv[1:]])
 elif command == "launch":  # the driver
+    secret_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--resilience.secret_dir="))
+    note("driver-secret " + json.dumps({p: open(os.path.join(secret_dir, p)).read() for p in os.listdir(secret_dir)}))
     code = int(os.environ["STANDIN_DRIVER_EXIT"])
     note(f"driver-exit {code}")
     ended.touch()
@@ -106,7 +108,9 @@ def run_job(tmp_path: Path, nodes: int, driver_exit: int, executor: str = "obeys
         STANDIN_FIRST_HOST="gpu00000",
         STANDIN_DRIVER_EXIT=str(driver_exit),
         STANDIN_EXECUTOR=executor,
+        PYTHONPATH=str(SCRIPT.parents[2]),
     )
+    env.pop("SLURMD_NODENAME", None)  # the batch host: gpu00000, the list's first
     with (tmp_path / "stderr").open("w") as stderr:  # a file: a pipe would also wait for orphans
         job = subprocess.Popen(
             ["bash", str(SCRIPT), "job.toml", "--train.steps=10"],
@@ -137,7 +141,8 @@ def test_the_job_starts_driver_and_executors_waits_for_both_and_ends_with_the_dr
     driver, executors = sorted(sruns, key=lambda e: e["command"][0] != "megascale")  # they start at once
     assert "--nodelist=gpu00000" in driver["options"]
     assert driver["command"][:7] == ["megascale", "launch", "--external", "--nodes", str(nodes - 1), "--spares", "1"]
-    assert f"--resilience.secret_dir={tmp_path}/run/resilience/secret" in driver["command"]
+    assert f"--resilience.roster=file:{tmp_path}/run/resilience/roster" in driver["command"]
+    assert (tmp_path / "run/resilience/roster").read_text().split() == [f"gpu{i:05d}" for i in range(nodes)]
     assert driver["command"][-1] == "--train.steps=10"  # the job's own overrides reach the driver
     assert "--ntasks-per-node=1" in executors["options"] and "--nodelist" not in " ".join(executors["options"])
     started = next(e for e in events if e.get("event") == "executor")
@@ -146,15 +151,38 @@ def test_the_job_starts_driver_and_executors_waits_for_both_and_ends_with_the_dr
         "--driver",
         "https://gpu00000:29400",
         "--secret-dir",
-        f"{tmp_path}/run/resilience/secret",
+        f"{tmp_path}/run/resilience/executor-secret",
         "--node-id",
         "gpu00000",
     ]
+    _executors_hold_no_driver_secret(tmp_path, driver, events)
     order = [e["event"] for e in events if e["prog"] == "megascale"]
     assert order.index("secret") < order.index("launch")  # the secret exists before anyone needs it
     # The executor ends 0.5 s after the driver: the job waited for it, and kept the driver's status.
     assert order[-1] == "executor-exit" and f"driver-exit {driver_exit}" in order, order
     assert code == driver_exit, stderr
+
+
+def _executors_hold_no_driver_secret(tmp_path: Path, driver: dict, events: list[dict]) -> None:
+    """Before, the secret directory with tls.key and the operator token was on RUN_DIR (the shared
+    filesystem) and every executor was given it: any node could act as the operator or make any
+    node's credential. Now the executors' directory has the join token and the certificate only,
+    the driver's is outside RUN_DIR and gone when the job ends, and no file on RUN_DIR holds the
+    operator token or the key."""
+    executors = tmp_path / "run/resilience/executor-secret"
+    assert sorted(p.name for p in executors.iterdir()) == ["tls.crt", "token"]
+    secret = json.loads(
+        next(e["event"] for e in events if e.get("event", "").startswith("driver-secret ")).split(" ", 1)[1]
+    )
+    assert sorted(secret) == ["operator", "tls.crt", "tls.key", "token"]
+    assert (executors / "token").read_text() == secret["token"] and (executors / "tls.crt").read_text() == secret[
+        "tls.crt"
+    ]
+    driver_dir = Path(next(a.split("=", 1)[1] for a in driver["command"] if a.startswith("--resilience.secret_dir=")))
+    assert tmp_path / "run" not in driver_dir.parents and not driver_dir.exists()
+    on_shared = [p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    for part in ("operator", "tls.key"):
+        assert not any(secret[part].strip().encode() in data for data in on_shared), part
 
 
 def test_executors_of_a_crashed_driver_are_stopped_after_the_grace_period(tmp_path: Path) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 
 import numpy as np
@@ -11,12 +9,9 @@ import pytest
 
 from megascale.diagnostics.report import build_report
 from megascale.diagnostics.timers import Timers
+from tests.diagnostics.browser import needs_chromium, run_chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (run scripts/install_chromium.sh)"),
-]
+pytestmark = [pytest.mark.timeout(120), needs_chromium]
 
 
 def fake_run(run_dir, slow_rank: int = 1) -> None:
@@ -43,22 +38,8 @@ def test_report_renders_in_headless_chromium(tmp_path) -> None:
     report = build_report(tmp_path)
     assert [s.rank for s in report.stragglers] == [1]
     shot = tmp_path / "shot.png"
-    cmd = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--no-first-run",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        "--window-size=1400,2400",
-        f"--screenshot={shot}",
-        report.html.as_uri(),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, timeout=90)
-    assert shot.is_file(), proc.stderr.decode()[-2000:]
+    proc = run_chromium(report.html, tmp_path / "profile", "--window-size=1400,2400", f"--screenshot={shot}")
+    assert shot.is_file(), proc.stderr[-2000:]
     import matplotlib.image
 
     pixels = matplotlib.image.imread(shot)[..., :3]

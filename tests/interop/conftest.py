@@ -26,6 +26,7 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
 
 # name -> (model_type, config): every supported architecture, and the variants of its options
 CASES = {
@@ -69,6 +70,30 @@ CASES = {
     "mixtral-gqa": (
         "mixtral",
         lambda: transformers.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    # Qwen2-MoE: a sigmoid-gated shared expert, QKV biases, gates not renormalised by default
+    "qwen2_moe-gqa": (
+        "qwen2_moe",
+        lambda: transformers.Qwen2MoeConfig(**COMMON, num_key_value_heads=2, **QWEN_MOE),
+    ),
+    # ... renormalised, and every other block dense (decoder_sparse_step), tied
+    "qwen2_moe-sparse-step-tied": (
+        "qwen2_moe",
+        lambda: transformers.Qwen2MoeConfig(
+            **COMMON,
+            **QWEN_MOE,
+            num_key_value_heads=4,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen3-MoE: no shared expert, no biases, each query and key head RMS-normalised
+    "qwen3_moe-gqa-qk-norm": (
+        "qwen3_moe",
+        lambda: transformers.Qwen3MoeConfig(
+            **COMMON, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+        ),
     ),
 }
 

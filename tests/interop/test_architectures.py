@@ -62,7 +62,8 @@ def test_greedy_generation_equals_transformers(tmp_path):
 REMOTE = {
     # MegaScale's block: parallel, one norm, sliding window (the default config's kind)
     "parallel-swa": ModelConfig(vocab_size=VOCAB, seq_len=32, layers=2, hidden=32, heads=4, window=6),
-    # Llama layers in the parallel block, with learned positions, tied, QKV bias, GQA
+    # Llama layers in the parallel block, with learned positions, tied, QKV bias, GQA, query/key
+    # head norms
     "parallel-llama-learned": ModelConfig(
         vocab_size=VOCAB,
         seq_len=32,
@@ -74,6 +75,7 @@ REMOTE = {
         mlp="swiglu",
         bias=False,
         qkv_bias=True,
+        qk_norm=True,
         positions="learned",
         tie_embeddings=True,
     ),
@@ -155,7 +157,8 @@ def test_byte_level_tokenizer_ships_as_an_equivalent_tokenizer_json(tmp_path):
 
 
 def test_a_mixture_of_experts_mixtral_cannot_express_is_refused_on_export(tmp_path):
-    """A shared expert has no Mixtral equivalent, and the remote-code model has no MoE layers."""
+    """An ungated shared expert is neither Mixtral nor Qwen2-MoE, and the remote-code model has no
+    MoE layers."""
     from megascale.config.schema import MoEConfig
     from megascale.interop.hf_files import InteropError
 
@@ -171,5 +174,5 @@ def test_a_mixture_of_experts_mixtral_cannot_express_is_refused_on_export(tmp_pa
         bias=False,
         moe=MoEConfig(experts=4, shared_ffn_hidden=8),
     )
-    with pytest.raises(InteropError, match="a mixture-of-experts model exports as mixtral only"):
+    with pytest.raises(InteropError, match="a mixture-of-experts model exports as mixtral or qwen2_moe only"):
         write_export(cfg, _weights(GPT(cfg, seed=1)), tmp_path / "out", "bytes", step=0)

@@ -30,21 +30,28 @@ def _refused(path, match: str) -> str:
     ("name", "config", "match"),
     [
         (
-            "qwen2_moe",
+            "olmoe",
+            lambda: transformers.OlmoeConfig(**SMALL, num_experts=2, num_experts_per_tok=1),
+            r"model_type 'olmoe' is a mixture of experts \(num_experts=2\) that megascale does not map; "
+            r"of the mixtures of experts it imports mixtral, qwen2_moe, qwen3_moe",
+        ),
+        (
+            "qwen2_moe-mlp-only-layers",
             lambda: transformers.Qwen2MoeConfig(
                 **SMALL,
                 num_experts=2,
                 num_experts_per_tok=1,
                 moe_intermediate_size=8,
                 shared_expert_intermediate_size=8,
+                mlp_only_layers=[0],
             ),
-            r"model_type 'qwen2_moe' is a mixture of experts \(num_experts=2\) that megascale does not map; of the "
-            r"mixtures of experts it imports mixtral",
+            r"qwen2_moe: mlp_only_layers=\[0\] has no megascale equivalent \(model.moe.every picks the MoE blocks\)",
         ),
         (
             "gemma",
             lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
-            r"model_type 'gemma' is not supported; megascale imports gpt2, gpt_neox, llama, mistral, mixtral, qwen2",
+            r"model_type 'gemma' is not supported; megascale imports gpt2, gpt_neox, llama, mistral, mixtral, qwen2, "
+            r"qwen2_moe, qwen3_moe",
         ),
         (
             "yarn",
@@ -125,10 +132,8 @@ def test_import_writes_the_config_train_accepts_and_init_from_is_checked_first(t
     code = main(["train", "--config", str(tmp_path / "job" / "config.toml"), "--parallel.tp=4"])
     assert code == 2 and "must divide model.kv_heads=2" in capsys.readouterr().err
 
-    qwen_moe = transformers.Qwen2MoeConfig(
-        **SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, shared_expert_intermediate_size=8
-    )
-    moe = saved(random_hf_model(qwen_moe), tmp_path / "moe")
+    olmoe = transformers.OlmoeConfig(**SMALL, num_experts=2, num_experts_per_tok=1)
+    moe = saved(random_hf_model(olmoe), tmp_path / "moe")
     assert main(["import", str(moe), "--out", str(tmp_path / "moe-job")]) == 2
     assert "mixture of experts" in capsys.readouterr().err
     assert not (tmp_path / "moe-job" / "config.toml").exists()

@@ -99,7 +99,7 @@ OPTIONS = list(
 
 @pytest.mark.parametrize(("block", "norm", "mlp", "kv_heads", "bias"), OPTIONS)
 def test_parameter_count_matches_the_built_model(block, norm, mlp, kv_heads, bias):
-    for norms, qkv_bias in ((1, False), (2, True)) if block == "parallel" else ((1, True),):
+    for norms, qkv_bias, qk_norm in ((1, False, True), (2, True, False)) if block == "parallel" else ((1, True, True),):
         cfg = ModelConfig(
             hidden=32,
             heads=4,
@@ -111,6 +111,7 @@ def test_parameter_count_matches_the_built_model(block, norm, mlp, kv_heads, bia
             kv_heads=kv_heads,
             bias=bias,
             qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
             parallel_norms=norms,
         )
         cfg.validate()

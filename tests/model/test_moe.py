@@ -45,12 +45,21 @@ def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         top = scores.topk(layer.top_k).indices
         gates = scores[top] / (scores[top].sum() if layer.normalize or layer.kind == "sigmoid" else 1.0)
         row = sum(g * layer.experts[str(int(e))](t) for g, e in zip(gates, top, strict=True))
-        rows.append(row + (layer.shared(t) if layer.shared is not None else 0))
+        shared = layer.shared(t) if layer.shared is not None else 0
+        if layer.shared_gate is not None:
+            shared = shared * torch.sigmoid(layer.shared_gate.weight[0] @ t)
+        rows.append(row + shared)
     return torch.stack(rows).view_as(x)
 
 
 @pytest.mark.parametrize(
-    "moe", [dict(top_k=2), dict(top_k=2, router="sigmoid", shared_ffn_hidden=8), dict(top_k=3, normalize=False)]
+    "moe",
+    [
+        dict(top_k=2),
+        dict(top_k=2, router="sigmoid", shared_ffn_hidden=8),
+        dict(top_k=3, normalize=False),
+        dict(top_k=2, normalize=False, shared_ffn_hidden=8, shared_gate=True),  # Qwen2-MoE
+    ],
 )
 def test_moe_layer_is_the_gated_sum_of_each_tokens_top_k_experts(moe):
     layer = _layer(**moe)
@@ -127,6 +136,8 @@ def test_bias_balancing_moves_each_bias_towards_the_mean_load():
 def test_parameter_count_and_flops_count_every_expert_held_but_only_the_active_ones_run():
     cfg = _cfg(top_k=2, every=2, shared_ffn_hidden=8, bias_balancing=True)
     assert sum(p.numel() for p in GPT(cfg).parameters()) == parameter_count(cfg)
+    gated = _cfg(top_k=2, shared_ffn_hidden=8, shared_gate=True)
+    assert sum(p.numel() for p in GPT(gated).parameters()) == parameter_count(gated)
     dense = ModelConfig(**{**cfg.__dict__, "moe": MoEConfig()})
     h, expert = cfg.hidden, 3 * cfg.hidden * 12  # SwiGLU expert: three matrices
     routed_layer = h * 4 + 2 * expert + 3 * h * 8  # router + top-2 experts + shared expert
@@ -139,3 +150,5 @@ def test_impossible_moe_options_are_refused_by_name():
         _cfg(top_k=5)
     with pytest.raises(ConfigError, match="model.moe.capacity_factor must be >= 0"):
         _cfg(capacity_factor=-1.0)
+    with pytest.raises(ConfigError, match="model.moe.shared_gate=true gates the shared expert"):
+        _cfg(shared_gate=True)

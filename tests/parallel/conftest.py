@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from megascale.resilience.redis_server import RedisServer
+from megascale.resilience.common.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -106,6 +106,8 @@ MODELS = {
     # sliding-window attention for context parallelism: cp=2 holds 8 positions a rank, window 5
     # needs the previous rank's last 4
     "swa": ModelConfig(vocab_size=64, seq_len=16, layers=2, hidden=16, heads=4, kv_heads=2, window=5, block="serial"),
+    # full causal attention for context parallelism: ring attention, cp=2 holds chunks 0 and 3 of 4
+    "causal": ModelConfig(vocab_size=64, seq_len=16, layers=2, hidden=16, heads=4, kv_heads=2, block="serial"),
     # Mixture of experts in blocks 1 and 3 (every=2): 4 SwiGLU experts, top-2, a shared expert,
     # the balancing loss and z-loss on. "moe-skew": top-1 with a routing bias (DeepSeek-V3
     # balancing, `SkewedValues`) that sends every token to expert 0: one ep rank gets all rows.
@@ -168,7 +170,7 @@ def job_config(case: Case, steps: int = STEPS) -> JobConfig:
             eval_every=0,
             tensorboard=False,
         ),
-        checkpoint=CheckpointConfig(every=0) if case.cp > 1 else CheckpointConfig(),  # not across cp yet
+        checkpoint=CheckpointConfig(),
     )
     cfg.validate()
     return cfg

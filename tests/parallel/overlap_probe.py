@@ -32,6 +32,7 @@ class Collective:
     issued: int  # index in the event stream
     step: int
     waited: int | None = None  # None: never waited for
+    backward: bool = False  # issued with grad mode off: by the autograd engine (in a training step)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class _Work:
 def _wrapped(fn: Callable, name: str, recorder: Recorder, tensor_arg: int) -> Callable:
     def call(*args, **kwargs):
         tensor = args[tensor_arg] if len(args) > tensor_arg else next(iter(kwargs.values()))
-        record = Collective(name, tensor.dtype, recorder.tick(), recorder.step)
+        record = Collective(name, tensor.dtype, recorder.tick(), recorder.step, backward=not torch.is_grad_enabled())
         recorder.collectives.append(record)
         work = fn(*args, **kwargs)
         if work is None:  # synchronous: waited for as soon as issued

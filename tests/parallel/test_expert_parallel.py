@@ -42,8 +42,9 @@ def test_expert_parallel_layouts_match_one_process():
         print(f"parity {case}: loss rel {errs['loss_rel']:.1e}, param abs {errs['param_abs']:.1e}")
 
 
-def _ep_windows(chunk_counts: list[int], ports: list[int]) -> list[tuple[int, int]]:
-    """Per setting of parallel.ep_overlap_chunks: (ep all-to-alls, those with a GEMM in flight)."""
+def _ep_windows(chunk_counts: list[int], ports: list[int]) -> list[dict[str, tuple[int, int]]]:
+    """Per setting of parallel.ep_overlap_chunks, forward and backward: (ep all-to-alls, those
+    with a GEMM in flight)."""
     out = []
     for chunks, port in zip(chunk_counts, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
@@ -66,22 +67,27 @@ def _ep_windows(chunk_counts: list[int], ports: list[int]) -> list[tuple[int, in
             for obj, name, value in reversed(undo):
                 setattr(obj, name, value)
             mesh.destroy()
-        exchanges = recorder.of("ep.")
-        out.append((len(exchanges), sum(recorder.overlapped(c) for c in exchanges)))
+        counts = {}
+        for phase, backward in (("forward", False), ("backward", True)):
+            exchanges = [c for c in recorder.of("ep.") if c.backward == backward]
+            counts[phase] = (len(exchanges), sum(recorder.overlapped(c) for c in exchanges))
+        out.append(counts)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_chunked_dispatch_keeps_all_to_alls_in_flight_while_experts_compute():
-    """Chunks 2: part 1's dispatch and part 0's combine have expert GEMMs inside their windows
-    (two per MoE layer per micro-batch). Chunks 1, the negative control: none."""
+    """Chunks 2, forward: part 1's dispatch and part 0's combine have expert GEMMs inside their
+    windows; backward: part 0's combine gradient (in flight during part 1's experts' backward)
+    and part 1's dispatch gradient (during part 0's) -- two per MoE layer per micro-batch each
+    way. Chunks 1, the negative control: none either way."""
     results = run_local(_ep_windows, 2, args=([2, 1], [free_port(), free_port()]), timeout_s=240)
-    for rank in results:
-        (on_total, on_overlapped), (off_total, off_overlapped) = rank
-        micro_batches, moe_layers = 4, 2  # global batch 8 over dp 2, micro-batch 1; blocks 1 and 3
-        assert on_overlapped >= 2 * micro_batches * moe_layers, rank
-        assert off_total > 0 and off_overlapped == 0, rank
+    micro_batches, moe_layers = 4, 2  # global batch 8 over dp 2, micro-batch 1; blocks 1 and 3
+    for on, off in results:
+        for phase in ("forward", "backward"):
+            assert on[phase][1] >= 2 * micro_batches * moe_layers, (phase, on)
+            assert off[phase][0] > 0 and off[phase][1] == 0, (phase, off)
 
 
 @pytest.mark.parametrize("dp, ep, experts, valid", [(4, 3, 6, "[1, 2]"), (2, 4, 8, "[1, 2]"), (4, 4, 6, "[1, 2]")])

@@ -7,9 +7,9 @@ rank must report the reference's losses (the true global mean: no double countin
 no missing micro-batches) and gradient norms, and the whole parameters put back together from
 all ranks must equal the reference's. Tolerances: `layout_parity.LOSS_RTOL`/`PARAM_ATOL`.
 
-A Llama-style model (RMSNorm, SwiGLU, grouped-query attention, no biases) and two ZB-H1
-layouts run in the 4-rank spawn beside the GPT. One spawn per world size with all its cases inside; the 8-rank spawn is
-marked slow but runs by default.
+A Llama-style model (RMSNorm, SwiGLU, grouped-query attention, no biases) and two ZB-H1 and
+two ZB-V layouts run in the 4-rank spawn beside the GPT. One spawn per world size with all its
+cases inside; the 8-rank spawn is marked slow but runs by default.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ LAYOUTS_8 = [Case(dp=2, tp=2, pp=2), Case(dp=8), Case(tp=2, pp=4), Case(dp=2, pp
 LLAMA_4 = [Case(dp=2, tp=2, optim="lamb", model="llama"), Case(tp=2, pp=2, vpp=2, optim="lamb", model="llama")]
 # ZB-H1 (split backward): through the collective GEMMs and the vocabulary-parallel embedding
 # (tp2-pp2, also with the parallel block's fused GEMMs), and with ZeRO-2's reduce-scatters fired by
-# the W actions (dp2-pp2)
+# the W actions (dp2-pp2); ZB-V (chunks in a V: rank 0 holds the embedding and the head) through
+# the same two
 ZERO_BUBBLE_4 = [
     Case(tp=2, pp=2, schedule="zb-h1"),
     Case(tp=2, pp=2, schedule="zb-h1", model="parallel"),
     Case(dp=2, pp=2, schedule="zb-h1"),
 ]
+ZERO_BUBBLE_4 += [Case(tp=2, pp=2, vpp=2, schedule="zbv"), Case(dp=2, pp=2, vpp=2, schedule="zbv")]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Pipeline parity on real gloo processes: loss, every gradient and ten optimizer steps equal the
-single-process model with the same weights, for (p, v) in {(2,1), (2,2), (4,1), (4,2)}, GPipe
-and ZB-H1 (split backward) at p = 2 and 4; and, on two ranks, the ZeRO hooks' placement, the
-per-action timer spans, and by order that ZB-H1 defers the weight gradients to its W actions.
+single-process model with the same weights, for (p, v) in {(2,1), (2,2), (4,1), (4,2)}, GPipe,
+ZB-H1 and ZB-V (split backward; ZB-V's chunks in a V, m = 2p-1 at p = 4) at p = 2 and 4; and,
+on two ranks, the ZeRO hooks' placement, the per-action timer spans, and by order that ZB-H1
+defers the weight gradients to its W actions.
 
 One spawn per world size; each rank loops over the cases and also computes the single-process
 reference itself (the model is tiny), so a mismatch names the rank, the case and the parameter.
@@ -22,6 +23,7 @@ from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer, clip_grad_norm_
 from megascale.parallel import init_mesh, weight_grad
 from megascale.parallel.pipeline import PipelineRunner, split_model
+from megascale.parallel.pipeline.schedule import V_SHAPED
 from megascale.testing.launch import run_local
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,7 +87,8 @@ def pipelined(cfg: JobConfig, mesh, data: list[TokenBatch]) -> tuple[list[float]
     """The same on this rank's pipeline chunks; losses reduced over the pipeline group."""
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    chunks = split_model(model, cfg.parallel.pp, cfg.parallel.vpp, mesh.pp_rank)
+    v_shape = cfg.parallel.schedule in V_SHAPED
+    chunks = split_model(model, cfg.parallel.pp, cfg.parallel.vpp, mesh.pp_rank, v_shape=v_shape)
     runner = PipelineRunner(chunks, cfg, mesh)
     needs_data = any(c.is_first or c.is_last for c in chunks)
     opt = build_optimizer(runner.optimizer_tensors(), cfg.optim)
@@ -252,7 +255,7 @@ def _check_hooks_and_timers(results: list[dict]) -> None:
         assert {s["attrs"]["peer"] for s in p2p if "peer" in s["attrs"]} == {1 - rank}
 
 
-TWO_STAGES = [(2, 1, 3, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 4, "gpipe"), (2, 1, 4, "zb-h1")]
+TWO_STAGES = [(2, 1, 3, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 4, "gpipe"), (2, 1, 4, "zb-h1"), (2, 2, 4, "zbv")]
 
 
 @pytest.fixture(scope="module")
@@ -303,5 +306,5 @@ def test_zb_h1_weight_gradients_wait_for_their_w_action(two_stages):
 
 @pytest.mark.slow
 def test_pipeline_parity_four_stages():
-    cases = [(4, 1, 6, "1f1b"), (4, 2, 8, "1f1b"), (4, 1, 4, "zb-h1")]
+    cases = [(4, 1, 6, "1f1b"), (4, 2, 8, "1f1b"), (4, 1, 4, "zb-h1"), (4, 2, 7, "zbv")]
     _check(run_local(_rank_main, 4, (cases,), timeout_s=280), cases)

@@ -1,6 +1,7 @@
 """Pipeline schedules as data, checked without processes: ordering, message pairing, per-link
 order, deadlock freedom (decoupled and coupled sends), the bubble formula and peak memory; for
-ZB-H1 also the split backward's W actions and the checker that rejects a missing or misordered W."""
+ZB-H1 and ZB-V also the split backward's W actions and the checker that rejects a missing or
+misordered W; for ZB-V the V-shaped chunk placement, its bubble and its memory."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from megascale.parallel.pipeline.schedule import (
     check_layout,
     check_schedule,
     compute_order,
+    global_chunk,
+    rank_of,
     simulate,
 )
 
@@ -41,7 +44,9 @@ LAYOUTS = [
 ZB_LAYOUTS = [(2, 1, 1), (2, 1, 4), (4, 1, 2), (4, 1, 8), (3, 1, 5), (8, 1, 16)]
 CASES = [(k, p, v, m) for k in ("1f1b", "gpipe") for p, v, m in LAYOUTS]
 CASES += [("zb-h1", p, v, m) for p, v, m in ZB_LAYOUTS]
-FULL_BACKWARD = [c for c in CASES if c[0] != "zb-h1"]
+ZBV_LAYOUTS = [(2, 2, 1), (2, 2, 2), (2, 2, 4), (3, 2, 5), (4, 2, 3), (4, 2, 8), (8, 2, 16)]
+CASES += [("zbv", p, v, m) for p, v, m in ZBV_LAYOUTS]
+FULL_BACKWARD = [c for c in CASES if c[0] not in ("zb-h1", "zbv")]
 
 
 def expected_peak(kind: str, p: int, v: int, m: int, rank: int) -> int:
@@ -71,7 +76,7 @@ def test_every_forward_precedes_its_backward(kind, p, v, m):
                 seen_b.add(key)
         every = {(mb, c) for mb in range(m) for c in range(v)}
         assert seen_f == every and seen_b == every
-        assert seen_w == (every if kind == "zb-h1" else set())
+        assert seen_w == (every if kind in ("zb-h1", "zbv") else set())
 
 
 @pytest.mark.parametrize(("kind", "p", "v", "m"), CASES)
@@ -82,14 +87,15 @@ def test_sends_pair_with_receives_posted_before_use(kind, p, v, m):
     for rank in range(p):
         posted = set()
         for a in sched.ranks[rank]:
-            g = a.chunk * p + rank
+            g = global_chunk(p, rank, a.chunk, sched.v_shape)
             if a.op in SENDS:
                 dst_g = g + 1 if a.op is Op.SEND_ACT else g - 1
-                assert a.peer == dst_g % p
-                sends[(rank, a.peer, a.tag, a.op is Op.SEND_GRAD, a.mb, dst_g // p)] += 1
+                assert a.peer == rank_of(p, dst_g, sched.v_shape)
+                dst_chunk = next(c for c in range(v) if global_chunk(p, a.peer, c, sched.v_shape) == dst_g)
+                sends[(rank, a.peer, a.tag, a.op is Op.SEND_GRAD, a.mb, dst_chunk)] += 1
             elif a.op in RECVS:
                 src_g = g - 1 if a.op is Op.RECV_ACT else g + 1
-                assert a.peer == src_g % p
+                assert a.peer == rank_of(p, src_g, sched.v_shape)
                 recvs[(a.peer, rank, a.tag, a.op is Op.RECV_GRAD, a.mb, a.chunk)] += 1
                 posted.add((a.op is Op.RECV_ACT, a.mb, a.chunk))
             elif (a.op is Op.FORWARD and g > 0) or (a.op is Op.BACKWARD and g < p * v - 1):
@@ -119,10 +125,17 @@ def test_decoupled_never_deadlocks(kind, p, v, m, lookahead):
     simulate(build_schedule(kind, p, v, m, lookahead), latency=0.3)
 
 
-@pytest.mark.parametrize(("kind", "p", "v", "m"), CASES)
+@pytest.mark.parametrize(("kind", "p", "v", "m"), [c for c in CASES if c[0] != "zbv"])
 def test_coupled_comparison_mode_runs_with_default_lookahead(kind, p, v, m):
     """The benchmark's coupled mode (each send waits for the receive) must not deadlock."""
     simulate(build_schedule(kind, p, v, m), coupled=True)
+
+
+def test_zbv_needs_decoupled_sends():
+    """ZB-V's first rank runs 2p-1 forwards before its first receive of a gradient: with each
+    send waiting for its receive it deadlocks (so the runtime refuses `decoupled=False`)."""
+    with pytest.raises(Deadlock):
+        simulate(build_schedule("zbv", 4, 2, 8), coupled=True)
 
 
 @pytest.mark.parametrize(("kind", "p", "v", "m"), FULL_BACKWARD)
@@ -183,6 +196,11 @@ def test_layout_errors_name_the_keys():
         check_layout(2, 1, 4, "zero-bubble")
     with pytest.raises(ConfigError, match="parallel.vpp=1"):
         check_layout(2, 2, 4, "zb-h1")
+    with pytest.raises(ConfigError, match="parallel.vpp=2"):
+        check_layout(2, 1, 4, "zbv")
+    with pytest.raises(ConfigError, match="parallel.vpp=2"):
+        build_schedule("forward", 2, 3, 4, v_shape=True)
+    check_layout(4, 2, 3, "zbv")  # ZB-V runs any number of micro-batches
     check_layout(4, 1, 3)  # plain 1F1B runs any number of micro-batches
     check_layout(4, 2, 6, "gpipe")
 
@@ -239,3 +257,41 @@ def test_checker_rejects_a_schedule_that_deadlocks():
     sched = build_schedule("zb-h1", 2, 1, 4)  # rank 0 never sends micro-batch 2's activation
     with pytest.raises(Deadlock, match=r"stuck \{0: 'B\(2,0\)', 1: 'F\(2,0\)'\}"):
         check_schedule(_without(sched, 0, lambda a: a.op is Op.SEND_ACT and a.mb == 2))
+
+
+def test_zbv_places_chunks_in_a_v():
+    """Rank r holds global chunks r and 2p-1-r: the last rank holds the V's bottom (p-1, p) and
+    hands its activation to itself; rank 0 holds the embedding's and the head's chunks."""
+    p = 4
+    assert [[global_chunk(p, r, c, True) for c in (0, 1)] for r in range(p)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert all(rank_of(p, global_chunk(p, r, c, True), True) == r for r in range(p) for c in (0, 1))
+    last = build_schedule("zbv", p, 2, 8).ranks[p - 1]
+    assert [a.peer for a in last if a.op is Op.SEND_ACT and a.chunk == 0] == [p - 1] * 8
+    assert [a.peer for a in last if a.op is Op.SEND_GRAD and a.chunk == 1] == [p - 1] * 8
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 3), (2, 8), (3, 5), (4, 7), (4, 8), (8, 16)])
+def test_zbv_idles_half_of_zb_h1(p, m):
+    """F = B = W per chunk (a chunk is half a stage), m >= 2p-1: every rank idles p-1 chunk-ops
+    in 6m, a bubble of (p-1)/(6m), half of ZB-H1's; every rank holds at most 2p
+    chunk-activations (p whole micro-batches, as 1F1B's first rank) from F to W."""
+    zbv = simulate(build_schedule("zbv", p, 2, m))
+    assert zbv.busy == [6 * m] * p
+    assert zbv.idle == [p - 1] * p
+    assert zbv.peak_held == [2 * p] * p
+    assert max(zbv.peak_activations) == 2 * p
+
+
+def test_checker_rejects_a_missing_or_misordered_weight_action_in_zbv():
+    sched = build_schedule("zbv", 2, 2, 4)
+    with pytest.raises(ScheduleError, match=r"rank 1: missing W\(2, 1\)"):
+        check_schedule(_without(sched, 1, lambda a: a.op is Op.WEIGHT and a.mb == 2 and a.chunk == 1))
+    actions = list(sched.ranks[0])  # chunk 0's W(1) moved in front of its B
+    w = next(a for a in actions if a.op is Op.WEIGHT and a.mb == 1 and a.chunk == 0)
+    actions.remove(w)
+    b = next(a for a in actions if a.op is Op.BACKWARD and a.mb == 1 and a.chunk == 0)
+    actions.insert(actions.index(b), w)
+    with pytest.raises(ScheduleError, match=r"rank 0: W\(1,0\) is out of order"):
+        check_schedule(replace(sched, ranks=(tuple(actions), sched.ranks[1])))
+    with pytest.raises(ScheduleError, match="missing W"):  # interleaved 1F1B has no W
+        check_schedule(replace(build_schedule("1f1b", 2, 2, 4), kind="zbv"))

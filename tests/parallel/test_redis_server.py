@@ -10,9 +10,9 @@ from megascale.config import ConfigError, JobConfig, ParallelConfig, to_dict
 from megascale.config.schema import REDIS_PASSWORD_ENV, redacted_url
 from megascale.parallel.redis_store import RedisStore, StoreUnreachableError, delete_prefix
 from megascale.parallel.store import StoreAddress, attempt_prefix, create_store, free_port
-from megascale.resilience.driver import Driver
-from megascale.resilience.redis_server import RedisServer
-from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
+from megascale.resilience.common.redis_server import RedisServer
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.state import ACTIVE, JobState, JobStore, Node
 
 pytestmark = pytest.mark.redis
 
@@ -86,16 +86,16 @@ def test_driver_clears_the_previous_attempts_keys(tmp_path, redis_server):
 
 def test_a_restarted_driver_adopts_the_jobs_server(tmp_path):
     """The driver's server outlives a driver crash; its successor takes it over, not a second."""
-    from megascale.resilience.cli import _alive, _job_redis
+    from megascale.resilience.driver.cli import _alive, _job_redis
 
     port = free_port()
-    cfg = JobConfig(parallel=ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0"))
+    parallel = ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0")
     state = JobState("adopt", 1, 1, {"dp": 1, "tp": 1, "pp": 1}, run_dir=str(tmp_path))
-    first = _job_redis(cfg, state, False, tmp_path)
+    first = _job_redis(parallel, state, False, tmp_path)
     try:
         pid = state.api["redis_pid"]
         assert first.pid == pid and first.answers()
-        second = _job_redis(cfg, state, True, tmp_path)  # the first driver "crashed": no stop()
+        second = _job_redis(parallel, state, True, tmp_path)  # the first driver "crashed": no stop()
         assert second.pid == pid and state.api["redis_pid"] == pid
         second.stop()  # the job ended under the second driver
         deadline = time.monotonic() + 10

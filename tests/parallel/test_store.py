@@ -187,17 +187,38 @@ def _sealed_mesh(timeout_s: float) -> tuple[bool, float]:
     import os
 
     mesh = init_mesh(ParallelConfig(dp=2, init_timeout_s=timeout_s, collective_timeout_s=timeout_s), device="cpu")
-    port = int(os.environ["MASTER_PORT"])
-    deadline, connects = time.monotonic() + 10, True
-    while connects and time.monotonic() < deadline:
+    connects = _still_connects(int(os.environ["MASTER_PORT"]))
+    t = torch.tensor([float(mesh.rank + 1)])
+    dist.all_reduce(t, group=mesh.checkpoint_groups["dp"])  # a gloo group made through the store now
+    mesh.destroy()
+    return connects, t.item()
+
+
+def _still_connects(port: int, within_s: float = 10.0) -> bool:
+    """Whether a stranger's connection to `port` (as another local user would make it) still
+    forms `within_s` seconds after the members joined."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             time.sleep(0.1)
         except OSError:
-            connects = False
-    t = torch.tensor([float(mesh.rank + 1)])
-    dist.all_reduce(t, group=mesh.checkpoint_groups["dp"])  # a gloo group made through the store now
-    mesh.destroy()
+            return False
+    return True
+
+
+def _sealed_pair(timeout_s: float) -> tuple[bool, float]:
+    """A self-check pair group (`selfcheck.join_pair`, gloo) on MASTER_PORT; then the probe."""
+    import os
+
+    from megascale.resilience.selfcheck.checks import join_pair
+
+    role, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+    join_pair("gloo", "cpu", role, "127.0.0.1", port, timeout_s)
+    connects = _still_connects(port)
+    t = torch.tensor([float(role + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
     return connects, t.item()
 
 
@@ -206,3 +227,9 @@ def test_the_rendezvous_store_takes_no_connection_once_every_rank_holds_one():
     connect and rewrite the rendezvous keys. Now, once both ranks are connected, a new connection
     never forms, while groups created later (through the ranks' own connections) still work."""
     assert run_local(_sealed_mesh, 2, (30,), timeout_s=120) == [(False, 3.0)] * 2
+
+
+def test_a_self_check_pair_store_takes_no_connection_once_both_nodes_hold_one():
+    """The pair tests' store (one of each pair of nodes) was open for the whole check to anyone
+    who could reach its port; now it is sealed like the rendezvous once both nodes are in."""
+    assert run_local(_sealed_pair, 2, (30,), timeout_s=120) == [(False, 3.0)] * 2

@@ -129,6 +129,11 @@ def _cases(tp: int) -> list[tuple[str, ModelConfig, bool, bool, int]]:
     )
     neox = model_config(block="parallel", parallel_norms=2, mlp="gelu_exact", rotary_fraction=0.25)
     cases.append((f"tp={tp} neox two norms partial rotary no-sp", neox, False, True, 2))
+    # Qwen 3's query/key head norms: each rank normalises its heads (gradients summed over tp
+    # with or without SP); in the fused parallel block too
+    for block, sp in (("serial", True), ("parallel", False)):
+        qk = model_config(block=block, qk_norm=True, **llama)
+        cases.append((f"tp={tp} {block} llama qk-norm sp={sp}", qk, sp, True, 2))
     return cases
 
 
@@ -147,7 +152,7 @@ def _parity_rank(tp: int) -> list[str]:
             got = forward_backward(model, tokens, labels, mesh)
             compare(got, want, label)
             flagged = [n for n, p in model.named_parameters() if shard_spec(p).sp_partial]
-            assert bool(flagged) == sp, label
+            assert bool(flagged) == (sp or mcfg.qk_norm), label
             results[label] = got
             if not overlap:  # overlap on and off give the same numbers
                 on = results[label.replace("overlap=False", "overlap=True")]

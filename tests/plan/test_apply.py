@@ -25,7 +25,7 @@ from megascale.plan.apply import (
 )
 from megascale.plan.env import FLIGHT_RECORDER_VARS, launch_env, with_defaults
 from megascale.plan.layout import Layout
-from megascale.resilience.selfcheck import pair_backend
+from megascale.resilience.selfcheck.checks import pair_backend
 
 # The format of Slurm's topology/tree plugin (slurm.conf: TopologyPlugin=topology/tree), as
 # `scontrol show topology` prints it: leaf switches list nodes, the switch above lists them.

@@ -9,7 +9,7 @@ import pytest
 
 from megascale.plan.cost import estimate
 from megascale.plan.layout import Features, Layout
-from megascale.plan.search import candidate_layouts, search
+from megascale.plan.search import SearchSpace, candidate_layouts, search
 
 
 @pytest.mark.parametrize("pp,v,mb", [(2, 1, 1), (4, 1, 2), (4, 2, 1), (8, 3, 1), (8, 12, 2)])
@@ -80,3 +80,34 @@ def test_overlaps_hide_communication_at_scale(gpt175b, a100):
     assert on["tp_exposed"] < off.terms["tp_exposed"]
     assert off.terms["dp_exposed"] == pytest.approx(off.totals["dp"])
     assert off.terms["pp_exposed"] == pytest.approx(off.totals["pp"])
+
+
+@pytest.mark.parametrize("pp,mb", [(2, 1), (4, 2), (8, 1)])
+def test_zero_bubble_bubbles(gpt175b, a100, pp, mb):
+    """ZB-H1 idles (p-1)(F + recompute) per step, (p-1)/(3m) of the busy time when the backward
+    is twice the forward; ZB-V half of that; interleaved 1F1B (p-1)/(v m)."""
+    layout = Layout(dp=256 // (8 * pp), tp=8, pp=pp, micro_batch=mb, recompute="none")
+    plain = estimate(gpt175b, layout, a100)
+    zb = estimate(gpt175b, replace(layout, schedule="zb-h1"), a100)
+    zbv = estimate(gpt175b, replace(layout, v=2, schedule="zbv"), a100)
+    for est in (zb, zbv):
+        assert est.terms["compute"] == pytest.approx(plain.terms["compute"])
+    # 1F1B idles (p-1) micro-batches of busy time, ZB-H1 (p-1) forwards: a third, B = 2F
+    assert zb.terms["bubble"] == pytest.approx(plain.terms["bubble"] / 3, rel=0.02)
+    assert zbv.terms["bubble"] == pytest.approx(zb.terms["bubble"] / 2, rel=0.05)
+
+
+def test_search_may_pick_a_zero_bubble_schedule(medium, a100):
+    """With few micro-batches and deep pipelines, ZB beats interleaving in the search; every
+    zero-bubble candidate has enough micro-batches (ZB-H1 m >= p, ZB-V m >= 2p-1)."""
+    space = SearchSpace(pps=(4,), tps=(1,), micro_batches=(4,), virtuals=(1, 2))
+    found = search(medium, 64, a100, space=space)
+    kinds = {r.layout.schedule for r in found}
+    assert kinds == {"1f1b", "zb-h1", "zbv"}
+    assert found[0].layout.schedule in ("zb-h1", "zbv")
+    only_1f1b = search(medium, 64, a100, space=replace(space, schedules=("1f1b",)))
+    assert found[0].step_time < only_1f1b[0].step_time
+    for r in found:
+        if r.layout.schedule != "1f1b":
+            need = r.layout.pp if r.layout.schedule == "zb-h1" else 2 * r.layout.pp - 1
+            assert r.micro_batches >= need

@@ -58,7 +58,7 @@ def test_candidates_respect_the_trainer(gpt175b, a100):
     for layout in layouts:
         assert layout.world == 256 and layout.tp <= 8
         assert 96 % (layout.pp * layout.v) == 0 and 96 % layout.tp == 0
-        if layout.v > 1:
+        if layout.v > 1 and layout.schedule == "1f1b":
             assert layout.micro_batches(768) % layout.pp == 0
 
 

@@ -71,7 +71,7 @@ def test_layout_agrees_with_the_search(gpt175b, a100):
     results = search(gpt175b, 256, a100, features, SearchSpace(zero_stages=(1, 2)))
     for found in results[:4] + results[-2:]:
         lay = found.layout
-        text = f"tp={lay.tp},pp={lay.pp},v={lay.v},mb={lay.micro_batch},zero={lay.zero}"
+        text = f"tp={lay.tp},pp={lay.pp},v={lay.v},mb={lay.micro_batch},zero={lay.zero},schedule={lay.schedule}"
         layout, rc_given = parse_layout(text, Layout(dp=1), gpus=256)
         assert not rc_given and layout.dp == lay.dp
         same = evaluate(gpt175b, layout, a100, features, rc_given)

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from megascale.resilience.api import ApiClient
-from megascale.resilience.ettr import final_records
+from megascale.resilience.common.api import ApiClient
+from megascale.resilience.driver.ettr import final_records
 
 REPO = Path(__file__).resolve().parents[2]
 # 2 nodes x 2 ranks, dp=4, a tiny model: seconds of training; start-up dominates on 2 cores.

@@ -3,8 +3,8 @@ puts every node behind loopback), while a node or an operator keeps one caller's
 
 from __future__ import annotations
 
-from megascale.resilience.api_budget import Budget, CallerBudgets, caller_key
-from megascale.resilience.identity import JOIN, NODE, OPERATOR, Principal
+from megascale.resilience.driver.api_budget import Budget, CallerBudgets, caller_key
+from megascale.resilience.driver.identity import JOIN, NODE, OPERATOR, Principal
 
 ROSTER = 256
 

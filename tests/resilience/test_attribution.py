@@ -10,11 +10,11 @@ import time
 from pydantic import BaseModel
 
 from megascale.config import load_config
-from megascale.resilience import protocol
-from megascale.resilience.attribution import attribute
-from megascale.resilience.driver import Driver
-from megascale.resilience.rules import Finding, abnormal_exits, error_lines
-from megascale.resilience.state import JobState, JobStore
+from megascale.resilience.common import protocol
+from megascale.resilience.driver.attribution import attribute
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.rules import Finding, abnormal_exits, error_lines
+from megascale.resilience.driver.state import JobState, JobStore
 
 T0 = 1_800_000_000.0
 KEYWORDS = ["Traceback (most recent call last)"]

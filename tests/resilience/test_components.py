@@ -7,12 +7,13 @@ import time
 import pytest
 
 from megascale.config import load_config
-from megascale.resilience.driver import Driver
-from megascale.resilience.faults import StepHook, parse_faults, rank_step_hook
-from megascale.resilience.placement import PlacementError, layout_for, usable_nodes
-from megascale.resilience.rankstatus import read_status
-from megascale.resilience.selfcheck_plan import build, judge, ring_rounds
-from megascale.resilience.state import ACTIVE, JobState, JobStore, Node
+from megascale.resilience.common.rankstatus import read_status
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.placement import PlacementError, layout_for, usable_nodes
+from megascale.resilience.driver.selfcheck_plan import build, ring_rounds
+from megascale.resilience.driver.state import ACTIVE, JobState, JobStore, Node
+from megascale.resilience.rank.faults import StepHook, parse_faults, rank_step_hook
+from megascale.resilience.selfcheck.verdict import judge
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])

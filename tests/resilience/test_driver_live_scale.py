@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale.resilience.api_server import raise_fd_limit
+from megascale.resilience.driver.api_server import raise_fd_limit
 from megascale.testing.scale import run_size
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(400)]  # CPU-cost ratios: run alone

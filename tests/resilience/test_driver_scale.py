@@ -16,9 +16,9 @@ import pytest
 
 from megascale.config import load_config
 from megascale.config.handoff import config_text
-from megascale.resilience import protocol
-from megascale.resilience.driver import Driver
-from megascale.resilience.state import JobState, JobStore
+from megascale.resilience.common import protocol
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.state import JobState, JobStore
 from tests.resilience.test_attribution import via_api
 
 pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]  # CPU-cost ratios: run alone (scripts/test.sh)
@@ -118,6 +118,24 @@ def test_100000_steps_of_heartbeats_cost_the_same_per_heartbeat(tmp_path):
     assert slow is not None and slow.kind == "slow", slow
 
 
+def test_a_heartbeat_repeating_the_last_16_step_times_costs_about_one_with_only_the_new_one(tmp_path):
+    """Executors send each rank's last 16 step times in every heartbeat; the rules need each
+    once. Fed all of them, the slow rule made 128 updates a heartbeat at 8 ranks (4.1x the cost of
+    a heartbeat carrying only the new step; now 1.2x)."""
+    per_beat = {}
+    for window in (16, 1):
+        driver = driver_for(tmp_path / str(window), 1, 8)
+        register(driver, 0)
+        driver.tick(time.time())
+        ranks, total = list(range(8)), 0.0
+        for step in range(1, 2001):
+            body = beat("n0", ranks, step, [(s, 0.1) for s in range(max(1, step - window + 1), step + 1)])
+            total += cpu(lambda b=body, d=driver: d.on_heartbeat(b))
+        assert driver.hang.last_step == 2000 and driver.slow.baseline is not None
+        per_beat[window] = total / 2000
+    assert per_beat[16] < 2.0 * per_beat[1], per_beat
+
+
 def test_one_heartbeat_with_16384_step_times_does_not_stall_the_control_loop(tmp_path):
     """256 ranks x 64 recent step times (the schema's caps): one heartbeat and a tick in well
     under a second of CPU (today's rule took minutes: min() of all steps per step)."""
@@ -209,7 +227,7 @@ def test_slowdown_alerts_in_a_burst_start_one_evidence_child_and_stopping_never_
     is queued, the other four are recorded without it (today: five children at once, ~200 MB
     each). `stop` meanwhile answers at once (today it joined the evidence under the lock), and
     the summary written after the loop still carries the analysed alert."""
-    from megascale.resilience.rules import Finding
+    from megascale.resilience.driver.rules import Finding
 
     driver = driver_for(tmp_path, 1, 1)
     register(driver, 0)

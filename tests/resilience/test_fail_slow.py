@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megascale.resilience.slowdown import CpuQuota, cpu_quota_available, tree
+from megascale.resilience.driver.slowdown import CpuQuota, cpu_quota_available, tree
 from tests.resilience.jobs import PAUSE, max_step, node_of_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)]  # detection bounds in steps: run alone
@@ -29,11 +29,6 @@ STRAGGLER = (
 
 
 @pytest.mark.skipif(cpu_quota_available() is not None, reason=f"{cpu_quota_available()}")
-@pytest.mark.xfail(
-    strict=False,
-    reason="regressed at stop 39's merges, not yet diagnosed: CI named the slowed node at step 14 "
-    "(bound 11) once and not at all once (run alone); it passed at stop 38. First thing to fix.",
-)
 def test_a_node_slowed_by_a_cpu_quota_is_replaced_by_a_spare_and_the_losses_hold(job_factory, reference):
     ref_job, _ = reference
     job = job_factory(fault=PAUSE, spares=2, extra=STRAGGLER)
@@ -51,15 +46,21 @@ def test_a_node_slowed_by_a_cpu_quota_is_replaced_by_a_spare_and_the_losses_hold
     assert named["node"] == victim and named["action"] == "replace"
     # the bound: named by the end of the WINDOWS-th window after the slowdown (+ the window it began in)
     assert named["steps"][1] <= slowed_from + WINDOWS * W + W - 1, (slowed_from, named)
-    assert named["ratio"] > 1.3 and named["peers_median_s"] > 0, named  # measured against the peers
+    # measured against the peers, whose own work is a few ms a step: 10 ms vs 411 (40x) here. When
+    # their waits for the slowed node inside the optimizer span counted as their work, the ratio
+    # was 1.6-1.8x, near the 1.3 threshold: the node was named late, or never (stop 39)
+    assert named["ratio"] > 3.0 and named["peers_median_s"] > 0, named
     assert job.losses() == ref_job.losses()
 
 
 def test_jitter_on_every_rank_is_never_flagged(job_factory):
     jitter = ";".join(f"jitter:rank={r}:step=1:frac=0.2" for r in range(4))
     # the default windows (8 steps, 2 of them): 3-step windows named a node once at load ~20 here,
-    # its ranks scheduled less than the others' for 6 steps
-    job = job_factory(fault=jitter, spares=2, extra=("--resilience.straggler_action=replace", "--train.steps=40"))
+    # its ranks scheduled less than the others' for 6 steps. A wider model: at hidden 64 a rank's
+    # own work is ~18 ms a step, shorter than one round of the loaded machine's scheduler, and one
+    # rank's 16-step median read 41.5 ms (2.25x) at load ~15 with no fault
+    extra = ("--resilience.straggler_action=replace", "--train.steps=40", "--model.hidden=256")
+    job = job_factory(fault=jitter, spares=2, extra=extra)
     job.start()
     summary = job.finish()
     # a job_slow alert (every rank slower alike, as the machine's load rises) names no node

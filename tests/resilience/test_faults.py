@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megascale.resilience.local import Netns, cut_link, netns_available
+from megascale.resilience.driver.local import Netns, cut_link, netns_available
 from tests.resilience.jobs import PAUSE, REPO, node_of_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from megascale.resilience.rankctl import is_peer_failure
+from megascale.resilience.rank.rankctl import is_peer_failure
 
 ASSIGN = (
     '{"kind": "assign", "config": "/w/attempt0/rank/config.toml", "log": "/w/attempt0/rank00001.log", '
@@ -22,7 +22,7 @@ ASSIGN = (
 # own process: the abort shuts down every TCP connection of the process it runs in.
 SCRIPT = textwrap.dedent("""
     import os, socket, sys, threading, time
-    from megascale.resilience.rankctl import RankControl
+    from megascale.resilience.rank.rankctl import RankControl
 
     server = socket.create_server(("127.0.0.1", 0))
     peer = socket.create_connection(server.getsockname())

@@ -11,12 +11,12 @@ import pytest
 
 from megascale.config import load_config
 from megascale.diagnostics.report import recovery_rows
-from megascale.resilience import protocol
-from megascale.resilience.decide import IN_PLACE, RESTART, CheckDecision, recovery_path, selfcheck_decision
-from megascale.resilience.driver import Driver
-from megascale.resilience.ettr import job_summary
-from megascale.resilience.recovery import recovery_phases
-from megascale.resilience.state import JobState, JobStore
+from megascale.resilience.common import protocol
+from megascale.resilience.driver.decide import IN_PLACE, RESTART, CheckDecision, recovery_path, selfcheck_decision
+from megascale.resilience.driver.driver import Driver
+from megascale.resilience.driver.ettr import job_summary
+from megascale.resilience.driver.recovery import recovery_phases
+from megascale.resilience.driver.state import JobState, JobStore
 from tests.resilience.test_attribution import via_api
 
 KILLED = {"kind": "abnormal_exit", "node": "node0", "rank": 1, "detail": "rank 1 on node0: killed by signal 9"}

@@ -1,7 +1,7 @@
 """Each detection rule on synthetic timelines (explicit `now`, no sleeping)."""
 
 from megascale.config.operations import ResilienceConfig
-from megascale.resilience.rules import (
+from megascale.resilience.driver.rules import (
     HangRule,
     SlowRule,
     TrafficRule,
@@ -10,7 +10,7 @@ from megascale.resilience.rules import (
     hang_rule,
     interface_bytes,
 )
-from megascale.resilience.silence import SilenceWatch
+from megascale.resilience.driver.silence import SilenceWatch
 
 
 def test_abnormal_exit_by_signal_or_code_but_not_success_or_running():

@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 
 from megascale.config import load_config
-from megascale.resilience import selfcheck
-from megascale.resilience.local import Netns, netns_available, netns_down, netns_up
-from megascale.resilience.selfcheck_plan import build, judge, relative
-from megascale.resilience.slowdown import CpuQuota, cpu_quota_available, slow_link
-from megascale.resilience.state import Node
+from megascale.resilience.driver.local import Netns, netns_available, netns_down, netns_up
+from megascale.resilience.driver.selfcheck_plan import build
+from megascale.resilience.driver.slowdown import CpuQuota, cpu_quota_available, slow_link
+from megascale.resilience.driver.state import Node
+from megascale.resilience.selfcheck import checks as selfcheck
+from megascale.resilience.selfcheck.verdict import judge, relative
 
 REPO = Path(__file__).resolve().parents[2]
 RATIO = 0.7
@@ -102,7 +103,7 @@ def _judge(files: list[Path]) -> subprocess.CompletedProcess:
 
 # A simulated node: one process that runs one timed repeat of a self-check test when asked.
 WORKER = (
-    "import json, sys, time\nfrom megascale.resilience import selfcheck\nselfcheck.REPEATS = 1\n"
+    "import json, sys, time\nfrom megascale.resilience.selfcheck import checks as selfcheck\nselfcheck.REPEATS = 1\n"
     "for line in sys.stdin:\n"
     "    cpu, wall = time.process_time(), time.perf_counter()\n"
     "    value = getattr(selfcheck, line.strip())()\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from megascale.resilience import protocol
+from megascale.resilience.common import protocol
 from tests.resilience.test_attribution import via_api
 from tests.resilience.test_recovery import heartbeat, rank, started_driver
 

@@ -12,8 +12,8 @@ import pytest
 
 from megascale.config import load_config
 from megascale.diagnostics.report import detection_rows
-from megascale.resilience import protocol
-from megascale.resilience.straggler_rule import KEEP, StragglerRule, action_for, straggler_rule
+from megascale.resilience.common import protocol
+from megascale.resilience.driver.straggler_rule import KEEP, StragglerRule, action_for, straggler_rule
 from tests.resilience.test_recovery import _summary_file, answer, commands, fast_driver, heartbeat, rank, via_api
 
 W, WINDOWS, WARMUP = 4, 2, 2

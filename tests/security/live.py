@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale.resilience.api import ApiClient, ApiError
+from megascale.resilience.common.api import ApiClient, ApiError
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_PASSWORD = "hunter2-redis-password-in-the-url"
@@ -39,6 +39,7 @@ class LiveDriver:
         fd_limit: int = FD_LIMIT,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         peer_check: bool = False,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.run_dir = run_dir
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +65,7 @@ class LiveDriver:
             f"--train.run_dir={run_dir}",
             # the attacks claim addresses (10.x, 127.0.0.2) from this one process on 127.0.0.1
             f"--resilience.peer_address_check={str(peer_check).lower()}",
+            *extra,
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from megascale.resilience import protocol
-from megascale.resilience.api import ApiClient, ApiError
-from megascale.resilience.protocol import PLAN_ENV, RANK_ENV
+from megascale.resilience.common import protocol
+from megascale.resilience.common.api import ApiClient, ApiError
+from megascale.resilience.common.protocol import PLAN_ENV, RANK_ENV
 from tests.security.live import (
     NODE,
     REDIS_PASSWORD,

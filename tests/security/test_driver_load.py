@@ -11,13 +11,14 @@ import os
 import resource
 import socket
 import ssl
+import statistics
 import threading
 import time
 
 import pytest
 
-from megascale.resilience.api import ApiClient
-from megascale.resilience.api_server import Limits
+from megascale.resilience.common.api import ApiClient
+from megascale.resilience.driver.api_server import Limits
 from tests.security import flood
 from tests.security.live import LiveDriver, attacker_tls, raw_request, read_response, request_bytes
 
@@ -69,13 +70,23 @@ def test_3000_idle_connections_without_a_token_cost_the_node_no_heartbeat(driver
     assert "connections without a token yet: closed the oldest" in driver.log()
 
 
+@pytest.mark.serial  # the victim's pace is timed: at load 44 beside the other workers it missed
 def test_a_flood_from_one_peer_costs_that_peer_not_the_others(driver):
     """A node with its own credential (node-b, from 127.0.0.2) pipelines maximum-size valid
     heartbeats over 100 connections for 10 s, while 127.0.0.3 floods handshakes with a wrong
     token, both from their own processes. node-a (127.0.0.1) keeps heartbeating every 0.5 s:
-    its beats are answered never more than 4 s apart (the heartbeat timeout is 5 s; the slack is
-    for a loaded machine) and the operator's status (its kept-alive connection) within 4 s
-    throughout. Before the per-caller budgets node-a went 5.5 s unanswered (3 beats in 10 s)."""
+    its beats keep their pace (the median interval between answers under twice what it was in
+    the 4 s before, on the machine as loaded as it is) and are never more than 4 s apart
+    (the heartbeat timeout is 5 s; the slack is for a loaded machine), the operator's status
+    (its kept-alive connection) is answered within 4 s throughout, and node-b's flood is served
+    no more than its budget (burst + rate x the flood's time, in requests of its size).
+    Without the budgets (their use in api_server.py reverted; load average 6.6-11.4) node-a had
+    4-5 beats answered in 10 s, a median interval of 1.4-1.9 s (0.51 s with them, 18 beats), the
+    largest 3.2-3.6 s (so that bound alone passed at low load; at load 20 it was 5.5 s), node-b
+    34-65 heavy heartbeats served (10 with them) and the driver 9.4-12.4 CPU s (2.5). The pace
+    against the 4 s before: 2.4-2.9x without the budgets at load 21-37 (one run at 1.9x, caught
+    by the 4 s bound: 8.5 s), 1.1-1.4x with them at load 30-38."""
+    time.sleep(4.0)  # node-a's pace before the flood, on this machine as loaded as it is now
     node_b = ApiClient.for_run(driver.run_dir, operator=False)
     credential = node_b.call(
         "POST", "/v1/register", {"node_id": "node-b", "address": "127.0.0.1", "host": "flood", "pid": 1}
@@ -96,6 +107,7 @@ def test_a_flood_from_one_peer_costs_that_peer_not_the_others(driver):
             time.sleep(0.5)
 
     began = time.monotonic()
+    before = _intervals(driver.node.answered, began - 4.0, began)
     stop_at = began + 10.0
     floods = [
         flood.start(driver.port, "127.0.0.2", heavy, 100, 10.0, pipelined=2),
@@ -104,16 +116,27 @@ def test_a_flood_from_one_peer_costs_that_peer_not_the_others(driver):
     watcher = threading.Thread(target=operator, daemon=True)
     watcher.start()
     heavy_seen, wrong_seen = (flood.result(proc) for proc in floods)
+    flood_s = time.monotonic() - began
     watcher.join(10)
-    beats = [t for t in driver.node.answered if began <= t <= stop_at]
-    gaps = [b - a for a, b in zip([began, *beats], [*beats, stop_at], strict=True)]
-    assert max(gaps) < 4.0, (len(beats), max(gaps), heavy_seen, wrong_seen)
+    gaps = _intervals(driver.node.answered, began, stop_at)
+    pace = statistics.median(gaps) / statistics.median(before)
+    seen = (len(gaps) - 1, max(gaps), pace, statistics.median(before), heavy_seen, wrong_seen, os.getloadavg())
+    assert pace < 2.0 and max(gaps) < 4.0, seen
+    budget = Limits().budget
+    served = sum(n for status, n in heavy_seen.items() if status not in ("429", "dropped"))
+    assert served <= (budget.burst + budget.rate * flood_s) / (1 + len(body) / budget.unit_bytes) + 1, seen
     assert latencies and max(latencies) < 4.0, latencies
     assert heavy_seen.get("429", 0) > 0 and wrong_seen.get("401", 0) > 0, (heavy_seen, wrong_seen)
     status = driver.status()  # node-b, a spare silent since its flood, may be evicted as lost by now
     assert (status["phase"], status["attempt"], status["faults"]) == ("running", 0, []), status
     assert status["nodes"]["node-a"]["role"] == "active" and driver.node.refused == [], driver.node.refused
     assert "429 POST /v1/heartbeat from 127.0.0.2" in driver.log()
+
+
+def _intervals(answered: list[float], start: float, end: float) -> list[float]:
+    """The intervals between answered beats in [start, end], the two ends included as beats."""
+    beats = [start, *(t for t in answered if start <= t <= end), end]
+    return [b - a for a, b in zip(beats, beats[1:], strict=False)]
 
 
 def test_a_node_registers_only_the_address_it_connects_from(driver):
@@ -147,9 +170,9 @@ def test_requests_whose_clients_left_are_dropped_unrun_and_the_queue_is_bounded(
     """One handler thread, held busy: 20 clients send a request and leave, 12 more wait for
     their answer. The 20 are never run once the handler is free (today every one ran, after
     its client had gone), at most `max_pending` are queued and the rest get a 503 at once."""
-    from megascale.resilience.api_server import ApiServer, Route
-    from megascale.resilience.credentials import ensure_secret, load_secret, server_context
-    from megascale.resilience.identity import OPERATOR, Identities
+    from megascale.resilience.common.credentials import ensure_secret, load_secret, server_context
+    from megascale.resilience.driver.api_server import ApiServer, Route
+    from megascale.resilience.driver.identity import OPERATOR, Identities
     from tests.security.live import request_bytes
 
     secret = load_secret(ensure_secret(tmp_path / "secret", ["127.0.0.1"]), need_key=True)

@@ -17,11 +17,11 @@ import pytest
 
 from megascale.config.private_files import UnsafePathError
 from megascale.config.schema import REDIS_PASSWORD_ENV, REDIS_PASSWORD_FILE_ENV
-from megascale.resilience.api import ApiClient
-from megascale.resilience.credentials import ensure_secret, load_secret, server_context
-from megascale.resilience.executor import Executor
-from megascale.resilience.executor_cli import default_workdir
-from megascale.resilience.protocol import StartCommand
+from megascale.resilience.common.api import ApiClient
+from megascale.resilience.common.credentials import ensure_secret, load_secret, server_context
+from megascale.resilience.common.protocol import StartCommand
+from megascale.resilience.executor.cli import default_workdir
+from megascale.resilience.executor.executor import Executor
 
 pytestmark = pytest.mark.timeout(60)
 PASSWORD = "redis-password-for-the-ranks-only"

@@ -17,9 +17,10 @@ import time
 
 import pytest
 
-from megascale.resilience.api import ApiClient, ApiError
-from megascale.resilience.credentials import load_secret
-from megascale.resilience.executor import Executor
+from megascale.resilience.common.api import ApiClient, ApiError
+from megascale.resilience.common.credentials import load_secret
+from megascale.resilience.executor.executor import Executor
+from tests.security import flood
 from tests.security.live import NODE, LiveDriver, SimulatedNode, raw_request, request_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,6 +71,25 @@ def test_a_node_cannot_report_or_poll_for_another(driver):
     )
     driver.untouched()
     assert driver.status()["nodes"][NODE]["ranks"][0]["alive"] is True
+
+
+def test_a_flood_of_wrong_tokens_does_not_hide_a_forged_report_in_the_log(driver):
+    """The refusal log is rate-limited per kind of line (its status): a local user's wrong-token
+    flood (hundreds of 401s a second from 127.0.0.3, in its own process) is cut down to ten
+    lines a second, and the 403 of a node speaking for another, sent in the middle of it, is
+    still logged. With one limit for every refusal it was logged only when it happened to be
+    among the first ten refusals of its second."""
+    wrong = request_bytes("GET", "/v1/status", token="w" * 43)
+    proc = flood.start(driver.port, "127.0.0.3", wrong, 20, 4.0)
+    time.sleep(2.0)
+    forged = killed_report("forged-in-a-flood")
+    assert refused(driver.client_as(driver.other.credential), "POST", "/v1/heartbeat", forged).status == 403
+    seen = flood.result(proc)
+    log = driver.log()
+    # more refusals than the log's ten lines a second let through over the 4 s flood
+    assert seen.get("401", 0) > 40 and "refusals in the last second, not logged one by one" in log, seen
+    assert f"speaks for {OTHER}, not for forged-in-a-flood" in log, seen
+    driver.untouched()
 
 
 def test_a_node_id_cannot_be_registered_again_by_another_or_moved(driver):

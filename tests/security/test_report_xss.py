@@ -3,20 +3,15 @@ renders in headless Chromium and none of it runs (the page's title would say so)
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 
 import pytest
 
 from megascale.diagnostics.report import build_report
 from megascale.diagnostics.timers import Timers
+from tests.diagnostics.browser import needs_chromium, run_chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (run scripts/install_chromium.sh)"),
-]
+pytestmark = [pytest.mark.timeout(120), needs_chromium]
 # Each payload, if it ran, would change the title to one the page's own text does not contain.
 PAYLOADS = {
     "pp": "<script>document.title = 'PW' + 'NED:pp'</script>",
@@ -40,25 +35,7 @@ def test_report_of_a_crafted_run_runs_no_injected_script(tmp_path):
     report = build_report(tmp_path)
     page = report.html.read_text()
     assert "&lt;script&gt;document.title" in page  # the value is on the page, as text
-    dom = subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--no-first-run",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            "--virtual-time-budget=2000",
-            "--dump-dom",
-            report.html.as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    dom = run_chromium(report.html, tmp_path / "profile", "--virtual-time-budget=2000", "--dump-dom")
     assert "<title>megascale report</title>" in dom.stdout, dom.stderr[-2000:]
     assert "PWNED" not in dom.stdout
     assert "<script" not in page and "<img src=x" not in page and "<svg" not in page

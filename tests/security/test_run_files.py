@@ -68,12 +68,13 @@ def test_the_driver_starts_the_jobs_redis_with_a_password(tmp_path):
     import redis
 
     from megascale.parallel.store import free_port
-    from megascale.resilience.cli import _job_redis
-    from megascale.resilience.state import JobState
+    from megascale.resilience.driver.cli import _job_redis
+    from megascale.resilience.driver.state import JobState
 
     port = free_port()
-    cfg = JobConfig(parallel=ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0"))
-    server = _job_redis(cfg, JobState("pw", 1, 1, {"dp": 1, "tp": 1, "pp": 1}, run_dir=str(tmp_path)), False, tmp_path)
+    parallel = ParallelConfig(store="redis", redis_start=True, redis_url=f"redis://127.0.0.1:{port}/0")
+    state = JobState("pw", 1, 1, {"dp": 1, "tp": 1, "pp": 1}, run_dir=str(tmp_path))
+    server = _job_redis(parallel, state, False, tmp_path)
     try:
         with pytest.raises(redis.AuthenticationError):  # another local user, on loopback
             redis.Redis(port=port).set("megascale/pw/0/addr", "10.6.6.6")

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
+from megascale import cli
 from megascale.config import dump_config, load_config
-from megascale.resilience.credentials import CERT, KEY, OPERATOR, TOKEN, SecretError, ensure_secret, load_secret
+from megascale.resilience.common.credentials import CERT, KEY, OPERATOR, TOKEN, SecretError, ensure_secret, load_secret
 from tests.security.live import REPO
 
 pytestmark = pytest.mark.timeout(60)
@@ -195,3 +196,14 @@ def test_a_run_dir_that_is_a_link_into_another_tree_is_refused(tmp_path):
     out = _launch(tmp_path, f"--train.run_dir={link}")
     assert out.returncode == 2 and "is a symbolic link" in out.stderr, out.stderr
     assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755 and os.listdir(elsewhere) == ["notes.txt"]
+
+
+def test_the_executors_part_holds_the_token_and_certificate_only(tmp_path):
+    """`megascale secret DIR --executors OUT` (the Slurm script's split): OUT gets what an
+    executor needs and nothing that would let it act as the operator or make node credentials;
+    an OUT that already holds the key or the operator token is refused, not cleaned."""
+    assert cli.main(["secret", str(tmp_path / "s"), "--executors", str(tmp_path / "x")]) == 0
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == [CERT, TOKEN]
+    assert load_secret(tmp_path / "x", need_key=False).token == load_secret(tmp_path / "s", need_key=True).token
+    (tmp_path / "x" / "tls.key").write_text("stale")
+    assert cli.main(["secret", str(tmp_path / "s"), "--executors", str(tmp_path / "x")]) == 2

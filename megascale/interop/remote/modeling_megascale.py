@@ -43,6 +43,7 @@ class Options:
     tie_embeddings: bool = False
     bias: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
     norm_eps: float = 1e-5
     init_std: float = 0.02
     rope_base: float = 10000.0
@@ -100,6 +101,8 @@ class Attention(nn.Module):
         self.d = o.hidden // o.heads
         self.qkv = nn.Linear(o.hidden, (o.heads + 2 * self.kv) * self.d, bias=o.bias or o.qkv_bias)
         self.proj = nn.Linear(o.hidden, o.hidden, bias=o.bias)
+        self.q_norm = nn.RMSNorm(self.d, eps=o.norm_eps) if o.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.d, eps=o.norm_eps) if o.qk_norm else None
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -108,6 +111,8 @@ class Attention(nn.Module):
         q = rows[:, :, :, :per].reshape(b, s, self.o.heads, self.d).transpose(1, 2)
         k = rows[:, :, :, per].transpose(1, 2).repeat_interleave(per, dim=1)
         v = rows[:, :, :, per + 1].transpose(1, 2).repeat_interleave(per, dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if angles is not None:
             q, k = _rotate(q, angles), _rotate(k, angles)
         i = torch.arange(s, device=x.device)

@@ -37,10 +37,12 @@ from megascale.parallel import weight_grad
 from megascale.parallel.pipeline.schedule import (
     DEFAULT_LOOKAHEAD,
     SPLIT_KINDS,
+    V_SHAPED,
     Action,
     Op,
     Schedule,
     build_schedule,
+    global_chunk,
 )
 from megascale.parallel.runner import ModelRunner
 
@@ -58,6 +60,7 @@ class _Recv:
     shape: tuple[tuple[int, ...], torch.dtype] | None
     work: dist.Work | None = None
     buffer: torch.Tensor | None = None
+    local: bool = False  # from another chunk of this rank (the V's bottom): handed over in memory
 
 
 @dataclass
@@ -74,8 +77,9 @@ class _Step:
 
 
 class PipelineRunner(ModelRunner):
-    """Runs this rank's `v` chunks under the 1F1B (interleaved when v > 1), GPipe or ZB-H1
-    schedule (the last one splits the chunks' backward, in place, when the runner is made).
+    """Runs this rank's `v` chunks under the 1F1B (interleaved when v > 1), GPipe, ZB-H1 or
+    ZB-V schedule (the zero-bubble ones split the chunks' backward, in place, when the runner
+    is made; ZB-V's chunks must have been cut in a V, `split_model(..., v_shape=True)`).
 
     `decoupled=False` waits for each send right after posting it: a comparison mode for the
     benchmark (what bundled send/recv costs), never the training default. It takes effect
@@ -100,6 +104,21 @@ class PipelineRunner(ModelRunner):
         self._in_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # by local chunk
         self._out_shape: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self.v_shape = self.kind in V_SHAPED
+        self._local: dict[int, torch.Tensor] = {}  # tag -> tensor passed between this rank's chunks
+        placed = [getattr(chunk, "index", None) for chunk in chunks]
+        wanted = [global_chunk(self.p, self.rank, c, self.v_shape) for c in range(self.v)]
+        if self.p > 1 and placed != wanted:
+            raise ValueError(
+                f"pipeline rank {self.rank} holds global chunks {placed} but parallel.schedule="
+                f"{self.kind!r} places {wanted} there: cut the model with split_model(..., "
+                f"v_shape={self.v_shape})"
+            )
+        if self.v_shape and not decoupled:
+            raise ValueError(
+                f"parallel.schedule={self.kind!r} deadlocks when each send waits for its receive "
+                "(rank 0 runs 2p-1 forwards before its first backward): use decoupled=True"
+            )
         self._warm = False  # a whole step has run: every activation shape is known
         if self.kind in SPLIT_KINDS:
             for chunk in chunks:
@@ -117,7 +136,7 @@ class PipelineRunner(ModelRunner):
     def schedule(self, kind: str, m: int) -> Schedule:
         key = (kind, m)
         if key not in self._schedules:
-            sched = build_schedule(kind, self.p, self.v, m, self.lookahead)
+            sched = build_schedule(kind, self.p, self.v, m, self.lookahead, self.v_shape)
             self._schedules[key] = sched
             self._grads_final[key] = sched.grads_final(self.rank)
         return self._schedules[key]
@@ -152,7 +171,7 @@ class PipelineRunner(ModelRunner):
                 work.wait()
         self._sends.clear()
         self._warm = True
-        assert not (step.acts or step.grads or step.recvs or step.weight_work), "schedule left state behind"
+        assert not (step.acts or step.grads or step.recvs or step.weight_work or self._local), "schedule left state"
         if step.loss is None:  # not the last stage
             return torch.zeros((), dtype=torch.float64, device=self._device)
         return step.loss
@@ -203,19 +222,23 @@ class PipelineRunner(ModelRunner):
             del step.acts[key]
         meta = (tuple(tensor.shape), tensor.dtype)
         announced = self._out_shape.get(a.chunk)
+        g = global_chunk(self.p, self.rank, a.chunk, self.v_shape)
         if announced is None:
             self._out_shape[a.chunk] = meta
-            encoded = _encode(meta, tensor.device)
-            tag = _META_TAG + a.chunk * self.p + self.rank
-            self._sends.append((self._isend(encoded, a.peer, tag), encoded, a.peer))
+            if a.peer != self.rank:
+                encoded = _encode(meta, tensor.device)
+                self._sends.append((self._isend(encoded, a.peer, _META_TAG + g), encoded, a.peer))
         elif announced != meta:
             raise RuntimeError(
-                f"pipeline activation of chunk {a.chunk * self.p + self.rank} changed from "
+                f"pipeline activation of chunk {g} changed from "
                 f"{announced} to {meta}; every micro-batch of a run must have one shape"
             )
         self._send(tensor, a, timers)
 
     def _send(self, tensor: torch.Tensor, a: Action, timers) -> None:
+        if a.peer == self.rank:  # to this rank's other chunk
+            self._local[a.tag] = tensor
+            return
         peer = self._peers[a.peer]
         with timers.span("pp.send", kind="p2p", group="pp", peer=peer, mb=a.mb, chunk=a.chunk):
             work = self._isend(tensor, a.peer, a.tag)
@@ -228,8 +251,8 @@ class PipelineRunner(ModelRunner):
 
     def _post_recv(self, a: Action, step: _Step) -> None:
         shape = self._shapes(a.op is Op.RECV_ACT).get(a.chunk)
-        recv = _Recv(a.peer, a.tag, shape)
-        if shape is not None:
+        recv = _Recv(a.peer, a.tag, shape, local=a.peer == self.rank)
+        if shape is not None and not recv.local:
             self._start_recv(recv)
         step.recvs[(a.op, a.mb, a.chunk)] = recv
 
@@ -244,12 +267,14 @@ class PipelineRunner(ModelRunner):
         recv.work = dist.irecv(recv.buffer, src=self._peers[recv.peer], group=self.group, tag=recv.tag)
 
     def _wait_recv(self, recv: _Recv, a: Action, timers) -> torch.Tensor:
+        if recv.local:  # the schedule ran the producing chunk first (checked by `simulate`)
+            return self._local.pop(recv.tag)
         peer = self._peers[recv.peer]
         with timers.span("pp.recv", kind="p2p", group="pp", peer=peer, mb=a.mb, chunk=a.chunk):
             if recv.work is None:  # first activation over this boundary: learn its shape
                 if a.op is Op.FORWARD and a.chunk not in self._in_shape:
                     meta = torch.empty(_META_LEN, dtype=torch.int64, device=self._device)
-                    boundary = a.chunk * self.p + self.rank - 1
+                    boundary = global_chunk(self.p, self.rank, a.chunk, self.v_shape) - 1
                     dist.recv(meta, src=peer, group=self.group, tag=_META_TAG + boundary)
                     self._in_shape[a.chunk] = _decode(meta)
                 recv.shape = self._shapes(a.op is Op.FORWARD)[a.chunk]
@@ -261,12 +286,11 @@ class PipelineRunner(ModelRunner):
         return dist.isend(tensor, dst=self._peers[peer], group=self.group, tag=tag)
 
     def _micro_batches(self, batch: TokenBatch | None) -> int:
-        m = self.cfg.micro_batches
+        m = self.cfg.micro_batches_of(self.mesh.dp_rank)
         if batch is not None and batch.inputs.shape[0] != m:
             raise ValueError(
-                f"batch has {batch.inputs.shape[0]} micro-batches but the layout expects {m} "
-                "(train.global_batch / (train.micro_batch * parallel.dp)); every pipeline stage "
-                "must run the same number"
+                f"batch has {batch.inputs.shape[0]} micro-batches but the layout expects {m} on dp rank "
+                f"{self.mesh.dp_rank} ({self.cfg.shares.describe()}); every pipeline stage must run the same number"
             )
         needs = [c.is_first or c.is_last for c in self.chunks]
         if batch is None and any(needs):

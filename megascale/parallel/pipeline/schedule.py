@@ -17,6 +17,13 @@ then F, B and -- after the first r steady rounds -- the oldest pending W, then t
 time that is 3m + p - 1 per rank (m >= p): the bubble is (p-1)/(3m), a third of 1F1B's, for
 p micro-batches held at once on every rank (F to W; 1F1B's rank 0 holds p, rank r p-r).
 
+ZB-V (`kind="zbv"`, v = 2) places the two chunks of each rank in a V: rank r holds global
+chunks r and 2p-1-r, so the forward runs down the ranks on chunk 0 and back up on chunk 1, and
+the last rank passes its chunk 0's output to its own chunk 1 without a message. The order is
+`torch.distributed.pipelining`'s ScheduleZBVZeroBubble (the paper's section 6): with
+F = B = W per chunk and m >= 2p - 1 the bubble is near zero, and each rank holds at most 2p
+chunk-activations, i.e. p micro-batches of a whole stage: 1F1B's rank 0.
+
 Communication is decoupled (MegaScale): a SEND is posted right after the compute that made
 its tensor and is never waited for before the next action; a RECV is *posted* a few compute
 actions before the one that needs it (`lookahead`), and a compute action waits only for its own
@@ -45,8 +52,9 @@ class Op(str, Enum):
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
 RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
-KINDS = ("1f1b", "gpipe", "zb-h1", "forward")  # "1f1b" is interleaved when v > 1; "forward" = eval
-SPLIT_KINDS = ("zb-h1",)  # backward split into B (input gradient) and W (weight gradient)
+KINDS = ("1f1b", "gpipe", "zb-h1", "zbv", "forward")  # "1f1b" is interleaved when v > 1; "forward" = eval
+SPLIT_KINDS = ("zb-h1", "zbv")  # backward split into B (input gradient) and W (weight gradient)
+V_SHAPED = ("zbv",)  # chunks placed in a V (rank r: global chunks r and 2p-1-r)
 # Receives are posted two computes ahead: one is enough for decoupled sends, but the coupled
 # comparison mode (a send waits for its receive) deadlocks interleaved 1F1B with one.
 DEFAULT_LOOKAHEAD = 2
@@ -76,6 +84,7 @@ class Schedule:
     v: int
     m: int
     ranks: tuple[tuple[Action, ...], ...]
+    v_shape: bool = False  # chunk placement: a V (ZB-V, and its evaluation) or interleaved
 
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.op in COMPUTE]
@@ -99,16 +108,33 @@ class Schedule:
         return " ".join(str(a) for a in self.compute(rank))
 
 
+def global_chunk(p: int, rank: int, chunk: int, v_shape: bool = False) -> int:
+    """The global chunk that local chunk `chunk` of `rank` holds: c*p + r interleaved, or in
+    a V (two chunks per rank) r for chunk 0 and 2p-1-r for chunk 1."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def rank_of(p: int, g: int, v_shape: bool = False) -> int:
+    """The pipeline rank holding global chunk g (the inverse of `global_chunk`)."""
+    if v_shape:
+        return g if g < p else 2 * p - 1 - g
+    return g % p
+
+
 def check_layout(p: int, v: int, m: int, kind: str = "1f1b") -> None:
     """Raise a ConfigError naming the keys when (p, v, m) cannot fill the schedule."""
     if kind not in KINDS:
-        raise ConfigError(f"parallel.schedule must be one of {KINDS[:3]}, got {kind!r}")
+        raise ConfigError(f"parallel.schedule must be one of {KINDS[:4]}, got {kind!r}")
     if p < 1 or v < 1 or m < 1:
         raise ConfigError(f"parallel.pp={p}, parallel.vpp={v} and the micro-batches per step ({m}) must be >= 1")
     if v > 1 and p == 1:
         raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is across stages)")
-    if v > 1 and kind in SPLIT_KINDS:
+    if v > 1 and kind == "zb-h1":
         raise ConfigError(f"parallel.schedule={kind!r} runs one chunk per stage: set parallel.vpp=1")
+    if v != 2 and kind in V_SHAPED:
+        raise ConfigError(f"parallel.schedule={kind!r} runs two chunks per stage in a V: set parallel.vpp=2")
     if v > 1 and kind == "1f1b" and m % p:
         raise ConfigError(
             f"interleaved 1F1B needs the micro-batches per step ({m} = train.global_batch / "
@@ -116,7 +142,7 @@ def check_layout(p: int, v: int, m: int, kind: str = "1f1b") -> None:
         )
 
 
-def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
+def compute_order(kind: str, p: int, v: int, m: int, rank: int, v_shape: bool = False) -> list[tuple[Op, int, int]]:
     """The (op, micro-batch, chunk) compute sequence of one rank.
 
     Forwards walk micro-batches in groups of p through the chunks (Megatron's interleaving:
@@ -136,12 +162,16 @@ def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op
     def bwd(k: int) -> tuple[Op, int, int]:
         return Op.BACKWARD, mb_of(k), v - 1 - (k // p) % v
 
+    if kind == "forward" and v_shape:
+        return [(Op.FORWARD, mb, c) for c in range(v) for mb in range(m)]
     if kind == "forward":
         return [fwd(k) for k in range(total)]
     if kind == "gpipe":
         return [fwd(k) for k in range(total)] + [bwd(k) for k in range(total)]
     if kind == "zb-h1":
         return _zb_h1(p, m, rank)
+    if kind == "zbv":
+        return _zbv(p, m, rank)
     warmup = min(total, p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p)
     order = [fwd(k) for k in range(warmup)]
     for i in range(total - warmup):
@@ -167,32 +197,88 @@ def _zb_h1(p: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
     return order + [(Op.WEIGHT, k, 0) for k in range(weights, m)]
 
 
-def build_schedule(kind: str, p: int, v: int, m: int, lookahead: int = DEFAULT_LOOKAHEAD) -> Schedule:
+def _zbv(p: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
+    """ZB-V on one rank (v = 2; local chunk 0 is global chunk r, chunk 1 is 2p-1-r), as
+    torch.distributed.pipelining's ScheduleZBVZeroBubble builds it: warm-up forwards of chunk 0
+    (more on the first ranks, which the V reaches first), then chunk-1 forwards each followed
+    by its B and W, a steady phase alternating (F, B, W) on chunk 0 and on chunk 1, a cool-down
+    of B's whose W's are deferred into the gaps, then the W's left. It is written for
+    n = max(m, 2p - 1) micro-batches; the surplus ones (m < 2p - 1) are dropped."""
+    n = max(m, 2 * p - 1)
+    order: list[tuple[Op, int, int]] = []
+    count = {(op, c): 0 for op in COMPUTE for c in (0, 1)}  # the next micro-batch of each
+
+    def add(*steps: tuple[Op, int]) -> None:
+        for op, c in steps:
+            order.append((op, count[(op, c)], c))
+            count[(op, c)] += 1
+
+    F, B, W = Op.FORWARD, Op.BACKWARD, Op.WEIGHT
+    add(*[(F, 0)] * (2 * (p - rank) - 1))
+    add(*[(F, 1), (F, 0)] * rank)
+    add(*[(F, 1), (B, 1), (W, 1)] * (p - rank))
+    while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < n:
+        if count[(F, 0)] < n:
+            add((F, 0))
+        add((B, 0), (W, 0), (F, 1), (B, 1), (W, 1))
+    add(*[(B, 0), (B, 1)] * rank)  # cool-down: these W's are deferred into the gaps
+    add(*[(B, 0), (W, 0)] * (p - rank))
+    add(*[(W, 1)] * (count[(B, 1)] - count[(W, 1)]))
+    add(*[(W, 0)] * (count[(B, 0)] - count[(W, 0)]))
+    return [(op, mb, c) for op, mb, c in order if mb < m]
+
+
+def build_schedule(
+    kind: str, p: int, v: int, m: int, lookahead: int = DEFAULT_LOOKAHEAD, v_shape: bool | None = None
+) -> Schedule:
     """Every rank's action list: compute, each send right after the compute producing it, and
-    each receive posted `lookahead` compute actions before the one that consumes it."""
+    each receive posted `lookahead` compute actions before the one that consumes it. `v_shape`
+    (default: the kind's own placement) is the chunk placement; evaluation of a ZB-V run passes
+    True. A message between two chunks of one rank (the V's bottom) is a SEND and a RECV with
+    that rank as the peer: the runtime hands the tensor over in memory."""
+    v_shape = kind in V_SHAPED if v_shape is None else v_shape
+    if v_shape and v != 2:
+        raise ConfigError(f"chunks placed in a V need parallel.vpp=2, got {v}")
     chunks = p * v
-    ranks = []
-    for rank in range(p):
-        order = compute_order(kind, p, v, m, rank)
-        recvs: list[list[Action]] = [[] for _ in order]
-        sends: list[list[Action]] = [[] for _ in order]
+    orders = [compute_order(kind, p, v, m, rank, v_shape) for rank in range(p)]
+    sends: list[list[list[Action]]] = [[[] for _ in order] for order in orders]
+    wanted: dict[int, tuple[int, Action]] = {}  # tag -> (index of the consumer, the receive)
+    for rank, order in enumerate(orders):
         for i, (op, mb, chunk) in enumerate(order):
-            g = chunk * p + rank
-            need = needed_message(op, g, mb, p, v, m)
+            g = global_chunk(p, rank, chunk, v_shape)
+            need = needed_message(op, g, mb, p, v, m, v_shape)
             if need is not None:
                 recv = Op.RECV_ACT if op is Op.FORWARD else Op.RECV_GRAD
-                recvs[max(0, i - lookahead)].append(Action(recv, mb, chunk, need[0], need[1]))
+                wanted[need[1]] = (i, Action(recv, mb, chunk, need[0], need[1]))
             if op is Op.FORWARD and g < chunks - 1:
-                sends[i].append(Action(Op.SEND_ACT, mb, chunk, (g + 1) % p, message_tag(False, g, mb, m)))
+                peer = rank_of(p, g + 1, v_shape)
+                sends[rank][i].append(Action(Op.SEND_ACT, mb, chunk, peer, message_tag(False, g, mb, m)))
             if op is Op.BACKWARD and g > 0:
-                sends[i].append(Action(Op.SEND_GRAD, mb, chunk, (g - 1) % p, message_tag(True, g - 1, mb, m)))
+                peer = rank_of(p, g - 1, v_shape)
+                sends[rank][i].append(Action(Op.SEND_GRAD, mb, chunk, peer, message_tag(True, g - 1, mb, m)))
+    # Each link's receives are posted in the order its sends are (what NCCL's order-matching
+    # needs): a receive whose consumer comes early moves the ones sent before it up with it.
+    posts: list[list[tuple[int, int, Action]]] = [[] for _ in orders]  # (consumer, sent order, recv)
+    for src in range(p):
+        for dst in range(p):
+            sent = [a.tag for slot in sends[src] for a in slot if a.peer == dst]
+            first = len(orders[dst])
+            for n, tag in reversed(list(enumerate(sent))):
+                first = min(first, wanted[tag][0])
+                posts[dst].append((first, n, wanted[tag][1]))
+    recvs: list[list[list[Action]]] = [[[] for _ in order] for order in orders]
+    for rank in range(p):
+        for consumer, _, recv in sorted(posts[rank], key=lambda post: post[:2]):
+            recvs[rank][max(0, consumer - lookahead)].append(recv)
+    ranks = []
+    for rank, order in enumerate(orders):
         actions: list[Action] = []
         for i, (op, mb, chunk) in enumerate(order):
-            actions += recvs[i]
+            actions += recvs[rank][i]
             actions.append(Action(op, mb, chunk))
-            actions += sends[i]
+            actions += sends[rank][i]
         ranks.append(tuple(actions))
-    schedule = Schedule(kind, p, v, m, tuple(ranks))
+    schedule = Schedule(kind, p, v, m, tuple(ranks), v_shape)
     check_schedule(schedule)
     return schedule
 
@@ -233,15 +319,15 @@ def message_tag(grad: bool, boundary: int, mb: int, m: int) -> int:
     return 2 * (boundary * m + mb) + int(grad)
 
 
-def needed_message(op: Op, g: int, mb: int, p: int, v: int, m: int) -> tuple[int, int] | None:
+def needed_message(op: Op, g: int, mb: int, p: int, v: int, m: int, v_shape: bool = False) -> tuple[int, int] | None:
     """(source pipeline rank, tag) of the message a compute on global chunk g waits for: the
     activation from chunk g-1 (forward), the gradient from chunk g+1 (backward), or None (a
     weight-gradient action needs only what its own B left)."""
     if op is Op.WEIGHT:
         return None
     if op is Op.FORWARD:
-        return None if g == 0 else ((g - 1) % p, message_tag(False, g - 1, mb, m))
-    return None if g == p * v - 1 else ((g + 1) % p, message_tag(True, g, mb, m))
+        return None if g == 0 else (rank_of(p, g - 1, v_shape), message_tag(False, g - 1, mb, m))
+    return None if g == p * v - 1 else (rank_of(p, g + 1, v_shape), message_tag(True, g, mb, m))
 
 
 # --------------------------------------------------------------------------- simulation
@@ -297,7 +383,9 @@ def simulate(
                     posted[(r, a.tag)] = clock[r]
                 elif a.op in SENDS:
                     key = (a.peer, a.tag)
-                    if coupled:  # blocked until the transfer into the posted receive is done
+                    if a.peer == r:  # the V's bottom: handed over in memory
+                        arrived[key] = clock[r]
+                    elif coupled:  # blocked until the transfer into the posted receive is done
                         if key not in posted:
                             break
                         clock[r] = max(clock[r], posted[key]) + latency
@@ -305,7 +393,8 @@ def simulate(
                     else:
                         arrived[key] = clock[r] + latency
                 else:
-                    need = needed_message(a.op, a.chunk * p + r, a.mb, p, schedule.v, schedule.m)
+                    g = global_chunk(p, r, a.chunk, schedule.v_shape)
+                    need = needed_message(a.op, g, a.mb, p, schedule.v, schedule.m, schedule.v_shape)
                     if need is not None:
                         key = (r, need[1])
                         if key not in arrived or key not in posted:

@@ -16,6 +16,7 @@ from megascale.config.fields import ConfigError
 from megascale.config.schema import ModelConfig, check_pipeline_split
 from megascale.model.flops import flops_per_token
 from megascale.model.gpt import GPT
+from megascale.parallel.pipeline.schedule import global_chunk
 
 # The embedding's cost in layers for `auto`: a lookup and its gradient scatter, no GEMM. Small
 # but not zero, so that between two equal splits the first stage gets the lighter one.
@@ -104,9 +105,12 @@ def chunk_layers(sizes: list[int]) -> list[range]:
     return [range(starts[g], starts[g + 1]) for g in range(len(sizes))]
 
 
-def split_model(model: GPT, pp: int, vpp: int, pp_rank: int, split: str | list[int] = "even") -> list[nn.Module]:
-    """The `vpp` chunks of pipeline rank `pp_rank`: local chunk c is global chunk c*pp + rank,
-    holding the layers `split` gives it (`chunk_sizes`).
+def split_model(
+    model: GPT, pp: int, vpp: int, pp_rank: int, split: str | list[int] = "even", v_shape: bool = False
+) -> list[nn.Module]:
+    """The `vpp` chunks of pipeline rank `pp_rank`: local chunk c is global chunk c*pp + rank
+    (interleaved), or with `v_shape` (ZB-V, vpp = 2) rank and 2*pp-1-rank, holding the layers
+    `split` gives it (`chunk_sizes`). In a V rank 0 holds both the embedding and the head.
 
     Moves `model.embed`, `model.blocks[i]` and `model.head` into the chunks; the model object
     should not be used afterwards."""
@@ -119,11 +123,13 @@ def split_model(model: GPT, pp: int, vpp: int, pp_rank: int, split: str | list[i
             "model.tie_embeddings=true needs parallel.pp=1 (the embedding and the head live on "
             "different pipeline stages); set model.tie_embeddings=false"
         )
+    if v_shape and vpp != 2:
+        raise ConfigError(f"chunks placed in a V (parallel.schedule='zbv') need parallel.vpp=2, got {vpp}")
     ranges = chunk_layers(chunk_sizes(model.cfg, pp, vpp, split))
     count = pp * vpp
     chunks: list[nn.Module] = []
     for c in range(vpp):
-        g = c * pp + pp_rank
+        g = global_chunk(pp, pp_rank, c, v_shape)
         chunks.append(
             PipelineChunk(
                 g,
