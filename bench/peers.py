@@ -30,6 +30,7 @@ import resource
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -43,7 +44,7 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer
-from megascale.parallel.engine import build_runner
+from megascale.parallel.engine import build_runner, timed_all_reduce
 from megascale.parallel.mesh import ParallelMesh, init_mesh
 from megascale.parallel.pipeline.split import chunk_layers, chunk_sizes
 from megascale.testing.launch import run_local
@@ -159,7 +160,8 @@ class MegascaleSide(Trainer):
         with torch.device("meta"):
             model = GPT(cfg.model)
         self.runner = build_runner(model, cfg, mesh)
-        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.sum_over = partial(timed_all_reduce, mesh=mesh)  # as the Trainer: its step reads it
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim, self.sum_over)
         self.init_numerics()
 
     def bench_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:

@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT
 from megascale.optim import build_optimizer
-from megascale.parallel.engine import build_runner
+from megascale.parallel.engine import build_runner, timed_all_reduce
 from megascale.parallel.mesh import ParallelMesh, init_mesh
 from megascale.testing.launch import run_local
 from megascale.train.trainer import Trainer
@@ -72,7 +73,8 @@ class BenchTrainer(Trainer):
         self.cfg, self.mesh, self.train_state, self.timers = cfg, mesh, TrainState(), timers  # step 0
         torch.manual_seed(cfg.train.seed)
         self.runner = build_runner(GPT(cfg.model), cfg, mesh)
-        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.sum_over = partial(timed_all_reduce, mesh=mesh)  # as the Trainer: its step reads it
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim, self.sum_over)
         self.init_numerics()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -32,7 +33,7 @@ from megascale.layout.shard import shard_spec
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.init import SeededValues, ValueSource
 from megascale.optim import build_optimizer
-from megascale.parallel.engine import build_runner
+from megascale.parallel.engine import build_runner, timed_all_reduce
 from megascale.parallel.mesh import ParallelMesh, init_mesh
 from megascale.train.trainer import Trainer
 
@@ -207,7 +208,8 @@ class StepTrainer(Trainer):
         if cfg.train.param_dtype == "bf16":
             model.to(torch.bfloat16)
         self.runner = build_runner(model, cfg, mesh, values)
-        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim)
+        self.sum_over = partial(timed_all_reduce, mesh=mesh)  # as the Trainer: its step reads it
+        self.optimizer = build_optimizer(self.runner.optimizer_tensors(), cfg.optim, self.sum_over)
         self.timers = Timers(mesh.rank, {}, "", None, enabled=False)
         self.init_numerics()
 
