@@ -351,6 +351,7 @@ BYPASSES = {
 }
 
 
+@pytest.mark.slow  # each plants a bypass in a copy of the package and runs the whole rule
 @pytest.mark.parametrize("name", sorted(BYPASSES))
 def test_each_bypass_fails_the_rule(tmp_path: Path, name: str):
     root = tmp_path / "megascale"

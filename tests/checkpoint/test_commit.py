@@ -25,7 +25,7 @@ from megascale.checkpoint.storage import open_root, step_name
 from megascale.checkpoint.writer import WriteJob
 from tests.checkpoint.conftest import assert_same_params, train
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # each kills and restarts writer processes
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -110,6 +110,7 @@ def test_export_of_only_crafted_checkpoints_is_a_clear_error(root, tmp_path, cap
     assert "no valid checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # resumes a training run
 def test_one_byte_offset_edit_falls_back_and_resume_is_exact(root, straight_run):
     """The edit that once loaded shifted tensors (loss NaN from the next step) now makes resume
     fall back to step 5, and training continues bit-identically."""

@@ -106,6 +106,7 @@ def test_overrides_in_both_forms():
     assert (cfg.model.layers, cfg.optim.lr, cfg.train.seed) == (2, 1e-3, -1)
 
 
+@pytest.mark.slow  # trains a step from two directories
 def test_the_packaged_default_is_used_from_any_directory(tmp_path, monkeypatch):
     """Run from elsewhere, `megascale train` reads the same default config (its SWA window)."""
     import subprocess

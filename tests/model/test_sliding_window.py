@@ -73,6 +73,7 @@ def test_auto_runs_the_sliding_kernel_off_cuda_for_windows_shorter_than_the_sequ
         sliding_window_attention(q, k, v, 0)
 
 
+@pytest.mark.slow  # long sequences
 def test_memory_grows_linearly_with_the_sequence(monkeypatch):
     """Forward + backward peak memory at a fixed window: doubling the sequence doubles it, and
     it stays within 1.5x of fused full causal attention's (output, log-sum-exp and gradients;

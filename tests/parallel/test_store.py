@@ -16,7 +16,7 @@ from megascale.parallel.redis_store import RedisStore, StoreUnreachableError
 from megascale.parallel.store import StoreAddress, create_store, free_port
 from megascale.testing.launch import run_local, run_with_stores
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(900), pytest.mark.slow]  # multi-process rendezvous
 
 
 def test_semantics_match_c10d(redis_server):

@@ -35,7 +35,7 @@ from tests.security.live import (
     request_bytes,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # a live driver under attack
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ def driver(tmp_path_factory):
         live.close()
 
 
+@pytest.mark.slow
 def test_3000_idle_connections_without_a_token_cost_the_node_no_heartbeat(driver):
     """3,000 sockets (one in ten through the TLS handshake) opened as fast as this process can
     and left idle past the 5 s heartbeat timeout: the node's heartbeats (every 0.5 s) are

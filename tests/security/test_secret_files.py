@@ -16,7 +16,7 @@ from megascale.config import dump_config, load_config
 from megascale.resilience.common.credentials import CERT, KEY, OPERATOR, TOKEN, SecretError, ensure_secret, load_secret
 from tests.security.live import REPO
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]  # each starts a real driver
 
 
 def broken(directory, part: str, content: bytes | None = None, mode: int = 0o600):

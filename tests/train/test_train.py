@@ -11,6 +11,8 @@ import pytest
 from megascale.config import default_config_path, load_config
 from megascale.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # each test trains through a fresh process: out of the fast subset
+
 TINY = [
     "--model.layers=2",
     "--model.hidden=64",
