@@ -116,9 +116,11 @@ def test_zero_reduce_scatters_run_during_backward_and_gathers_are_prefetched(rec
     for on, off, pipelined in recorded:
         assert on["dp_rs"] > 1 and on["dp_rs_overlapped"] > 0.5, on
         assert off["dp_rs_overlapped"] == 0.0, off
-        # the all-gather of the updated parameters is issued after the optimizer step and
-        # waited for by the next step's first forward: the data of the next step loads meanwhile
-        assert on["dp_ag_across_steps"] == 1.0, on
+        # the all-gathers of the updated parameters are issued after the optimizer step and
+        # waited for by the next step's first forward: the data of the next step loads meanwhile.
+        # Only IN_FLIGHT buckets a chunk are gathered ahead (their buffers bound the memory); the
+        # rest are issued as those land, so some but not all gathers span the step's start
+        assert 0.0 < on["dp_ag_across_steps"] < 1.0, on
         assert off["dp_ag_across_steps"] == 0.0, off
         # with two chunks, chunk 1's gather flies while chunk 0 computes
         assert pipelined["dp_ag_overlapped"] > 0.0, pipelined
