@@ -21,7 +21,7 @@ with them an accumulator of their gradients (`[2, ...]`: dK, dV) to which each r
 block's share (computed from the whole row's output and log-sum-exp, so a block's share is
 exact) before passing it on; after c steps every accumulator is back at its owner. Each send
 and receive is posted before the step's kernel call and waited for after it. The result
-equals one process's causal attention over the whole sequence (tests/parallel/test_ring_attention.py).
+equals one process's causal attention over the whole sequence (tests/parallel/test_context_parallel.py).
 """
 
 from __future__ import annotations
