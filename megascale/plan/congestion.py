@@ -18,7 +18,7 @@ Which flows leave a ToR follows from the layout and the planner's placement (nod
 launcher order, `placement.place`): a data-parallel ring leaves each rail group it spans once;
 a pipeline boundary sends from every node whose next-stage peer sits in another rail group;
 tensor parallelism never leaves a node. `ecmp.simulate` draws the same hashes flow by flow and
-checks this model (tests/plan/test_congestion.py). Formulas: docs/planning.md ("Congestion").
+checks this model (tests/plan/test_effects.py). Formulas: docs/planning.md ("Congestion").
 """
 
 from __future__ import annotations
