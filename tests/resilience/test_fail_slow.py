@@ -11,6 +11,7 @@ so a loaded machine only changes by how much the node is slower.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -58,10 +59,26 @@ def test_jitter_on_every_rank_is_never_flagged(job_factory):
     # the default windows (8 steps, 2 of them): 3-step windows named a node once at load ~20 here,
     # its ranks scheduled less than the others' for 6 steps. A wider model: at hidden 64 a rank's
     # own work is ~18 ms a step, shorter than one round of the loaded machine's scheduler, and one
-    # rank's 16-step median read 41.5 ms (2.25x) at load ~15 with no fault
-    extra = ("--resilience.straggler_action=replace", "--train.steps=40", "--model.hidden=256")
+    # rank's 16-step median read 41.5 ms (2.25x) at load ~15 with no fault.
+    # A threshold of 1.6, not the default 1.3: CI's 2-core runner, with this test alone, read rank
+    # 0 at 1.41x its peers for 16 steps (122 vs 86 ms): 1.11x from its own draws (its window median
+    # of the sleep, seeded by rank, is 0.34 of its work against its peers' 0.21), the rest the
+    # scheduling of 4 ranks, 4 executors and the driver on 2 cores; idle here it reads 1.17x. The
+    # rule's statistics at 1.3 under this jitter are the soak's (test_straggler.py); this test is
+    # the live path, where the slowed node reads >3x (above).
+    extra = (
+        "--resilience.straggler_action=replace",
+        "--resilience.straggler_threshold=1.6",
+        "--train.steps=40",
+        "--model.hidden=256",
+    )
     job = job_factory(fault=jitter, spares=2, extra=extra)
     job.start()
     summary = job.finish()
     # a job_slow alert (every rank slower alike, as the machine's load rises) names no node
     assert [d for d in summary["stragglers"] if d["kind"] == "straggler"] == [] and summary["restarts"] == 0
+    for rank in range(4):  # the jitter was there: each rank slept a tenth of its work or more a step
+        spans = [json.loads(line) for line in (job.run_dir / "timers" / f"rank{rank:05d}.jsonl").open()]
+        slept = sum(s["self"] for s in spans if s["name"] == "injected_jitter")
+        work = sum(s["self"] for s in spans if s["kind"] in ("compute", "optimizer")) - slept
+        assert slept > 0.1 * work, (rank, slept, work)
