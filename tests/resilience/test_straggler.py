@@ -87,6 +87,15 @@ def test_ranks_of_different_stages_are_not_compared():
     assert [d.node for d in feed(r, range(1, 60), lambda k, s: 0.3 if k >= 2 else 0.1)] == ["node1"]
 
 
+def test_a_stage_spans_its_cp_ranks():
+    """cp2 x pp2 on four one-rank nodes: a stage is its cp ranks (the grid is pp, dp, cp, tp), so
+    the last stage's extra work names nobody and its slowed cp rank is named against the other.
+    With a stage taken as dp x tp ranks, each rank was a stage alone and nobody was ever named."""
+    r = rule(nodes=4, per_node=1, layout={"dp": 1, "tp": 1, "pp": 2, "cp": 2})
+    work = {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.4}
+    assert [d.node for d in feed(r, range(1, 60), lambda k, s: work[k] if s > 2 else 0.1)] == ["node3"]
+
+
 def test_noise_larger_than_the_gap_is_no_straggler():
     """A rank whose steps alternate 0.02 and 0.26 s has a median 1.4x its peers' (0.1 s) but a
     spread (MAD 0.12 s) far wider than that gap: not named. Steady at 0.14 s, it would be."""

@@ -4,7 +4,7 @@ Why not step time: in synchronous training every rank waits for the slowest, so 
 the job is slow, never who. Each rank's *compute* time (its compute + optimizer timer spans'
 self time; collective and p2p waits are apart, `diagnostics/timers.py`) does say it: the slow
 rank computes longer, its peers wait longer. Peers are the ranks of the same pipeline stage
-(the tp and dp ranks that run the same layers) on *other* nodes: a node's own ranks share its
+(the tp, cp and dp ranks that run the same layers) on *other* nodes: a node's own ranks share its
 fault. Per heartbeat each rank's new (step, compute) pairs go into its open window; a window
 of `straggler_window_steps` steps is reduced to one summary (median, MAD) and the values are
 dropped, so the state is one open window plus the last summary per rank. A window is judged
@@ -104,10 +104,11 @@ class StragglerRule:
         self.baseline: float | None = None
 
     def reset(self, rank_nodes: dict[int, str], layout: dict[str, int], scale: dict[int, float] | None = None) -> None:
-        """A new attempt: `rank_nodes` maps each rank to its node; stage = rank // (dp * tp).
+        """A new attempt: `rank_nodes` maps each rank to its node; stage = rank // (dp * cp * tp)
+        (the grid's order, `layout/grid.py`: a stage's tp, cp and dp ranks run the same layers).
         `scale`: per rank, the factor its compute times are judged at, when replicas run uneven
         micro-batch counts (`placement.compute_scale`): a rank with fewer is not its peers' norm."""
-        per_stage = max(layout.get("dp", 1) * layout.get("tp", 1), 1)
+        per_stage = max(layout.get("dp", 1) * layout.get("cp", 1) * layout.get("tp", 1), 1)
         scale = scale or {}
         self.ranks = {r: _Rank(node, r // per_stage, scale=scale.get(r, 1.0)) for r, node in rank_nodes.items()}
         self.first_step, self.judged, self.baseline = None, -1, None
