@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megascale.layout.shard import shard_spec
 
 # How a partial sum is summed over a process group, in place. The default is the bare collective;
-# the trainer passes one timed as communication (`parallel.engine.timed_all_reduce`): the wait for
+# the trainer passes one timed as communication (`parallel.timed_comm.timed_all_reduce`): the wait for
 # a slower peer inside it is not this rank's work, and the fail-slow rule reads that work.
 SumOver = Callable[[torch.Tensor, dist.ProcessGroup], object]
 

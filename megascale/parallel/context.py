@@ -37,6 +37,7 @@ from megascale.data import TokenBatch
 from megascale.model.attention import causal_attention
 from megascale.model.sliding_window import sliding_window_attention
 from megascale.parallel.ring import balanced_chunks, ring_attention
+from megascale.parallel.timed_comm import timed_all_reduce
 
 FORWARD_TAG, BACKWARD_TAG = 35, 36
 
@@ -75,7 +76,7 @@ def sum_grads_over(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGro
     shards: the same ones, cp ranks share their dp coordinate) and saw part of each sequence."""
     for _, tensor in named:
         if tensor.grad is not None:
-            dist.all_reduce(tensor.grad, group=group)
+            timed_all_reduce(tensor.grad, group, dim="cp")
 
 
 class _Halo:

@@ -11,11 +11,9 @@ transformations. The trainer only sees the `ModelRunner` it returns (`parallel/r
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megascale.config.schema import JobConfig
-from megascale.diagnostics.timers import get_timers
 from megascale.model.efficiency import (
     apply_compile,
     apply_recompute,
@@ -82,22 +80,3 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
         else ZeroGradSync(runner.chunks, cfg, mesh)
     )
     return runner
-
-
-def timed_all_reduce(value: torch.Tensor, group: dist.ProcessGroup, mesh=None) -> None:
-    """Sum `value` over `group` in place, timed as a `comm` span named by the mesh dimension
-    the group spans (the hang analysis finds a waiter's peers by it). The step's small
-    collectives (loss, grad norm, LAMB's sharded norms) run inside the `optimizer` span: untimed,
-    a fast rank's wait there for a slow peer counted as its own optimizer work, and the fail-slow
-    rule (compute + optimizer self time against the peers) saw the fast ranks nearly as slow."""
-    dim = mesh.dim_of(group) if mesh is not None else None
-    with get_timers().span(f"{dim or 'group'}.all_reduce", kind="comm", op="all_reduce", group=dim):
-        dist.all_reduce(value, group=group)
-
-
-def reduce_sum(value: torch.Tensor, *groups, mesh=None) -> torch.Tensor:
-    """Sum a small CPU/GPU tensor over each group in turn (groups may be None), timed as comm."""
-    for group in groups:
-        if group is not None:
-            timed_all_reduce(value, group, mesh)
-    return value

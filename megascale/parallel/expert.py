@@ -55,6 +55,7 @@ from megascale.config.schema import JobConfig
 from megascale.diagnostics.timers import get_timers
 from megascale.layout.shard import set_shard_spec, shard_spec
 from megascale.model.moe import ExpertsFn, MoE, is_expert_parameter, moe_layers
+from megascale.parallel.timed_comm import timed_all_reduce
 from megascale.parallel.zero import ZeroGradSync
 
 
@@ -270,13 +271,13 @@ class ExpertGradSync:
 def balance_reducer(mesh, sequence_parallel: bool):
     """Sum of the routing statistics over every rank that routes its own tokens: dp, and tp under
     sequence parallelism (each tp rank routes its slice; without it they route the same tokens)."""
-    groups = [] if mesh is None else [mesh.dp_group] + ([mesh.tp_group] if sequence_parallel else [])
+    groups = [] if mesh is None else [("dp", mesh.dp_group)] + ([("tp", mesh.tp_group)] if sequence_parallel else [])
 
     def reduce(stats: torch.Tensor) -> torch.Tensor:
-        for group in groups:
+        for dim, group in groups:
             if group is not None:
                 stats = stats.to(mesh.device)
-                dist.all_reduce(stats, group=group)
+                timed_all_reduce(stats, group, dim=dim)
         return stats
 
     return reduce

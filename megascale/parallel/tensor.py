@@ -45,6 +45,7 @@ from megascale.model.loss import chunked_cross_entropy
 from megascale.model.moe import MoE
 from megascale.parallel import weight_grad
 from megascale.parallel.collective_gemm import all_gather_matmul, matmul_reduce_scatter
+from megascale.parallel.timed_comm import timed_all_reduce
 from megascale.parallel.tp_comm import (
     TPContext,
     copy_to_tp,
@@ -250,7 +251,7 @@ def apply_tensor_parallel(model: GPT, p: ParallelConfig, mesh) -> None:
 def sum_over_tp(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """A statistic of this rank's sequence slice summed over the whole sequence (no gradient)."""
     t = t.detach().clone()
-    dist.all_reduce(t, group=group)
+    timed_all_reduce(t, group, dim="tp")  # inside `forward`: a wait for a peer is not this rank's work
     return t
 
 

@@ -36,8 +36,9 @@ from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.flops import flops_per_token, parameter_count
 from megascale.optim import build_optimizer, clip_to_norm_, global_grad_norm, lr_at
 from megascale.parallel.context import split_batch, uses_ring
-from megascale.parallel.engine import build_runner, reduce_sum, timed_all_reduce
+from megascale.parallel.engine import build_runner
 from megascale.parallel.mesh import init_mesh
+from megascale.parallel.timed_comm import reduce_sum, timed_all_reduce
 from megascale.plan.memory import job_memory_estimate
 from megascale.train.metrics import MetricsWriter, StepClock, memory_record, progress_line, setup_logging
 from megascale.train.numerics import DataSkips, NonFiniteGuard, SpikeDetector, TrainingHalted, nonfinite_origin

@@ -33,8 +33,9 @@ from megascale.layout.shard import shard_spec
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.model.init import SeededValues, ValueSource
 from megascale.optim import build_optimizer
-from megascale.parallel.engine import build_runner, timed_all_reduce
+from megascale.parallel.engine import build_runner
 from megascale.parallel.mesh import ParallelMesh, init_mesh
+from megascale.parallel.timed_comm import timed_all_reduce
 from megascale.train.trainer import Trainer
 
 STEPS = 10
