@@ -244,3 +244,17 @@ def test_slowdown_alerts_in_a_burst_start_one_evidence_child_and_stopping_never_
     alerts = [a for a in summary["alerts"] if a["kind"] == "slow"]
     assert len(alerts) == 5 and sum("evidence" in a for a in alerts) == 4, alerts
     assert sum(a.get("stragglers") is not None for a in alerts) == 1  # its child ran (no timers here: [])
+
+
+def test_a_status_at_1536_nodes_carries_no_per_step_series(tmp_path):
+    """The ranks' recent step and compute times are the rules' input, not the operator's: with
+    them a status at 1,536 nodes of 8 ranks was 5.8 MB and took 5.5 s (bench/scale.py)."""
+    driver = driver_for(tmp_path, 1, 8)
+    register(driver, 0)
+    body = beat("n0", list(range(8)), 16, [(s, 0.1) for s in range(1, 17)])
+    for r in body["ranks"]:
+        r["compute"] = [[s, 0.08] for s in range(1, 17)]
+    driver.on_heartbeat(body)
+    ranks = driver.on_status({})[1]["nodes"]["n0"]["ranks"]
+    assert len(ranks) == 8 and all(r["step"] == 16 for r in ranks)
+    assert not [k for r in ranks for k in r if k in ("recent", "compute")], ranks[0]
