@@ -3,7 +3,7 @@
 Why: a collective with no span of its own counts as its enclosing span's self time. Inside
 `forward` or `optimizer` a fast rank's wait there for a slow peer then reads as its own work,
 and the fail-slow rule (compute + optimizer self time against the peers) sees the fast ranks
-nearly as slow as the slow one (stop 39's regression). Outside any span the wait is invisible
+nearly as slow as the slow one (the fail-slow regression of issue 32). Outside any span the wait is invisible
 to the hang analysis, which finds a waiter's peers by its open comm span and group.
 Checked by tests/parallel/test_timed_comm.py.
 """
