@@ -44,9 +44,10 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT, IGNORE_INDEX
 from megascale.optim import build_optimizer
-from megascale.parallel.engine import build_runner, timed_all_reduce
+from megascale.parallel.engine import build_runner
 from megascale.parallel.mesh import ParallelMesh, init_mesh
 from megascale.parallel.pipeline.split import chunk_layers, chunk_sizes
+from megascale.parallel.timed_comm import timed_all_reduce
 from megascale.testing.launch import run_local
 from megascale.train.trainer import Trainer
 

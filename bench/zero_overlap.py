@@ -36,8 +36,9 @@ from megascale.data import TokenBatch
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.model import GPT
 from megascale.optim import build_optimizer
-from megascale.parallel.engine import build_runner, timed_all_reduce
+from megascale.parallel.engine import build_runner
 from megascale.parallel.mesh import ParallelMesh, init_mesh
+from megascale.parallel.timed_comm import timed_all_reduce
 from megascale.testing.launch import run_local
 from megascale.train.trainer import Trainer
 

@@ -175,10 +175,14 @@ class CheckpointManager:
         """Make sure the step reached is committed, waiting for any save in flight first (a
         collective: every rank calls it). What rank 0's writer confirmed is what every rank
         reports, so the exit code and the message say what is really on storage."""
+        step, inflight = self.state.step, self._inflight
+        if inflight is not None and inflight != step:  # say why the stop takes a while
+            log.info("the final save of step %d waits for the save of step %d to finish", step, inflight)
+        elif inflight is not None:
+            log.info("stopping: the save of step %d is being written; waiting for it", step)
         self._wait()
         self.committed = self.comm.broadcast_json(self.committed, Committed, "newest commit")
         error = None
-        step = self.state.step
         if self.committed is None or self.committed[0] != step:
             self.save(blocking=True)
             error = self.last_result[2] if self.last_result and self.last_result[0] == "error" else None
