@@ -132,8 +132,9 @@ def test_sigterm_to_the_launcher_while_a_save_is_queued(tmp_path):
     process group; the writers, in their own sessions, finish both commits; the launcher reports
     what storage holds, and no shared memory is left behind."""
     run_dir = tmp_path / "launcher"
-    # 0.03 MB/s: the save of step 2 (0.5 MB) takes ~8 s. At 0.1 MB/s it took 2.7 s, and on CI's
-    # loaded 2 cores step 3 took longer than that: the final save found nothing to queue behind
+    # 0.03 MB/s: the save of step 2 (0.5 MB) takes ~9 s (at 0.1 MB/s 2.7 s, about a loaded step),
+    # so the stop finds it in flight. The final save logs its wait; before, it waited silently and
+    # this check, reading only a regular save's line, failed on CI when the stop came at step 3
     proc = _launch(run_dir, "--checkpoint.every=2", "--checkpoint.write_mb_per_s=0.03")
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
