@@ -143,7 +143,7 @@ def order_nodes(source: str, nodes: list, layout: dict[str, int], ranks_per_node
     """The driver's active nodes (with node_id, host, address) in the planner's order, and the
     line to log; a topology that cannot be used leaves the order as it is, and says why."""
     names = [(n.node_id, n.host, n.address) for n in nodes]
-    lay = Layout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+    lay = Layout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1))
     try:
         order = plan_node_order(source, names, lay, ranks_per_node)
     except (ConfigError, OSError, subprocess.CalledProcessError) as exc:

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from megascale.config import load_config
+from megascale.layout.grid import RankGrid
 from megascale.resilience.common.rankstatus import read_status
 from megascale.resilience.driver.driver import Driver
 from megascale.resilience.driver.placement import PlacementError, layout_for, usable_nodes
@@ -66,7 +67,13 @@ def test_plan_pairs_each_node_with_its_neighbours():
 
 def test_placement_shrinks_dp_and_refuses_what_cannot_fit():
     cfg = load_config(None, ["--parallel.dp=4", "--train.global_batch=8", "--train.micro_batch=2"])
-    assert layout_for(cfg, 2, 2) == {"dp": 4, "tp": 1, "pp": 1}
+    assert layout_for(cfg, 2, 2) == {"dp": 4, "tp": 1, "pp": 1, "cp": 1}
+    # a cp job's layout carries cp: the slow-node rule's stages and the hang analysis's grid
+    # (`evidence._hang`) are built from it, and without it covered half of the world
+    cp = load_config(None, ["--parallel.dp=2", "--parallel.cp=2", "--train.global_batch=8", "--train.micro_batch=2"])
+    layout = layout_for(cp, 2, 2)
+    assert layout == {"dp": 2, "tp": 1, "pp": 1, "cp": 2}
+    assert RankGrid(layout["pp"], layout["dp"], layout["tp"], layout["cp"]).world_size == 4
     assert layout_for(cfg, 1, 2)["dp"] == 2
     assert usable_nodes(cfg, 3, 2, 2) == 2
     cfg = load_config(

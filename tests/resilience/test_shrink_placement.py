@@ -47,12 +47,12 @@ def test_losing_1_of_1536_nodes_keeps_1528_busy_and_the_same_batch(tmp_path):
     for i in range(NODES):
         register(driver, i)
     driver.tick(time.time())
-    assert driver.state.layout == {"dp": 192, "tp": 8, "pp": 8}
+    assert driver.state.layout == {"dp": 192, "tp": 8, "pp": 8, "cp": 1}
     with driver.lock:  # node 700 is lost: evicted, and every rank restarts on the nodes left
         driver._evict(driver.state.nodes["n700"], "lost: no heartbeat", save=False)
         driver._restart(time.time(), reason="test: a lost node, no spare")
     s = driver.state
-    assert s.layout == {"dp": 191, "tp": 8, "pp": 8} and s.attempt == 1
+    assert s.layout == {"dp": 191, "tp": 8, "pp": 8, "cp": 1} and s.attempt == 1
     active, idle = s.role(ACTIVE), s.role(SPARE)
     assert len(active) == 1528 and len(idle) == 7  # 1535 * 8 ranks hold 191 replicas of 64, not 192
     assert sorted(n.slot for n in active) == list(range(1528))

@@ -529,7 +529,7 @@ class Driver(RecoveryPaths):
         self.steps_seen = {}
         self.straggler.reset(
             {r: n.node_id for n in active for r in slot_ranks(n.slot, s.ranks_per_node)},
-            {**s.layout, "cp": self.cfg.parallel.cp},  # the layout's dp, tp, pp; cp stays the config's
+            s.layout,
             compute_scale(self.cfg, s.layout),
         )
         self.traffic.clear()

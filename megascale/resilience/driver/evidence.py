@@ -105,7 +105,7 @@ def _hang(run_dir: str, layout: dict[str, int]) -> dict[str, Any] | None:
     from megascale.diagnostics.hang import analyse
     from megascale.layout.grid import RankGrid
 
-    analysis = analyse(run_dir, RankGrid(layout["pp"], layout["dp"], layout["tp"]))
+    analysis = analyse(run_dir, RankGrid(layout["pp"], layout["dp"], layout["tp"], layout.get("cp", 1)))
     return None if analysis is None else {"stuck": analysis.stuck, "summary": analysis.summary()}
 
 

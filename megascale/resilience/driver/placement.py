@@ -39,7 +39,7 @@ def layout_for(cfg: JobConfig, nodes: int, ranks_per_node: int) -> dict[str, int
         replace(cfg, parallel=replace(p, dp=dp)).validate()
     except ConfigError as exc:
         raise PlacementError(f"dp={dp} on {nodes} node(s): {exc}") from None
-    return {"dp": dp, "tp": p.tp, "pp": p.pp}
+    return {"dp": dp, "tp": p.tp, "pp": p.pp, "cp": p.cp}
 
 
 def usable_nodes(cfg: JobConfig, available: int, wanted: int, ranks_per_node: int) -> int:
