@@ -6,6 +6,7 @@ Pure logic and an in-process driver: no processes (the real slowed node is in te
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 import pytest
@@ -13,7 +14,13 @@ import pytest
 from megascale.config import load_config
 from megascale.diagnostics.report import detection_rows
 from megascale.resilience.common import protocol
-from megascale.resilience.driver.straggler_rule import KEEP, StragglerRule, action_for, straggler_rule
+from megascale.resilience.driver.straggler_rule import (
+    KEEP,
+    StragglerRule,
+    action_for,
+    median_without,
+    straggler_rule,
+)
 from tests.resilience.test_recovery import _summary_file, answer, commands, fast_driver, heartbeat, rank, via_api
 
 W, WINDOWS, WARMUP = 4, 2, 2
@@ -109,6 +116,32 @@ def test_state_is_one_open_window_and_a_few_summaries_per_rank():
     r = rule()
     feed(r, range(1, 500), lambda k, s: 0.1)
     assert all(len(s.values) < W and len(s.closed) <= KEEP for s in r.ranks.values())
+
+
+def test_a_peers_median_without_a_node_is_the_median_of_what_is_left():
+    """Ties included (equal medians are common: the same work on the same hardware)."""
+    rng = random.Random(0)
+    for _ in range(5000):
+        values = [rng.choice([0.1, 0.2, rng.random()]) for _ in range(rng.randint(2, 24))]
+        gone = set(rng.sample(range(len(values)), rng.randint(1, len(values) - 1)))
+        left = [v for i, v in enumerate(values) if i not in gone]
+        assert median_without(sorted(values), [values[i] for i in gone]) == statistics.median(left)
+
+
+def test_judging_a_window_of_12288_ranks_in_one_stage_takes_well_under_a_second():
+    """A pure-dp job: one stage of 1,536 nodes. Each node's peers' median recomputed from its
+    12,280 peers took 6.6 s of CPU a window in the driver's control loop (most of its core at
+    1,536 nodes); one sort per stage takes 0.04 s. And one slowed node is still named."""
+    ranks = 12288
+    r = StragglerRule(1.3, 1, W, 0)
+    r.reset({k: f"node{k // 8}" for k in range(ranks)}, {"dp": ranks})
+    rng = random.Random(1)
+    for k in range(ranks):
+        r.observe(k, [(s, (0.3 if k < 8 else 0.1) + rng.random() * 0.01) for s in range(W)])
+    start = time.process_time()
+    found = r.check()
+    assert time.process_time() - start < 1.0
+    assert [(d.node, d.ranks) for d in found] == [("node0", list(range(8)))]
 
 
 def test_replacement_is_bounded():

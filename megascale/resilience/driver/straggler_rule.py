@@ -21,6 +21,7 @@ Pure logic over the heartbeats' numbers: no I/O, no clock.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -90,6 +91,48 @@ class Detection:
 def summarise(window: int, values: list[float]) -> Summary:
     med = statistics.median(values)
     return Summary(window, med, statistics.median(abs(v - med) for v in values), len(values))
+
+
+def median_without(ordered: list[float], removed: list[float]) -> float:
+    """`statistics.median` of the sorted `ordered` less `removed` (values drawn from it), with no
+    copy: each removed value takes its own position in `ordered` (equal values, consecutive ones)
+    and the middle of what is left is found by stepping over those positions."""
+    cut: list[int] = []
+    for v in sorted(removed):
+        p = bisect.bisect_left(ordered, v)
+        cut.append(max(p, cut[-1] + 1) if cut else p)  # an equal value took p already: the next one
+    left = len(ordered) - len(cut)
+
+    def kth(j: int) -> float:
+        for p in cut:
+            if p > j:
+                break
+            j += 1
+        return ordered[j]
+
+    return kth(left // 2) if left % 2 else (kth(left // 2 - 1) + kth(left // 2)) / 2
+
+
+def _peer_references(
+    stage: int, members: list[tuple[str, Summary]]
+) -> list[tuple[tuple[int, str], tuple[float, float] | None]]:
+    """Per node of a stage, the median of its peers' (other nodes') medians and MADs; None when
+    the stage lives on one node, no one to compare with. One sort per stage: the peers of each
+    node recomputed cost O(ranks x nodes), 6.6 s of CPU a window at 12,288 ranks in one stage."""
+    medians = sorted(s.median for _, s in members)
+    mads = sorted(s.mad for _, s in members)
+    own: dict[str, list[Summary]] = {}
+    for node, s in members:
+        own.setdefault(node, []).append(s)
+    return [
+        (
+            (stage, node),
+            (median_without(medians, [s.median for s in mine]), median_without(mads, [s.mad for s in mine]))
+            if len(mine) < len(members)
+            else None,
+        )
+        for node, mine in own.items()
+    ]
 
 
 class StragglerRule:
@@ -171,16 +214,9 @@ class StragglerRule:
         stages: dict[int, list[tuple[str, Summary]]] = {}
         for state in self.ranks.values():
             stages.setdefault(state.stage, []).append((state.node, state.closed[window]))
-        refs: dict[tuple[int, str], tuple[float, float] | None] = {}  # (stage, node) -> peers' median, MAD
+        refs = {key: ref for stage, members in stages.items() for key, ref in _peer_references(stage, members)}
         for rank, state in self.ranks.items():
             key = (state.stage, state.node)
-            if key not in refs:
-                peers = [p for node, p in stages[state.stage] if node != state.node]
-                refs[key] = (
-                    (statistics.median(p.median for p in peers), statistics.median(p.mad for p in peers))
-                    if peers
-                    else None
-                )  # None: the stage lives on one node, no one to compare with
             if refs[key] is None:
                 continue
             ref, peer_mad = refs[key]
