@@ -113,9 +113,7 @@ def median_without(ordered: list[float], removed: list[float]) -> float:
     return kth(left // 2) if left % 2 else (kth(left // 2 - 1) + kth(left // 2)) / 2
 
 
-def _peer_references(
-    stage: int, members: list[tuple[str, Summary]]
-) -> list[tuple[tuple[int, str], tuple[float, float] | None]]:
+def _peer_references(members: list[tuple[str, Summary]]) -> dict[str, tuple[float, float] | None]:
     """Per node of a stage, the median of its peers' (other nodes') medians and MADs; None when
     the stage lives on one node, no one to compare with. One sort per stage: the peers of each
     node recomputed cost O(ranks x nodes), 6.6 s of CPU a window at 12,288 ranks in one stage."""
@@ -124,15 +122,12 @@ def _peer_references(
     own: dict[str, list[Summary]] = {}
     for node, s in members:
         own.setdefault(node, []).append(s)
-    return [
-        (
-            (stage, node),
-            (median_without(medians, [s.median for s in mine]), median_without(mads, [s.mad for s in mine]))
-            if len(mine) < len(members)
-            else None,
-        )
+    return {
+        node: (median_without(medians, [s.median for s in mine]), median_without(mads, [s.mad for s in mine]))
+        if len(mine) < len(members)
+        else None
         for node, mine in own.items()
-    ]
+    }
 
 
 class StragglerRule:
@@ -214,7 +209,9 @@ class StragglerRule:
         stages: dict[int, list[tuple[str, Summary]]] = {}
         for state in self.ranks.values():
             stages.setdefault(state.stage, []).append((state.node, state.closed[window]))
-        refs = {key: ref for stage, members in stages.items() for key, ref in _peer_references(stage, members)}
+        refs = {
+            (stage, node): ref for stage, members in stages.items() for node, ref in _peer_references(members).items()
+        }
         for rank, state in self.ranks.items():
             key = (state.stage, state.node)
             if refs[key] is None:
