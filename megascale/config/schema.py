@@ -377,6 +377,12 @@ class TrainConfig:
     recompute: Literal["none", "full", "selective"] = opt(
         "none", "activation recomputation: none, selective (attention core) or full (whole blocks)"
     )
+    memory_limit_gib: float = opt(
+        0.0,
+        "GiB each rank's tensors may hold (model state, activations, buffers); 0 = no limit. "
+        "megascale train refuses a layout whose planner estimate exceeds it and names one that fits "
+        "(more parallel.cp, full recompute); megascale plan searches under it",
+    )
     compile: bool = opt(False, "torch.compile each block (fuses LayerNorm, GeLU, residual adds)")
     fuse_input_gemm: bool = opt(
         False, "parallel block: QKV and MLP up-projection as one GEMM (tensor parallel always does)"
@@ -421,6 +427,8 @@ class TrainConfig:
         at_least(self, "train", ("eval_every", "eval_batches", "gc_every"), 0)
         for key in ("dtype", "param_dtype", "reduce_dtype"):
             check_dtype(f"train.{key}", getattr(self, key))
+        if self.memory_limit_gib < 0:
+            raise ConfigError(f"train.memory_limit_gib must be >= 0 (0 = no limit), got {self.memory_limit_gib}")
         if self.spike_window < 8:
             raise ConfigError(
                 f"train.spike_window must be >= 8 (a median of fewer losses is noise), got {self.spike_window}"

@@ -254,6 +254,9 @@ def estimate_json(est: StepEstimate) -> dict[str, Any]:
             "micro_batch": lay.micro_batch,
             "zero": lay.zero,
             "recompute": lay.recompute,
+            "cp": lay.cp,
+            "ep": lay.ep,
+            "schedule": lay.schedule,
         },
         "step_time_s": est.step_time,
         "tokens_per_s": est.tokens_per_s,
@@ -309,6 +312,14 @@ def _run(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(fit.as_dict(), indent=2))
         return 0
     cfg = load_config(args.config, args.overrides)
+    if cfg.train.memory_limit_gib:  # the job's own limit: every layout is judged against it
+        gpu = cluster.gpu
+        limit = min(gpu.memory_bytes, gpu.reserved_bytes + cfg.train.memory_limit_gib * GIB)
+        cluster = replace(cluster, gpu=replace(gpu, memory_bytes=limit))
+        print(
+            f"train.memory_limit_gib={cfg.train.memory_limit_gib:g}: a layout fits in {limit / GIB:.1f} GiB "
+            "per GPU (with the GPU's reserved memory)"
+        )
     system = load_system(args.system or "megascale")
     work = Workload.from_job(cfg, args.batch)
     if args.system:

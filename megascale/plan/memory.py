@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megascale.config.fields import ConfigError
 from megascale.config.schema import JobConfig, MoEConfig, ParallelConfig
 from megascale.model.flops import norm_parameters, parameter_count
 from megascale.plan.cluster import GPUSpec
@@ -281,3 +282,43 @@ def job_memory_estimate(cfg: JobConfig, device: str) -> MemoryEstimate:
     # every attention kernel megascale runs, the CPU sliding window's included, keeps no scores
     work = Workload.from_job(cfg)
     return memory_per_gpu(work, layout, device_spec, "flash2", cfg.parallel.dp_bucket_mb, as_built=True)
+
+
+def check_memory_limit(cfg: JobConfig, device: str) -> None:
+    """Refuse, before a byte is allocated, a job whose rank the estimate puts over
+    `train.memory_limit_gib`, naming what would fit: more cp (a rank keeps seq_len / cp of every
+    activation), full recomputation, or a smaller micro-batch. The estimate is fake-mode-checked
+    model state and saved activations; a kernel's transient workspace comes on top."""
+    limit = cfg.train.memory_limit_gib * 2**30
+    if not limit:
+        return
+    est = job_memory_estimate(cfg, device)
+    if est.total <= limit:
+        return
+    parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in est.as_dict().items() if v and k not in ("total", "capacity"))
+    fits = [f"{change}: {total / 2**20:.1f} MiB" for change, total in _alternatives(cfg, device) if total <= limit]
+    fix = f"what fits: {'; '.join(fits)}" if fits else "no cp, recompute or micro-batch change fits"
+    raise ConfigError(
+        f"train.memory_limit_gib={cfg.train.memory_limit_gib:g} ({limit / 2**20:.1f} MiB): a rank of this layout "
+        f"would hold {est.total / 2**20:.1f} MiB ({parts} MiB); {fix}; or raise train.memory_limit_gib"
+    )
+
+
+def _alternatives(cfg: JobConfig, device: str) -> list[tuple[str, float]]:
+    """Valid one-key changes of the layout that cut a rank's memory, each with its estimate."""
+    p, t = cfg.parallel, cfg.train
+    changes = [
+        (f"parallel.cp={p.cp * k} ({k}x the ranks)", replace(cfg, parallel=replace(p, cp=p.cp * k))) for k in (2, 4, 8)
+    ]
+    if t.recompute != "full":
+        changes.append(("train.recompute='full'", replace(cfg, train=replace(t, recompute="full"))))
+    if t.micro_batch > 1:
+        changes.append(("train.micro_batch=1", replace(cfg, train=replace(t, micro_batch=1))))
+    out = []
+    for change, alt in changes:
+        try:
+            alt.validate()
+        except ConfigError:
+            continue
+        out.append((change, job_memory_estimate(alt, device).total))
+    return out

@@ -29,6 +29,7 @@ from megascale.config.schema import REDIS_PASSWORD_ENV, CheckpointConfig, ModelC
 from megascale.layout.grid import RankGrid
 from megascale.layout.launch import LaunchEnv
 from megascale.plan.env import format_applied, launch_env, with_defaults
+from megascale.plan.memory import check_memory_limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         cfg = load_config(path, args.overrides)
+        check_memory_limit(cfg, cfg.train.device)  # once here, not once per rank it would start
     except ConfigError as exc:
         print(f"megascale train: config error: {exc}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ from megascale.parallel.context import split_batch, uses_ring
 from megascale.parallel.engine import build_runner
 from megascale.parallel.mesh import init_mesh
 from megascale.parallel.timed_comm import reduce_sum, timed_all_reduce
-from megascale.plan.memory import job_memory_estimate
+from megascale.plan.memory import check_memory_limit, job_memory_estimate
 from megascale.train.metrics import MetricsWriter, StepClock, memory_record, progress_line, setup_logging
 from megascale.train.numerics import DataSkips, NonFiniteGuard, SpikeDetector, TrainingHalted, nonfinite_origin
 from megascale.train.stop import StopOnSignal
@@ -58,6 +58,7 @@ class Trainer:
         """`replicas`: the peer copies this process keeps across recoveries (a rank under an
         executor); they are made and restored from only when given."""
         self.cfg = cfg
+        check_memory_limit(cfg, cfg.train.device)  # before a process group or a tensor exists
         if cfg.diagnostics.flight_recorder:  # must be set before the process groups exist
             enable_flight_recorder()
         self.mesh = init_mesh(cfg.parallel, device=cfg.train.device)
@@ -396,6 +397,14 @@ class Trainer:
             f"{k} {v / 2**20:.1f}" for k, v in plan.as_dict().items() if k not in ("total", "capacity", "reserved")
         )
         log.info("memory after step 1: %s; planner estimate %.1f MiB (%s MiB)", measured, plan.total / 2**20, parts)
+        limit = self.cfg.train.memory_limit_gib
+        if limit and record.get("mem_cuda_max_allocated_gib", 0.0) > limit:
+            log.warning(
+                "step 1 allocated %.2f GiB at most, over train.memory_limit_gib=%g that the estimate met: "
+                "kernels' workspace and fragmentation come on top of it; give the limit that margin",
+                record["mem_cuda_max_allocated_gib"],
+                limit,
+            )
 
     def abandon(self) -> None:
         """After a peer failed: free what this trainer holds without waiting for any collective

@@ -4,6 +4,8 @@ over cp, and the search tries cp for long sequences and picks it where it pays."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megascale.config import load_config
@@ -56,3 +58,23 @@ def test_a_cp_layout_round_trips_through_the_job_config():
     cfg = load_config(ROOT / "configs" / "long-context-32k.toml")
     layout = Layout.from_job(cfg)
     assert layout.cp == 4 and "--parallel.cp=4" in layout.overrides() and "cp=4" in layout.label()
+
+
+def test_the_jobs_memory_limit_makes_the_search_pick_cp(tmp_path, capsys):
+    """A 64k sequence on 8 H100s: the best layout holds 72 GiB at cp1; under the job's own limit of
+    60 GiB (train.memory_limit_gib) the search keeps only what fits it and picks cp."""
+    from megascale.cli import main
+
+    def best(*extra: str) -> dict:
+        out = tmp_path / "plan.json"
+        args = ["plan", "--config", str(ROOT / "configs" / "mistral-7b.toml"), "--cluster", "h100-8x400g"]
+        args += ["--gpus", "8", "--batch", "8", "--model.seq_len=65536", "--model.window=none", "--json", str(out)]
+        assert main([*args, *extra]) == 0
+        return json.loads(out.read_text())["ranking"]
+
+    free, limited = best(), best("--train.memory_limit_gib=60")
+    assert free[0]["layout"]["cp"] == 1 and free[0]["memory_gib"]["total"] > 60
+    assert limited[0]["layout"]["cp"] > 1
+    reserved = limited[0]["memory_gib"]["reserved"]
+    assert all(r["memory_gib"]["total"] - reserved <= 60 for r in limited)
+    assert "train.memory_limit_gib=60" in capsys.readouterr().out

@@ -146,6 +146,9 @@ def test_cli_explain_layout_skips_the_search(tmp_path, capsys):
         "micro_batch": 1,
         "zero": 2,
         "recompute": "none",
+        "cp": 1,
+        "ep": 1,
+        "schedule": "1f1b",
     }
 
 
