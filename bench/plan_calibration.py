@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from megascale.model import GPT
 from megascale.model.attention import causal_attention
 from megascale.model.flops import mean_attention_span
 from megascale.optim import build_optimizer, clip_grad_norm_
+from megascale.parallel.store import free_port
 from megascale.plan import efficiency as eff
 from megascale.plan.calibrate import calibrate, format_calibration
 from megascale.plan.cluster import ClusterSpec, GPUSpec, NetworkSpec, NodeSpec
@@ -159,9 +159,7 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
 
 def measure_gloo() -> tuple[float, float]:
     """(bus bandwidth bytes/s, per-step latency s) of a 2-process gloo all-reduce on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_gloo_worker, args=(r, port, queue)) for r in range(2)]

@@ -21,12 +21,14 @@ import ctypes
 import ipaddress
 import logging
 import os
+import random
 import socket
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -283,7 +285,36 @@ def bound_listener(host: str, port: int) -> dict[str, int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on at `host` right now ("" = on every interface): bind to port 0 and ask."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nobody listens on at `host` right now ("" = on every interface), for a server
+    that starts a moment later.
+
+    Chosen at random below the kernel's ephemeral range, not by binding port 0: a port-0 pick
+    comes from that range, where every outgoing connection and every other port-0 listener on
+    the machine draw theirs too, and one of them can take it in the gap before the server binds
+    it (CI saw a TCPStore fail with EADDRINUSE that way, among many tests started in parallel).
+    """
+    low, _ = _ephemeral_range()
+    candidates = list(range(_FIRST_PORT, low))
+    for port in _RANDOM.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any port will do
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_FIRST_PORT = 10_000  # below are the well-known and commonly configured services' ports
+_RANDOM = random.SystemRandom()  # not the training RNG: a seeded job must not pick its ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's range for port-0 binds and outgoing connections (its default where unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999

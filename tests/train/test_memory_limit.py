@@ -100,3 +100,15 @@ def test_the_sequence_that_does_not_fit_one_rank_trains_under_cp2_within_the_lim
     )
     assert max(under_cp) <= limit, [f"{b / 2**20:.1f} MiB" for b in under_cp]
     assert max(under_cp) < 0.65 * one  # each cp rank holds about half of the sequence's activations
+
+
+def test_megascale_launch_refuses_it_before_any_rank_starts(tmp_path, capsys):
+    from megascale.cli import main
+
+    run = [f"--train.run_dir={tmp_path / 'launch'}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    code = main(
+        ["launch", "--nodes", "1", "--ranks-per-node", "1", *LONG, *run, f"--train.memory_limit_gib={LIMIT_GIB}"]
+    )
+    assert code == 2
+    assert "megascale launch: config error: train.memory_limit_gib" in capsys.readouterr().err
+    assert not (tmp_path / "launch").exists()

@@ -28,6 +28,7 @@ from megascale.config import ConfigError, JobConfig, ParallelConfig, load_config
 from megascale.config.handoff import config_text, with_generated_password
 from megascale.config.private_files import UnsafePathError, private_dir, write_private
 from megascale.config.schema import redacted_url
+from megascale.plan.memory import check_memory_limit
 from megascale.resilience.common import protocol
 from megascale.resilience.common.credentials import JobSecret, SecretError, ensure_secret, load_secret, server_context
 from megascale.resilience.driver.api_budget import Budget
@@ -80,6 +81,7 @@ def check_before_start(cfg: JobConfig, nodes: int, ranks_per_node: int) -> None:
         layout_for(cfg, nodes, ranks_per_node)
     except PlacementError as exc:
         raise ConfigError(f"--nodes {nodes} --ranks-per-node {ranks_per_node}: {exc}") from None
+    check_memory_limit(cfg, cfg.train.device)
 
 
 def run(args: argparse.Namespace) -> int:
