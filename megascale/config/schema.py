@@ -561,17 +561,17 @@ def check_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         )
     if p.sequence_parallel and p.tp > 1 and local % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide seq_len / cp = {local} with sequence parallelism")
-    if p.ep > 1:
-        raise ConfigError(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not supported yet; use ep=1")
 
 
 def check_expert_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """ep groups of consecutive dp ranks, each rank holding experts / ep whole experts of every MoE layer."""
-    if m.moe.experts and m.moe.capacity_factor > 0 and p.tp > 1 and p.sequence_parallel:
+    if m.moe.experts and m.moe.capacity_factor > 0 and (p.cp > 1 or (p.tp > 1 and p.sequence_parallel)):
+        split = f"parallel.cp={p.cp}" if p.cp > 1 else f"parallel.tp={p.tp} and sequence parallelism"
+        fix = "parallel.cp=1" if p.cp > 1 else "parallel.sequence_parallel=false or tp=1"
         raise ConfigError(
-            f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.tp={p.tp} and sequence "
-            "parallelism: a token's place in its expert's queue spans the tp ranks' slices, which is "
-            "not built yet; use capacity_factor=0 (dropless), parallel.sequence_parallel=false or tp=1"
+            f"model.moe.capacity_factor={m.moe.capacity_factor} with {split}: a token's place in its "
+            "expert's queue spans the ranks holding parts of its sequence, which is not built yet; "
+            f"use capacity_factor=0 (dropless) or {fix}"
         )
     if p.ep == 1:
         return

@@ -23,7 +23,7 @@ from megascale.model.efficiency import (
 )
 from megascale.model.init import SeededValues, ValueSource
 from megascale.parallel.context import apply_context_parallel, uses_ring
-from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel
+from megascale.parallel.expert import ExpertGradSync, apply_expert_parallel, apply_sequence_sums
 from megascale.parallel.materialize import materialize
 from megascale.parallel.pipeline import PipelineRunner, split_model
 from megascale.parallel.pipeline.schedule import V_SHAPED
@@ -61,6 +61,8 @@ def _parallel_runner(model: nn.Module, cfg: JobConfig, mesh, values: ValueSource
     if distributed and mesh.cp_size > 1:
         ring = uses_ring(cfg.model.window, cfg.model.seq_len)
         apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.cp_size, ring)
+    if distributed:
+        apply_sequence_sums(model, mesh, cfg.parallel.sequence_parallel)
     if distributed and mesh.ep_size > 1:
         # before materialization: other ranks' experts never exist here
         apply_expert_parallel(model, mesh, cfg.parallel.ep_overlap_chunks)

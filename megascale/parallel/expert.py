@@ -34,7 +34,13 @@ them) and ZeRO-sharded over that (`ExpertGradSync`). Their `ShardSpec` names the
 holding other experts, so the global gradient norm adds the experts of every ep rank once.
 
 The balancing statistics (expert loads for the DeepSeek-V3 bias and the metrics) are summed
-over dp -- every rank that routes tokens -- so every rank moves the bias alike.
+over every rank that routes tokens -- dp, cp, and tp under sequence parallelism -- so every
+rank moves the bias alike; the balancing loss's per-sequence expert counts over the ranks
+holding parts of each sequence (cp, tp under SP: `apply_sequence_sums`).
+
+Context parallelism: each cp rank routes its part of every sequence; an ep group is made of
+ranks with the same cp (and tp) rank, so tokens cross only dp; the experts' gradients are summed
+over cp with every other gradient (`ModelRunner.finish_grads`).
 
 Tensor parallelism (megascale.parallel.tensor): an MoE layer is not sliced; it runs on the tp
 rank's sequence slice under SP (its parameters' gradients are partial, summed over tp like the
@@ -268,19 +274,46 @@ class ExpertGradSync:
             part.wait_params()
 
 
-def balance_reducer(mesh, sequence_parallel: bool):
-    """Sum of the routing statistics over every rank that routes its own tokens: dp, and tp under
-    sequence parallelism (each tp rank routes its slice; without it they route the same tokens)."""
-    groups = [] if mesh is None else [("dp", mesh.dp_group)] + ([("tp", mesh.tp_group)] if sequence_parallel else [])
+def sequence_groups(mesh, sequence_parallel: bool) -> list[tuple[str, dist.ProcessGroup]]:
+    """The groups over which one sequence's tokens are split: cp (each cp rank holds a part of
+    every sequence) and tp under sequence parallelism (each tp rank a slice of that part)."""
+    if mesh is None:
+        return []
+    groups = [("cp", mesh.cp_group)] + ([("tp", mesh.tp_group)] if sequence_parallel else [])
+    return [(dim, group) for dim, group in groups if group is not None]
+
+
+def summed_over(groups: list[tuple[str, dist.ProcessGroup]], device: torch.device):
+    """A function summing a small statistic over each of `groups` in turn (a timed comm span
+    each: these run inside `forward` and at the step's end, where a wait is not work)."""
 
     def reduce(stats: torch.Tensor) -> torch.Tensor:
-        for dim, group in groups:
-            if group is not None:
-                stats = stats.to(mesh.device)
+        if groups:
+            stats = stats.detach().to(device, copy=True)
+            for dim, group in groups:
                 timed_all_reduce(stats, group, dim=dim)
         return stats
 
     return reduce
+
+
+def apply_sequence_sums(model: nn.Module, mesh, sequence_parallel: bool) -> None:
+    """Each MoE layer's per-sequence statistics (its balancing loss's expert counts) summed over
+    the ranks holding parts of the sequence, so they are the whole sequence's, as on one process."""
+    groups = sequence_groups(mesh, sequence_parallel)
+    if groups:
+        for layer in moe_layers(model):
+            layer.sequence_sum = summed_over(groups, mesh.device)
+
+
+def balance_reducer(mesh, sequence_parallel: bool):
+    """Sum of the routing statistics over every rank that routes its own tokens: dp, and the
+    ranks holding parts of each sequence (cp; tp under sequence parallelism; without it the tp
+    ranks route the same tokens)."""
+    if mesh is None:
+        return summed_over([], torch.device("cpu"))
+    data = [("dp", mesh.dp_group)] if mesh.dp_group is not None else []
+    return summed_over(data + sequence_groups(mesh, sequence_parallel), mesh.device)
 
 
 __all__ = [
@@ -288,6 +321,7 @@ __all__ = [
     "ExpertParallelDispatch",
     "MoE",
     "apply_expert_parallel",
+    "apply_sequence_sums",
     "balance_reducer",
     "chunk_rows",
     "expert_major",

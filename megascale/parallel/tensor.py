@@ -30,7 +30,6 @@ whatever tensors the optimizer steps on (parameters, or their ZeRO shards).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -45,7 +44,6 @@ from megascale.model.loss import chunked_cross_entropy
 from megascale.model.moe import MoE
 from megascale.parallel import weight_grad
 from megascale.parallel.collective_gemm import all_gather_matmul, matmul_reduce_scatter
-from megascale.parallel.timed_comm import timed_all_reduce
 from megascale.parallel.tp_comm import (
     TPContext,
     copy_to_tp,
@@ -221,8 +219,6 @@ def parallelize(model: GPT, tp: TPContext) -> None:
                 slicer.swap(block, path, kind)
         if moe:  # replicated over tp, on this rank's sequence slice under SP (see megascale.parallel.expert)
             slicer.partial(*block.mlp.parameters())
-            if tp.sequence_parallel:
-                block.mlp.sequence_sum = partial(sum_over_tp, group=tp.group)
         for norm in (block.ln1, block.ln2):
             if norm is not None:
                 slicer.partial(*norm.parameters())
@@ -246,13 +242,6 @@ def apply_tensor_parallel(model: GPT, p: ParallelConfig, mesh) -> None:
         return
     tp = TPContext(mesh.tp_group, mesh.tp_rank, mesh.tp_size, p.sequence_parallel, p.tp_overlap, p.tp_overlap_chunks)
     parallelize(model, tp)
-
-
-def sum_over_tp(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """A statistic of this rank's sequence slice summed over the whole sequence (no gradient)."""
-    t = t.detach().clone()
-    timed_all_reduce(t, group, dim="tp")  # inside `forward`: a wait for a peer is not this rank's work
-    return t
 
 
 def sync_sequence_parallel_grads(tensors: Iterable[torch.Tensor], tp_group: dist.ProcessGroup | None) -> None:

@@ -99,7 +99,7 @@ def moe_times(
     if not n:
         return None
     e, t, ab, dt = m.moe, layout.tp, work.act_bytes, work.dtype
-    tokens = layout.micro_batch * m.seq_len
+    tokens = layout.micro_batch * m.seq_len // layout.cp  # under cp: this rank's part of each sequence
     h = m.hidden
     mine = tokens / t  # rows this rank routes (sequence parallel)
 
@@ -119,7 +119,7 @@ def moe_times(
 
     ep_total = ep_exposed = a2a = 0.0
     if layout.ep > 1:
-        link = comm.group_link(cluster, layout.ep, t)
+        link = comm.group_link(cluster, layout.ep, t * layout.cp)  # ep ranks are dp ranks: tp * cp apart
         a2a = comm.all_to_all_time(layout.ep, mine * e.top_k * h * ab, link)
         ep_total = 4 * a2a
         if features.ep_overlap and features.ep_chunks > 1:
@@ -159,7 +159,7 @@ def expert_dp_times(
         return ExpertDP(0.0, 0.0, 0.0)
     m = work.model
     unit = m.moe.experts // layout.ep * mlp_parameters(m, m.expert_ffn)
-    link = comm.group_link(cluster, group, layout.tp * layout.ep, slowdown)
+    link = comm.group_link(cluster, group, layout.tp * layout.cp * layout.ep, slowdown)
     return ExpertDP(
         all_gather=n * comm.all_gather_time(group, unit * nbytes, link),
         reduce_scatter=n * comm.reduce_scatter_time(group, unit * grad_bytes, link),

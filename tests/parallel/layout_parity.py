@@ -114,6 +114,15 @@ MODELS = {
     # the balancing loss and z-loss on. "moe-skew": top-1 with a routing bias (DeepSeek-V3
     # balancing, `SkewedValues`) that sends every token to expert 0: one ep rank gets all rows.
     "moe": replace(LLAMA, layers=4, moe=MoEConfig(experts=4, top_k=2, every=2, ffn_hidden=12, shared_ffn_hidden=8)),
+    # the same with a window (cp=2: the halo of 3 positions) and DeepSeek-V3's bias balancing on
+    # top of the balancing loss: under cp every statistic of a rank's part of a sequence must be
+    # summed over cp (the loss's counts per sequence, the bias's loads per step)
+    "moe-swa": replace(
+        LLAMA,
+        layers=4,
+        window=4,
+        moe=MoEConfig(experts=4, top_k=2, every=2, ffn_hidden=12, shared_ffn_hidden=8, bias_balancing=True),
+    ),
     "moe-skew": ModelConfig(
         vocab_size=64,
         seq_len=8,

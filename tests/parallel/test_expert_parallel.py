@@ -5,7 +5,8 @@ One 4-rank spawn holds every case: ep=2 carved from dp=4 (the experts' ZeRO over
 expert-data pairs), ep=2 with a 2-stage pipeline, ep=2 with tp=2 (sequence parallel: each tp
 rank routes its sequence slice, the balancing counts summed over tp), and ep=4 with a skewed router (top-1 and a
 routing bias that sends every token to expert 0: rank 0 of the ep group receives every row,
-the others none, and the bias moves alike on every rank). Tolerances: `layout_parity`.
+the others none, and the bias moves alike on every rank). A second spawn puts MoE under context
+parallelism (`CP_CASES`). Tolerances: `layout_parity`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ CASES = [
     Case(dp=2, ep=2, tp=2, model="moe", optim="lamb"),
     Case(dp=4, ep=4, model="moe-skew", optim="lamb"),
 ]
+# under context parallelism (each rank routes its part of every sequence; ep groups are the dp
+# ranks at one cp rank): the halo with bias balancing, ring attention, the skewed router, and
+# cp x tp with sequence parallelism (the per-sequence counts summed over cp and tp)
+CP_CASES = [
+    Case(dp=2, ep=2, cp=2, model="moe-swa", optim="lamb"),
+    Case(dp=2, ep=2, cp=2, model="moe", optim="lamb"),
+    Case(dp=2, ep=2, cp=2, model="moe-skew", optim="lamb"),
+    Case(cp=2, tp=2, model="moe-swa", optim="lamb"),
+]
 STEPS = 4
 
 
@@ -38,6 +48,16 @@ def test_expert_parallel_layouts_match_one_process():
     refs = {model: train(Case(model=model, optim="lamb"), steps=STEPS) for model in ("moe", "moe-skew")}
     results = run_local(run_cases, 4, args=(CASES, [free_port() for _ in CASES], STEPS), timeout_s=540)
     for i, case in enumerate(CASES):
+        errs = compare(case, [rank[i] for rank in results], refs[case.model])
+        print(f"parity {case}: loss rel {errs['loss_rel']:.1e}, param abs {errs['param_abs']:.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_moe_under_context_parallelism_matches_one_process():
+    refs = {model: train(Case(model=model, optim="lamb"), steps=STEPS) for model in ("moe", "moe-swa", "moe-skew")}
+    results = run_local(run_cases, 4, args=(CP_CASES, [free_port() for _ in CP_CASES], STEPS), timeout_s=540)
+    for i, case in enumerate(CP_CASES):
         errs = compare(case, [rank[i] for rank in results], refs[case.model])
         print(f"parity {case}: loss rel {errs['loss_rel']:.1e}, param abs {errs['param_abs']:.1e}")
 
@@ -105,3 +125,15 @@ def test_bad_expert_layouts_are_refused_with_the_valid_choices(dp, ep, experts, 
 def test_ep_without_experts_is_refused():
     with pytest.raises(ConfigError, match=r"parallel.ep=2 needs MoE layers \(model.moe.experts > 0\)"):
         JobConfig(parallel=ParallelConfig(dp=2, ep=2)).validate()
+
+
+def test_cp_composes_with_ep_but_not_with_a_capacity_factor():
+    moe = MoEConfig(experts=4, top_k=2)
+    model = ModelConfig(seq_len=64, window=16, moe=moe)
+    JobConfig(model=model, parallel=ParallelConfig(dp=2, cp=2, ep=2)).validate()
+    capped = replace(model, moe=replace(moe, capacity_factor=1.25))
+    with pytest.raises(
+        ConfigError,
+        match=r"model.moe.capacity_factor=1.25 with parallel.cp=2: .*capacity_factor=0 \(dropless\) or parallel.cp=1",
+    ):
+        JobConfig(model=capped, parallel=ParallelConfig(dp=2, cp=2, ep=2)).validate()

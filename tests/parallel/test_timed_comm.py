@@ -13,9 +13,8 @@ import torch
 from megascale.config.schema import ParallelConfig
 from megascale.diagnostics.timers import Timers, set_timers
 from megascale.parallel.context import sum_grads_over
-from megascale.parallel.expert import balance_reducer
+from megascale.parallel.expert import balance_reducer, sequence_groups, summed_over
 from megascale.parallel.mesh import init_mesh
-from megascale.parallel.tensor import sum_over_tp
 from megascale.testing.launch import run_local
 
 DELAY_S = 0.4
@@ -29,7 +28,9 @@ def _rank(out_dir: str) -> dict:
         grad = torch.nn.Parameter(torch.zeros(3))
         grad.grad = torch.full((3,), float(mesh.rank + 1))
         calls = {
-            "sum_over_tp": lambda: sum_over_tp(torch.ones(4), mesh.tp_group),
+            "sequence_sum": lambda: summed_over(sequence_groups(mesh, sequence_parallel=True), mesh.device)(
+                torch.ones(4)
+            ),
             "sum_grads_over": lambda: sum_grads_over([("w", grad)], mesh.tp_group),  # as over cp: any group
             "balance_reducer": lambda: balance_reducer(mesh, sequence_parallel=True)(torch.ones(2)),
         }

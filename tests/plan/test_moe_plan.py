@@ -101,3 +101,21 @@ def test_search_chooses_ep_when_the_experts_fit_only_split(h100):
     small = Workload(model=replace(MIXTRAL, layers=2, hidden=1024, heads=8, ffn_hidden=2048), global_batch=64)
     fastest = search(small, 8, h100, space=space)[0].layout
     assert fastest.ep == 1  # fits either way: here ep's all-to-alls cost more than its dp traffic saves
+
+
+def test_under_cp_a_rank_routes_its_part_of_each_sequence_over_ep_ranks_tp_cp_apart(h100):
+    """cp=4 quarters the rows each rank sends to the experts, and moves the ep group's members
+    (dp ranks, tp * cp apart) from one node to four; the expert-data group is tp * cp * ep apart."""
+    from megascale.plan.moe import expert_dp_times
+
+    long = replace(WORK, model=replace(MIXTRAL, seq_len=32768))
+    for cp, scope in ((1, "node"), (4, "tor")):
+        est = estimate(long, Layout(dp=8, tp=2, cp=cp, ep=4), h100)
+        link = comm.group_link(h100, 4, 2 * cp)
+        assert link.scope == scope
+        rows = 32768 / cp / 2 * 2  # this rank's part of the sequence (cp), its SP slice (tp), top-2
+        assert est.detail["ep_all_to_all"] == pytest.approx(comm.all_to_all_time(4, rows * MIXTRAL.hidden * 2, link))
+    got = expert_dp_times(long, Layout(dp=16, tp=2, cp=2, ep=2), h100, 1.0, 2, 2)
+    unit = 4 * mlp_parameters(MIXTRAL, 14336)  # 8 experts / ep 2 a rank
+    edp = comm.group_link(h100, 8, 2 * 2 * 2)
+    assert got.all_gather == pytest.approx(MIXTRAL.layers * comm.all_gather_time(8, unit * 2, edp))
