@@ -95,7 +95,8 @@ class CheckpointManager:
 
     def _grid_layout(self) -> dict[str, int]:
         grid = self.mesh.grid
-        return {"pp": grid.pp, "dp": grid.dp, "tp": grid.tp, "vpp": self.job_cfg.parallel.vpp, "ep": grid.ep}
+        p = self.job_cfg.parallel
+        return {"pp": grid.pp, "dp": grid.dp, "cp": grid.cp, "tp": grid.tp, "vpp": p.vpp, "ep": grid.ep}
 
     # ------------------------------------------------------------------------------ saving
     @property
@@ -448,13 +449,14 @@ class CheckpointManager:
         }
         saved = shape.layout
         log.info(
-            "resumed from %s at step %d (saved as pp=%d dp=%d ep=%d tp=%d, %d ranks; "
+            "resumed from %s at step %d (saved as pp=%d dp=%d ep=%d cp=%d tp=%d, %d ranks; "
             "read %d of %d stored bytes, %.2f s)",
             path,
             self.state.step,
             saved.pp,
             saved.dp,
             saved.ep,
+            saved.cp,
             saved.tp,
             shape.world_size,
             read,

@@ -121,6 +121,7 @@ class Layout(Strict):
     tp: Positive
     vpp: Positive
     ep: Positive = 1  # expert-parallel degree within dp (manifests before it had none: 1)
+    cp: Positive = 1  # context-parallel degree (manifests before it had none: 1)
 
 
 class PythonRng(Strict):

@@ -78,5 +78,5 @@ def test_ep2_checkpoint_resumes_on_one_process(tmp_path, straight_ep2):
         )
     finally:
         logger.removeHandler(seen)
-    assert any("at step 2 (saved as pp=1 dp=2 ep=2 tp=1, 2 ranks;" in line for line in seen.lines), seen.lines
+    assert any("at step 2 (saved as pp=1 dp=2 ep=2 cp=1 tp=1, 2 ranks;" in line for line in seen.lines), seen.lines
     assert more == pytest.approx(losses[2:], rel=1e-5)

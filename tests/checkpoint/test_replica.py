@@ -16,7 +16,7 @@ from megascale.checkpoint.storage import CheckpointError
 from megascale.train.trainer import Trainer
 from tests.checkpoint.conftest import assert_same_params, tiny_config, train
 
-LAYOUT = {"pp": 1, "dp": 1, "tp": 1, "vpp": 1, "ep": 1}
+LAYOUT = {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "vpp": 1, "ep": 1}
 
 
 @pytest.fixture(scope="module")

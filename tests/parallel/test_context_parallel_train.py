@@ -6,10 +6,13 @@ the float error of summing the sequence's gradient in a different order)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from megascale.checkpoint.export import whole_tensors
+from megascale.checkpoint.storage import MANIFEST
 from megascale.config import load_config
 from megascale.train.trainer import Trainer
 
@@ -52,6 +55,7 @@ def test_cp2_through_the_real_loader_trains_as_one_process(runs):
 def test_a_cp2_checkpoint_resumes_at_cp2_exactly_and_at_cp1(runs):
     tmp, _, cp2 = runs
     saved = tmp / "cp2" / "checkpoints" / "step_000000002"
+    assert json.loads((saved / MANIFEST).read_text())["layout"]["cp"] == 2
     again = cli_losses(tmp, "again-cp2", [*CP2, "--checkpoint.every=2", f"--checkpoint.resume={saved}"])
     assert again == cp2[2:]  # the loader resumed at batch 2, the state bit for bit
     final = "checkpoints/step_000000004"
