@@ -222,6 +222,8 @@ def test_a_killed_process_restarts_without_a_selfcheck_and_the_phases_are_record
     start = {"joined_at": now + 5, "restored_at": now + 6, "source": "storage", "step": 4}
     for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):
         driver.on_heartbeat(heartbeat(node, now + 7, [rank(r, step=5, start=start) for r in ranks], attempt=1))
+    assert driver.store.events("resumed") == []  # a heartbeat writes nothing: the next tick does
+    driver.tick(now + 7.1)
     fault = job_summary(driver.state, driver.store, 16)["faults"][0]
     assert fault["path"] == RESTART and fault["restore_source"] == "storage" and fault["restore_step"] == 4
     assert fault["replace_s"] == pytest.approx(now + 5 - decided["time"]) and fault["restore_s"] == pytest.approx(1.0)

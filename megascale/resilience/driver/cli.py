@@ -227,7 +227,7 @@ def _routes(driver: Driver, identities: Identities, roster: Roster | None) -> di
             protocol.Register,
             frozenset({JOIN, NODE}),
         ),
-        ("POST", "/v1/heartbeat"): Route(for_node(driver.on_heartbeat), protocol.Heartbeat, node),
+        ("POST", "/v1/heartbeat"): Route(for_node(driver.on_heartbeat), protocol.Heartbeat, node, driver.lock),
         ("GET", "/v1/status"): Route(for_operator(driver.on_status), None, operator),
         ("POST", "/v1/evict"): Route(for_operator(driver.on_evict), protocol.Evict, operator),
         ("POST", "/v1/stop"): Route(for_operator(driver.on_stop), protocol.Stop, operator),

@@ -108,6 +108,7 @@ class Driver(RecoveryPaths):
         self.check_ring: list[str] = []
         self.background = evidence.BackgroundQueue()
         self.resumed_pending: dict[str, Any] | None = None
+        self.resumed_seen: dict[str, Any] | None = None  # the "resumed" event, for the next tick to write
         self.plan_env = launch_env(state.run_dir, cfg.diagnostics.flight_recorder)
         self.held_faults: list[Finding] = []  # faults awaiting every node's evidence (attribution)
         self.held_since = 0.0
@@ -288,10 +289,14 @@ class Driver(RecoveryPaths):
             self.hang.observe(max(steps), recent, now)
             if self.resumed_pending is not None and self.hang.last_step > before:
                 ranks = [r for n in self.state.role(ACTIVE) for r in self.reports.get(n.node_id, {}).get("ranks", [])]
-                self.store.event(
-                    "resumed",
-                    {**self.resumed_pending, "step": self.hang.last_step, "resumed": now, **start_marks(ranks)},
-                )
+                # written by the next tick: a heartbeat's handler touches no disk (it may run on
+                # the API's loop thread, api_server.Route.inline_lock)
+                self.resumed_seen = {
+                    **self.resumed_pending,
+                    "step": self.hang.last_step,
+                    "resumed": now,
+                    **start_marks(ranks),
+                }
                 self.resumed_pending = None
         for step, seconds in recent:
             self.slow.observe(step, seconds)
@@ -341,6 +346,7 @@ class Driver(RecoveryPaths):
                 self.tick_failure, self.tick_failure_logged = repr(exc), now
 
     def tick(self, now: float) -> None:
+        self._write_resumed()
         phase = self.state.phase
         if phase == STARTING:
             self._tick_starting(now)
@@ -354,6 +360,12 @@ class Driver(RecoveryPaths):
             self._tick_recovering(now)
         elif phase in FINISHED:
             self._drain_exits(now)
+
+    def _write_resumed(self) -> None:
+        """The "resumed" event a heartbeat saw, written by the control loop (the lock held)."""
+        if self.resumed_seen is not None:
+            seen, self.resumed_seen = self.resumed_seen, None
+            self.store.event("resumed", seen, seen["resumed"])
 
     def _tick_starting(self, now: float) -> None:
         """O(1) until every node is in. The timeout is progress-based: it runs from the driver's
@@ -607,6 +619,8 @@ class Driver(RecoveryPaths):
         if not self.background.drain(EVIDENCE_WAIT_S):
             log.warning("evidence still running after %.0f s: the summary goes without it", EVIDENCE_WAIT_S)
         s = self.state
+        with self.lock:
+            self._write_resumed()  # a heartbeat after the last tick may have seen the resume
         summary = self.summary()
         self.store.event("finish", summary)
         (Path(s.run_dir) / "resilience").mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,82 @@
+"""A route with `inline_lock` (the heartbeat) is answered on the API's loop thread while that
+lock is free, and waits in the handler pool, not on the loop, while someone holds it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megascale.resilience.common.credentials import ensure_secret, load_secret, server_context
+from megascale.resilience.driver.api_budget import Budget
+from megascale.resilience.driver.api_server import ApiServer, Limits, Route
+from megascale.resilience.driver.identity import OPERATOR, Identities
+from tests.security.live import attacker_tls, request_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def served(tmp_path):
+    secret = load_secret(ensure_secret(tmp_path / "secret", ["127.0.0.1"]), need_key=True)
+    lock, threads = threading.RLock(), []
+
+    def beat(body: dict, who) -> tuple[int, dict]:
+        with lock:  # as the driver's handlers take the driver's lock
+            threads.append(threading.current_thread().name)
+        return 200, {"ok": True}
+
+    operator = frozenset({OPERATOR})
+    routes = {
+        ("GET", "/v1/beat"): Route(beat, callers=operator, inline_lock=lock),
+        ("GET", "/v1/other"): Route(lambda body, who: (200, {"ok": True}), callers=operator),
+    }
+    limits = Limits(budget=Budget(rate=1e6, burst=1e6))  # the budgets are not what is tested here
+    server = ApiServer("127.0.0.1", 0, Identities(secret, "j").authenticate, routes, server_context(secret), limits)
+    server.start()
+    try:
+        yield server, secret.operator, lock, threads
+    finally:
+        server.close()
+
+
+def _statuses(sock, count: int) -> list[int]:
+    """The statuses of the next `count` responses on a kept-alive connection."""
+    data = b""
+    while data.count(b"HTTP/1.1 ") < count:
+        chunk = sock.recv(65536)
+        assert chunk, data[-200:]
+        data += chunk
+    return [int(part.split()[0]) for part in data.split(b"HTTP/1.1 ")[1:]]
+
+
+def test_a_free_lock_answers_on_the_loop_thread_and_a_held_one_in_the_pool(served):
+    server, token, lock, threads = served
+    with attacker_tls(server.port) as sock:
+        sock.sendall(request_bytes("GET", "/v1/beat", token=token))
+        assert _statuses(sock, 1) == [200] and threads == ["driver-api"]
+
+    lock.acquire()  # the control loop's tick, say
+    try:
+        waiting = attacker_tls(server.port, timeout_s=10)
+        waiting.sendall(request_bytes("GET", "/v1/beat", token=token))
+        time.sleep(0.3)
+        with attacker_tls(server.port) as other:  # the loop is not stuck behind the lock
+            other.sendall(request_bytes("GET", "/v1/other", token=token))
+            assert _statuses(other, 1) == [200]
+        assert len(threads) == 1
+    finally:
+        lock.release()
+    assert _statuses(waiting, 1) == [200] and threads[1].startswith("api-handler")
+    waiting.close()
+
+
+def test_pipelined_inline_requests_are_answered_without_recursion(served):
+    """1,500 requests in one write: each inline answer comes from the loop's next round, so the
+    requests behind it are not parsed one stack frame deeper each (that raised RecursionError)."""
+    server, token, _, threads = served
+    with attacker_tls(server.port, timeout_s=30) as sock:
+        sock.sendall(request_bytes("GET", "/v1/beat", token=token) * 1500)
+        assert _statuses(sock, 1500) == [200] * 1500
+    assert set(threads) == {"driver-api"}
