@@ -5,10 +5,11 @@ What scale does to the driver is measured against the real thing: a real `megasc
 connection each that trusts only the job's pinned certificate, a bearer token, HTTP/1.1 with
 JSON bodies the driver's schemas check — without ranks behind them. Each node registers, then
 heartbeats at the period the driver asks for, with the payload of a real node of
-`ranks_per_node` ranks (process status, step, step time and a window of recent step times per
-rank, their compute times, hardware, interface counters), answers `start`, `pause`, `stop` and `selfcheck` as a
-healthy node's executor would (at once: nothing runs behind them), and can be told to fall
-silent. Each round trip is timed; the driver's own CPU is read from /proc by the caller.
+`ranks_per_node` ranks (process status, step, step time and the step and compute times no
+answered heartbeat carried yet, per rank; hardware, interface counters), answers `start`,
+`pause`, `stop` and `selfcheck` as a healthy node's executor would (at once: nothing runs
+behind them), and can be told to fall silent. Each round trip is timed; the driver's own CPU
+is read from /proc by the caller.
 
 Steps are simulated from the clock: every rank of the job is at step `(now - start) / step_s`
 of its attempt, so the hang and slowdown rules see a healthy job.
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megascale.resilience.common.credentials import pinned_context
+from megascale.resilience.common.rankstatus import DeliveredSteps
 
 RECENT = 8  # step times per rank per heartbeat (the executor sends what its ranks remember)
 
@@ -50,6 +52,7 @@ class SimNode:
         self.last_ok = 0.0  # monotonic time of the last heartbeat the driver answered
         self.credential = ""  # this node's own, from its registration's reply (identity.py)
         self.done: dict[str, Any] = {}
+        self.delivered = DeliveredSteps()
         self.silent = asyncio.Event()
         self.heartbeat_s = 1.0
         self.seq = 0
@@ -125,6 +128,7 @@ class SimNode:
         now = time.time()
         ranks = []
         if self.attempt is not None:
+            self.delivered.begin(self.attempt)
             step = max(0, int((now - self.started) / self.fleet.step_s))
             recent = [
                 [s, self.fleet.step_s * (1 + 0.02 * random.random())]
@@ -141,8 +145,9 @@ class SimNode:
                     "state": "running",
                     "step": step or None,
                     "step_time": self.fleet.step_s if step else None,
-                    "recent": recent if step else [],
-                    "compute": [[s, 0.8 * t] for s, t in recent] if step else [],  # the straggler rule's input
+                    # only the pairs no answered heartbeat carried, as `Executor` sends them
+                    "recent": self.delivered.new(r, "recent", recent) if step else [],
+                    "compute": self.delivered.new(r, "compute", [[s, 0.8 * t] for s, t in recent]) if step else [],
                     "status_time": now,
                     "start": None,
                     "phase": "training",
@@ -189,6 +194,7 @@ class SimNode:
                 if status == 403:
                     return
             else:
+                self.delivered.answered()
                 self._handle(reply)
             await asyncio.sleep(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
         self.close()

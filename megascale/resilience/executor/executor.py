@@ -57,7 +57,7 @@ from megascale.resilience.common.protocol import (
     StartCommand,
     first_error,
 )
-from megascale.resilience.common.rankstatus import STATUS_DIR_ENV, read_status
+from megascale.resilience.common.rankstatus import STATUS_DIR_ENV, DeliveredSteps, read_status
 from megascale.resilience.executor.ranks import RankProcess, StandbyPool, rank_environment, signal_group
 
 log = logging.getLogger("megascale.executor")
@@ -99,6 +99,7 @@ class Executor:
         self.keywords: list[str] = []
         self.attempt: Attempt | None = None
         self.done: dict[str, Any] = {}  # finished command id -> result, until acknowledged
+        self.delivered = DeliveredSteps()  # each step's times are sent until a heartbeat is answered
         self.busy: str | None = None
         self.exit_requested = threading.Event()
         self._report_now = threading.Event()  # a command finished: its result goes out at once
@@ -160,6 +161,7 @@ class Executor:
             started, unanswered = time.monotonic(), False
             try:
                 reply = HeartbeatReply.model_validate(self.client.call("POST", "/v1/heartbeat", self.report()))
+                self.delivered.answered()
                 self._acknowledge(reply.ack)
                 if reply.standby is not None:
                     self.standbys.wanted = reply.standby
@@ -230,6 +232,7 @@ class Executor:
 
     def _rank_reports(self, attempt: Attempt) -> tuple[list[dict], list[dict]]:
         ranks, errors = [], []
+        self.delivered.begin(attempt.number)
         for rp in attempt.ranks:
             ended = rp.exited_at is not None  # an exit is reported with its time or not yet
             process = {
@@ -246,8 +249,8 @@ class Executor:
                 **process,
                 "step": status.get("step"),
                 "step_time": status.get("step_time"),
-                "recent": status.get("recent", []),
-                "compute": status.get("compute", []),
+                "recent": self.delivered.new(rp.rank, "recent", status.get("recent", [])),
+                "compute": self.delivered.new(rp.rank, "compute", status.get("compute", [])),
                 "status_time": status.get("time"),
                 "start": status.get("start"),
                 "phase": status.get("phase"),
