@@ -30,7 +30,8 @@ from typing import Any
 from megascale.resilience.common.credentials import pinned_context
 from megascale.resilience.common.rankstatus import DeliveredSteps
 
-RECENT = 8  # step times per rank per heartbeat (the executor sends what its ranks remember)
+RECENT = 8  # step times a simulated rank remembers (a real status file keeps 16); a heartbeat
+# sends those no answered heartbeat carried, as the executor does
 
 
 @dataclass
