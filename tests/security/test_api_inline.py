@@ -80,3 +80,16 @@ def test_pipelined_inline_requests_are_answered_without_recursion(served):
         sock.sendall(request_bytes("GET", "/v1/beat", token=token) * 1500)
         assert _statuses(sock, 1500) == [200] * 1500
     assert set(threads) == {"driver-api"}
+
+
+def test_the_drivers_heartbeat_route_is_the_inline_one(tmp_path):
+    """The driver's API as `megascale launch` builds it: heartbeats inline on the driver's own
+    lock (the one its control loop and every handler take); the other routes go to the pool."""
+    from megascale.resilience.driver.cli import _routes
+    from tests.resilience.test_recovery import started_driver
+
+    driver, _ = started_driver(tmp_path)
+    secret = load_secret(ensure_secret(tmp_path / "secret", ["127.0.0.1"]), need_key=True)
+    routes = _routes(driver, Identities(secret, "j"), None)
+    assert routes[("POST", "/v1/heartbeat")].inline_lock is driver.lock
+    assert [path for (_, path), route in routes.items() if route.inline_lock is not None] == ["/v1/heartbeat"]
