@@ -59,7 +59,7 @@ class Limits:
     max_body: int = 2 << 20
     max_header: int = 16 << 10
     handshake_timeout_s: float = 5.0
-    request_timeout_s: float = 10.0  # from an idle connection to a whole request
+    request_timeout_s: float = 10.0  # a whole request from its first byte; also how long a connection may idle
     max_connections: int = 4096  # lowered to what the descriptor limit allows
     max_unauthenticated: int = 512  # connected, not yet past a request with the token
     max_pending: int = 1024  # requests queued for the handlers
@@ -301,6 +301,7 @@ class _Connection(asyncio.Protocol):
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=server.limits.max_header)
         self.transport: asyncio.Transport | None = None
         self.busy = self.closed = self.write_paused = False
+        self.idle = True  # between requests: the next byte starts a request's own deadline
         self.request: tuple[str, str] | None = None
         self.who: Principal | None = None
         self.body = bytearray()
@@ -358,6 +359,9 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.closed:  # after a refusal the rest of what the client sends is dropped
+            if self.idle and data:  # a request's time starts with its first byte, not the last answer
+                self.idle = False
+                self._arm(self.server.limits.request_timeout_s)
             self.h11.receive_data(data)
             self._advance()
 
@@ -441,6 +445,7 @@ class _Connection(asyncio.Protocol):
         except h11.LocalProtocolError:
             return self._close()
         self.busy, self.request, self.who = False, None, None
+        self.idle = not self.h11.trailing_data[0]  # pipelined bytes already began the next request
         self.body.clear()
         self._arm(self.server.limits.request_timeout_s)
         if self.write_paused:  # its answers pile up unread: the next request waits until they drain
