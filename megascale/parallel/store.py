@@ -293,8 +293,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     the machine draw theirs too, and one of them can take it in the gap before the server binds
     it (CI saw a TCPStore fail with EADDRINUSE that way, among many tests started in parallel).
     """
-    low, _ = _ephemeral_range()
-    candidates = list(range(_FIRST_PORT, low))
+    candidates = range(_FIRST_PORT, _ephemeral_range()[0])  # a range: sampled without a list of 20k ports
     for port in _RANDOM.sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:

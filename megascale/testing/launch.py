@@ -114,6 +114,12 @@ def _describe(errors: dict[int, str]) -> str:
 
 def _child(fn: Callable[..., Any], args: tuple, env: dict[str, str], results: mp.Queue) -> None:
     os.environ.update(env)
+    # spawn re-imports the parent's __main__ first: when that imports torch, OpenMP has read the
+    # parent's OMP_NUM_THREADS (unset: every core) before the line above, and two ranks on two
+    # cores each ran two threads (a bench's cp and MoE ranks oversubscribed); set it again here
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     rank = int(env["RANK"])
     try:
         results.put((rank, True, fn(*args)))
