@@ -302,6 +302,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.busy = self.closed = self.write_paused = False
         self.idle = True  # between requests: the next byte starts a request's own deadline
+        self.request_started = 0.0  # loop time of the current request's first byte
         self.request: tuple[str, str] | None = None
         self.who: Principal | None = None
         self.body = bytearray()
@@ -360,8 +361,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.closed:  # after a refusal the rest of what the client sends is dropped
             if self.idle and data:  # a request's time starts with its first byte, not the last answer
-                self.idle = False
-                self._arm(self.server.limits.request_timeout_s)
+                self.idle, self.request_started = False, self.loop.time()
             self.h11.receive_data(data)
             self._advance()
 
@@ -385,7 +385,10 @@ class _Connection(asyncio.Protocol):
                     event.method.decode(errors="replace"),
                     event.target.decode(errors="replace").split("?")[0],
                 )
-                checked = self.server.check(*self.request, list(event.headers), self.ip)
+                # raw_items: one list comprehension; iterating h11's Headers goes through the Sequence ABC
+                # an item at a time (4% of the driver's CPU at 1,536 nodes)
+                headers = [(name.lower(), value) for name, value in event.headers.raw_items()]
+                checked = self.server.check(*self.request, headers, self.ip)
                 if isinstance(checked, Principal) or checked[0] != 401:
                     self.server.unauthenticated.pop(self, None)  # it holds a credential
                 if not isinstance(checked, Principal):
@@ -446,6 +449,7 @@ class _Connection(asyncio.Protocol):
             return self._close()
         self.busy, self.request, self.who = False, None, None
         self.idle = not self.h11.trailing_data[0]  # pipelined bytes already began the next request
+        self.request_started = self.loop.time()
         self.body.clear()
         self._arm(self.server.limits.request_timeout_s)
         if self.write_paused:  # its answers pile up unread: the next request waits until they drain
@@ -500,8 +504,11 @@ class _Connection(asyncio.Protocol):
         if self.busy:
             return
         pending, _ = self.h11.trailing_data
-        if self.request is None and not pending:
+        if self.idle or (self.request is None and not pending):
             return self.abort()  # idle keep-alive: close quietly
+        left = self.request_started + self.server.limits.request_timeout_s - self.loop.time()
+        if left > 0:  # the timer ran from the last answer; this request began later
+            return self._arm(left)
         self._refuse(408, f"request not complete within {self.server.limits.request_timeout_s:g} s")
 
 
