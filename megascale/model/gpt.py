@@ -107,7 +107,8 @@ class Attention(nn.Module):
             where = slice(past, past + s) if self.context is None else self.context.positions(s, qkv.device)
             end = past + s if self.context is None else s * self.context.size  # the whole sequence's
             cos, sin = rotary_tables(end, *self.rope, qkv.device, qkv.dtype)
-            q, k = apply_rotary(q, cos[where], sin[where]), apply_rotary(k, cos[where], sin[where])
+            cos, sin = cos[where], sin[where]  # once for q and k (ring attention's positions are an index)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cache is not None:
             out = self.cache.attend(q, k, v, self.kernel)
         elif self.context is not None:

@@ -137,7 +137,8 @@ class _TailGrad(Function):
         halo: _Halo = ctx.halo
         received = halo.wait_grad()
         if received is not None:
-            grad_k, grad_v = grad_k.clone(), grad_v.clone()
+            # in place: autograd summed these from k's and v's uses into buffers of its own that
+            # nothing else holds; a copy of each was two more [s, kv] tensors at the backward's peak
             grad_k[:, :, -halo.halo :] += received[0]
             grad_v[:, :, -halo.halo :] += received[1]
         return grad_k, grad_v, None
@@ -168,10 +169,12 @@ class ContextParallel:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, ring: bool = False):
         self.group, self.rank, self.size, self.ring = group, rank, size, ring
 
-    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The sequence positions of this rank's `local_len` tokens, in order."""
+    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor | slice:
+        """The sequence positions of this rank's `local_len` tokens, in order: a slice where they
+        are contiguous, so that the position and rotary tables are indexed as views (an index
+        tensor copied cos and sin for q and for k in every layer, all kept for the backward)."""
         if not self.ring:
-            return torch.arange(self.rank * local_len, (self.rank + 1) * local_len, device=device)
+            return slice(self.rank * local_len, (self.rank + 1) * local_len)
         chunk = local_len // 2
         return torch.cat(
             [torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in balanced_chunks(self.rank, self.size)]
