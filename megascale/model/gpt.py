@@ -27,7 +27,7 @@ from torch import nn
 
 from megascale.config.schema import DEFAULT_LOSS_CHUNK, ModelConfig
 from megascale.model.attention import KVCache, causal_attention
-from megascale.model.init import initial_value
+from megascale.model.init import TorchInitSkipped, initial_value
 from megascale.model.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the labels' ignore value
 from megascale.model.loss import chunked_cross_entropy
 from megascale.model.moe import MoE
@@ -286,9 +286,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
-        self.head = Head(cfg)
+        with TorchInitSkipped():  # every value is set below
+            self.embed = Embedding(cfg)
+            self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+            self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.tokens.weight
         self.reset_parameters(seed)

@@ -3,6 +3,11 @@
 Used by the multi-process tests, the start-up benchmark and the store-parity check: each child
 gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, one thread, and a deadline; a child that
 raises, dies or hangs fails the whole run with that rank's traceback or name.
+
+Children fork from a server process that imported torch and the trainer once (multiprocessing's
+forkserver, started on the first call and kept), not from a fresh interpreter each: imports were
+~70% of the CPU of a 4-rank parity test, and the test suite is CPU-bound. A child gets the
+caller's environment as it is at the call, as spawn would give it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from typing import Any
 
 from megascale.parallel.store import free_port
 
+# what the fork server imports once; torch._dynamo is what torch.optim's first param group imports
+PRELOAD = ["torch", "torch._dynamo", "megascale.train.trainer"]
+
 
 def run_local(
     fn: Callable[..., Any],
@@ -26,10 +34,12 @@ def run_local(
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
 ) -> list[Any]:
-    """Call `fn(*args)` on `world_size` spawned ranks; return their results in rank order."""
-    ctx = mp.get_context("spawn")
+    """Call `fn(*args)` on `world_size` local ranks; return their results in rank order."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
     results: mp.Queue = ctx.Queue()
     base = {
+        **os.environ,  # the server's environment is the one it started with: send today's
         "WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -113,10 +123,11 @@ def _describe(errors: dict[int, str]) -> str:
 
 
 def _child(fn: Callable[..., Any], args: tuple, env: dict[str, str], results: mp.Queue) -> None:
+    os.environ.clear()
     os.environ.update(env)
-    # spawn re-imports the parent's __main__ first: when that imports torch, OpenMP has read the
-    # parent's OMP_NUM_THREADS (unset: every core) before the line above, and two ranks on two
-    # cores each ran two threads (a bench's cp and MoE ranks oversubscribed); set it again here
+    # torch was imported before this rank's environment existed (in the fork server, and again
+    # when a bench's __main__ that imports torch is re-imported here): OpenMP read the parent's
+    # OMP_NUM_THREADS (unset: every core), and two ranks on two cores ran two threads each
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
