@@ -23,8 +23,15 @@ from typing import Any
 
 from megascale.parallel.store import free_port
 
-# what the fork server imports once; torch._dynamo is what torch.optim's first param group imports
-PRELOAD = ["torch", "torch._dynamo", "megascale.train.trainer"]
+# What the fork server imports once: torch, what torch.optim's first parameter group imports
+# (torch._dynamo), and most of the trainer's own imports (from the layers below this one).
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "megascale.checkpoint.manager",
+    "megascale.checkpoint.replica",
+    "megascale.parallel.runner",
+]
 
 
 def run_local(

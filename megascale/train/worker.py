@@ -69,7 +69,7 @@ def serve() -> int:
 
 def warm_up() -> None:
     """Pay now, while nobody waits, what a process's first trainer would: the imports torch does
-    lazily (the meta device's random init brings in torch._dynamo), the CPU's peak FLOP/s probe
+    lazily (torch.optim's first parameter group brings in torch._dynamo), the CPU's peak FLOP/s probe
     and the default corpus's identity (both kept for the process)."""
     importlib.import_module("torch._dynamo")
     if not torch.cuda.is_available():

@@ -43,3 +43,21 @@ def test_ranks_run_one_thread_even_when_the_parents_main_imported_torch_first(tm
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[1, 1]"
+
+
+def _environment_and_preloaded(name: str) -> tuple[str | None, bool]:
+    return os.environ.get(name), "torch._dynamo" in sys.modules
+
+
+def test_ranks_fork_from_a_preloaded_server_with_the_callers_environment_of_now(monkeypatch):
+    # the fork server keeps the environment it started with: a variable set after it started
+    # must still reach the rank (as spawn would pass it), and one removed must not
+    run_local(_environment_and_preloaded, 1, args=("MEGASCALE_TEST_MARK",))  # the server is up
+    monkeypatch.setenv("MEGASCALE_TEST_MARK", "set after the server started")
+    [(value, preloaded)] = run_local(_environment_and_preloaded, 1, args=("MEGASCALE_TEST_MARK",))
+    assert value == "set after the server started"
+    # nothing a rank runs here imports torch._dynamo: only the server's preload can have (a
+    # fresh interpreter per rank paid ~4 s of CPU for torch and it)
+    assert preloaded
+    monkeypatch.delenv("MEGASCALE_TEST_MARK")
+    assert run_local(_environment_and_preloaded, 1, args=("MEGASCALE_TEST_MARK",))[0][0] is None
