@@ -4,7 +4,7 @@ Used by the multi-process tests, the start-up benchmark and the store-parity che
 gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, one thread, and a deadline; a child that
 raises, dies or hangs fails the whole run with that rank's traceback or name.
 
-Children fork from a server process that imported torch and the trainer once (multiprocessing's
+Children fork from a server process that imported torch and most of the trainer once (multiprocessing's
 forkserver, started on the first call and kept), not from a fresh interpreter each: imports were
 ~70% of the CPU of a 4-rank parity test, and the test suite is CPU-bound. A child gets the
 caller's environment as it is at the call, as spawn would give it.
