@@ -1,4 +1,5 @@
-"""run_local fails fast and says why when a rank cannot return its result, and runs one thread a rank."""
+"""run_local fails fast and says why when a rank cannot return its result; its ranks run one
+thread each and fork from a preloaded server with the caller's environment of the moment."""
 
 import os
 import subprocess
@@ -25,7 +26,7 @@ def test_a_result_that_cannot_be_sent_fails_fast():
 
 
 SCRIPT = """
-import torch  # spawn re-imports this module in every child before the rank's environment is set
+import torch  # every rank re-imports this module before its environment is set
 
 from megascale.testing.launch import run_local
 

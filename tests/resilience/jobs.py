@@ -146,11 +146,11 @@ def max_step(status: dict) -> int:
     return max((r.get("step") or 0 for n in status["nodes"].values() for r in n["ranks"]), default=0)
 
 
-def paused_after_step_2(status: dict, ranks: int = 4) -> bool:
+def paused_after_step_2(status: dict) -> bool:
     """The job runs, rank 0 sleeps after step 2 (PAUSE; its status says step 2 only when it wakes)
     and every other rank has finished step 2, so step 2's peer copies are made. Any one rank at
     step 2 was not enough: on CI's loaded cores node 1 was killed before its rank had copied step
     2, and the spare restored from nothing instead of peer memory."""
     steps = {r["rank"]: r.get("step") or 0 for n in status["nodes"].values() for r in n["ranks"]}
     others = [step for rank, step in steps.items() if rank != 0]
-    return status["phase"] == "running" and len(steps) == ranks and min(others) >= 2
+    return status["phase"] == "running" and len(steps) == 4 and min(others) >= 2  # TRAIN's dp=4

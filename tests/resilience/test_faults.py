@@ -108,7 +108,7 @@ def assert_same_final_state(job, reference) -> None:
 def test_executor_killed_spare_takes_over_and_the_node_stays_out(job_factory, reference):
     job = job_factory(fault=PAUSE)
     job.start()
-    status = job.wait_for(lambda s: paused_after_step_2(s))
+    status = job.wait_for(paused_after_step_2)
     victim = node_of_rank(status, 2)
     spare = next(name for name, n in status["nodes"].items() if n["role"] == "spare")
     os.kill(status["nodes"][victim]["pid"], signal.SIGKILL)
@@ -149,7 +149,7 @@ def test_executor_killed_spare_takes_over_and_the_node_stays_out(job_factory, re
 def test_driver_restarted_mid_run_job_continues(job_factory, reference):
     job = job_factory(fault=PAUSE)
     first = job.start()
-    job.wait_for(lambda s: paused_after_step_2(s))
+    job.wait_for(paused_after_step_2)
     first.send_signal(signal.SIGKILL)
     first.wait()
     time.sleep(2.0)  # executors now knock on a closed door; the ranks keep training
@@ -176,7 +176,7 @@ def test_slow_node_is_an_alert_not_an_eviction(job_factory, reference):
 def test_network_cut_detected_named_by_selfcheck_evicted_spare_takes_over(job_factory, reference):
     job = job_factory(fault=PAUSE, netns=True)
     job.start()
-    status = job.wait_for(lambda s: paused_after_step_2(s))
+    status = job.wait_for(paused_after_step_2)
     victim = node_of_rank(status, 2)
     netns = Netns(status["job_id"][:4])
     cut_link(netns, int(victim.removeprefix("node")))
@@ -227,7 +227,7 @@ def test_bad_config_fails_before_any_rank_starts(tmp_path):
 def test_manual_eviction_without_spares_shrinks_dp(job_factory, reference):
     job = job_factory(fault=PAUSE, spares=0)
     job.start()
-    status = job.wait_for(lambda s: paused_after_step_2(s))
+    status = job.wait_for(paused_after_step_2)
     victim = node_of_rank(status, 2)
     assert job.client.call("POST", "/v1/evict", {"node_id": victim, "reason": "operator"}) == {"ok": True}
     summary = job.finish()
