@@ -50,7 +50,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     (
         "megascale.resilience.executor.ranks",
         "megascale.train.cli",
-    ): "an executor's warm standby ranks are `megascale train --standby` processes: the rank is "
+    ): "an executor's warm standby ranks are forks of `megascale train --standby-server`: the rank is "
     "the top of the stack, started across a process boundary; resilience imports nothing of train",
 }
 # module -> why it may load a module whose name is computed at run time
@@ -337,7 +337,7 @@ BYPASSES = {
     "lazy export table": ("data/__init__.py", ("_EXPORTS = {", '_EXPORTS = {"Trainer": "megascale.train.trainer", ')),
     "-m megascale.cli train, elsewhere": (
         "resilience/rank/faults.py",
-        '\nARGV = ("python", "-m", "megascale.cli", "train", "--standby")\n',
+        '\nARGV = ("python", "-m", "megascale.cli", "train", "--standby-server")\n',
     ),
     "-m in a shell line": ("checkpoint/writer.py", '\nCMD = "python -m megascale.cli launch --nodes 2"\n'),
     "module:attr string": ("model/flops.py", '\nENTRY = "megascale.parallel.engine:build_runner"\n'),

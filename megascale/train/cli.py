@@ -1,5 +1,5 @@
-"""`megascale train`: one process, under torchrun, or `--nproc N` local ranks (`--standby`: a
-rank under an executor, train/worker.py).
+"""`megascale train`: one process, under torchrun, or `--nproc N` local ranks (`--standby-server`:
+the ranks under an executor, train/worker.py).
 
 `--nproc N` re-launches this command under PyTorch's elastic launcher (`torch.distributed.run`,
 what `torchrun` is) with N processes on this machine, so a local multi-rank run and a cluster
@@ -42,19 +42,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nproc", type=int, default=0, help="start N local ranks (default: dp*tp*pp of the config when > 1)"
     )
     parser.add_argument(
-        "--standby",
+        "--standby-server",
         action="store_true",
-        help="(executors) a warm rank: import everything, then take the assignment, config "
-        "and environment from stdin, and stay alive through in-place recoveries",
+        help="(executors) a node's warm standby ranks: import everything once, then fork a rank "
+        "per request on the Unix socket that is stdin; each takes its assignment, config and "
+        "environment from its own stdin and stays alive through in-place recoveries",
     )
     parser.epilog = "Override any config key with --section.key=value, e.g. --model.layers=8"
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.standby:
-        from megascale.train.worker import serve
+    if args.standby_server:
+        from megascale.train.worker import serve_standbys
 
-        return serve()
+        return serve_standbys()
     path = args.config or default_config_path()
     under_launcher = LaunchEnv.from_env().launched
     if not under_launcher:  # ranks started by a launcher read the file it resolved: it said this

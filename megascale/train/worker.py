@@ -1,8 +1,10 @@
 """A rank under an executor: a warm standby until assigned, then a trainer that outlives faults.
 
-`megascale train --standby` imports everything a rank needs (torch, the model, the trainer) and
-waits on its stdin for the executor's assignment (`resilience/rank/rankctl.py`), so process start and
-imports are off the recovery's critical path. Once assigned it trains; when a peer fails (a
+`megascale train --standby-server` imports everything a rank needs (torch, the model, the
+trainer) and warms up once, then forks a standby per request of its executor
+(`resilience/rank/forks.py`). A standby waits on its stdin for the executor's assignment
+(`resilience/rank/rankctl.py`), so process start and imports are off the recovery's critical
+path, and a new standby costs a fork. Once assigned it trains; when a peer fails (a
 collective's connection closes, or the executor says `abort`), it does not die: it drops its
 process groups without waiting for anything in flight, keeps the peer copies it holds
 (`checkpoint/replica.py`), says "paused" in its status file and waits for `rejoin`, which names
@@ -18,6 +20,7 @@ import gc
 import importlib
 import logging
 import os
+import socket
 import sys
 
 import torch
@@ -33,6 +36,7 @@ from megascale.plan.env import format_applied
 from megascale.resilience.common.protocol import Assign, Rejoin
 from megascale.resilience.common.rankstatus import StatusWriter
 from megascale.resilience.rank.faults import StepHook, rank_step_hook
+from megascale.resilience.rank.forks import serve_forks
 from megascale.resilience.rank.rankctl import RankControl, is_peer_failure
 from megascale.train.trainer import Trainer
 
@@ -41,15 +45,23 @@ PAUSED = None  # what `generation` returns when the rank waits for the next atte
 COMMUNICATION_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_")
 
 
-def serve() -> int:
-    """Wait for an assignment, then train through every in-place recovery; the exit code."""
-    control = RankControl()
+def serve_standbys() -> int:
+    """The node's standby server: warm up, then fork standbys until the executor is gone."""
     warm_up()
+    return serve_forks(socket.socket(fileno=0), serve)
+
+
+def serve() -> int:
+    """A standby: wait for an assignment, then train through every in-place recovery; the exit code."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():  # the server's torch read the server's environment
+        torch.set_num_threads(int(threads))
+    control = RankControl()
     assignment = control.next()
     if assignment is None:  # dismissed before it was needed
         return 0
     if not isinstance(assignment, Assign):
-        print("megascale train --standby: the executor's first message must be an assignment", file=sys.stderr)
+        print("megascale train: a standby's first message from the executor must be an assignment", file=sys.stderr)
         return 2
     _output_to(assignment.log)
     replicas = ReplicaStore()
@@ -68,11 +80,12 @@ def serve() -> int:
 
 
 def warm_up() -> None:
-    """Pay now, while nobody waits, what a process's first trainer would: the imports torch does
-    lazily (torch.optim's first parameter group brings in torch._dynamo), the CPU's peak FLOP/s probe
-    and the default corpus's identity (both kept for the process)."""
+    """Pay once, in the server, what every standby's first trainer would: the imports torch does
+    lazily (torch.optim's first parameter group brings in torch._dynamo), the CPU's peak FLOP/s
+    probe and the default corpus's identity (both kept for the process, and so for its forks).
+    Nothing here may initialise CUDA (`torch.cuda.is_available` would): the forks could not use it."""
     importlib.import_module("torch._dynamo")
-    if not torch.cuda.is_available():
+    if not torch.backends.cuda.is_built():
         peak_flops(torch.device("cpu"), "fp32")
     corpus.source()
 

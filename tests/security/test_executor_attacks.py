@@ -135,7 +135,7 @@ def test_a_rank_sees_no_secret_in_its_argv_or_environment(tmp_path, secret, monk
     finally:
         executor.stop_ranks()
     # a fixed command line (a warm standby); its config and environment come through its stdin
-    assert argv == [sys.executable.encode(), b"-m", b"megascale.cli", b"train", b"--standby"]
+    assert argv == [sys.executable.encode(), b"-m", b"megascale.cli", b"train", b"--standby-server"]
     assert PASSWORD.encode() not in b" ".join(argv) + b" ".join(environ.values())
     assert REDIS_PASSWORD_ENV.encode() not in environ
     private = tmp_path / "work" / "attempt0" / "rank"
