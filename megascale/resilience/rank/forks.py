@@ -58,12 +58,13 @@ def serve_forks(sock: socket.socket, child_main: Callable[[], int]) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears it
     children: set[int] = set()
     me = os.getpid()
+    requests = sock.fileno()
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
+        ready, _, _ = select.select([requests, wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
             _reap(sock, children)
-        if sock not in ready:
+        if requests not in ready:
             continue
         message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
         if not message:
