@@ -9,7 +9,8 @@ The children share the server's pages until they write them.
 Both ends are here: `serve_forks` (the server's loop) and `ForkServer` (the executor's client).
 A request is one datagram on a Unix socket: the environment the standby runs with, and two
 descriptors passed with it, the standby's stdin (the executor keeps the pipe's write end) and
-its log. The server answers with the child's pid. It is the children's parent: it reaps them at
+its log. The server answers with the child's pid once the child is in a session of its own (so
+that signalling its group never misses it). It is the children's parent: it reaps them at
 once (SIGCHLD wakes it) and reports each exit status and time, which `ForkedProcess` answers as
 `subprocess.Popen` would (`poll`, `wait`, `returncode`).
 
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 MAX_MESSAGE = 1 << 20  # an environment of a few KB; a request past this is a bug
+READY_TIMEOUT_S = 30.0  # a child's setsid and prctl, before its pid is answered
 START_TIMEOUT_S = 300.0  # the server's imports, on a loaded machine, before it answers the first request
 PR_SET_PDEATHSIG = 1
 
@@ -71,15 +73,19 @@ def serve_forks(sock: socket.socket, child_main: Callable[[], int]) -> int:
             return 0  # the executor is gone; the children follow (PR_SET_PDEATHSIG)
         sys.stdout.flush()
         sys.stderr.flush()
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the standby: it returns from here, and exits as any process would
             sock.close()  # fd 0: the standby's stdin goes there
-            os.close(wake_r)
-            os.close(wake_w)
+            for fd in (wake_r, wake_w, ready_r):
+                os.close(fd)
             _become_standby(fds, json.loads(message)["env"], me)
+            os.close(ready_w)  # its own session now: the executor may signal its group
             return child_main()
-        for fd in fds:
+        for fd in (*fds, ready_w):
             os.close(fd)
+        select.select([ready_r], [], [], READY_TIMEOUT_S)  # EOF: set up, or dead (and reported)
+        os.close(ready_r)
         children.add(pid)
         sock.send(json.dumps({"pid": pid}).encode())
 
