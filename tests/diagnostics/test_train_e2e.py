@@ -47,7 +47,6 @@ def test_report_of_a_pp2_tp2_training_run(tmp_path, capsys) -> None:
             "--nproc",
             "4",
             f"--train.run_dir={run_dir}",
-            f"--data.cache_dir={tmp_path / 'cache'}",
         ],
         env=env,
         capture_output=True,

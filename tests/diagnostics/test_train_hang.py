@@ -72,7 +72,6 @@ def test_stopped_rank_is_named_with_its_coordinates(tmp_path):
             "train",
             *TRAIN,
             f"--train.run_dir={run_dir}",
-            f"--data.cache_dir={tmp_path / 'cache'}",
         ],
         env=env,
         stdout=log,

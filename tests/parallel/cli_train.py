@@ -34,7 +34,6 @@ def train_cli(tmp_path: Path, name: str, extra: list[str]) -> tuple[subprocess.C
         "train",
         *TINY,
         f"--train.run_dir='{run_dir}'",
-        f"--data.cache_dir='{tmp_path / 'cache'}'",
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -25,7 +25,7 @@ CP2 = ["--nproc", "2", "--parallel.cp=2"]
 
 def _one_process(tmp, name: str, *extra: str) -> list[float]:
     """The same job in this process (what `megascale train` without --nproc runs; no start-up)."""
-    run = [f"--train.run_dir={tmp / name}", f"--data.cache_dir={tmp / 'cache'}"]
+    run = [f"--train.run_dir={tmp / name}"]
     trainer = Trainer(load_config(None, [*TINY, *run, *extra]))
     try:
         return trainer.fit()

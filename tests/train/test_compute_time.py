@@ -26,7 +26,7 @@ SLOW_S = 1.0  # rank 1's extra work at each of its two places, per step
 STEPS = 4
 
 
-def _rank(run_dir: str, cache: str) -> list[list[float]]:
+def _rank(run_dir: str) -> list[list[float]]:
     from megascale.resilience.rank.faults import StepHook
     from megascale.train.trainer import Trainer
 
@@ -47,7 +47,6 @@ def _rank(run_dir: str, cache: str) -> list[list[float]]:
             "--checkpoint.resume=none",
             "--diagnostics.flight_recorder=false",
             f"--train.run_dir={run_dir}",
-            f"--data.cache_dir={cache}",
         ],
     )
     trainer = Trainer(cfg)
@@ -72,7 +71,7 @@ def _rank(run_dir: str, cache: str) -> list[list[float]]:
 
 
 def test_a_fast_rank_reports_its_own_work_not_its_wait_for_a_slow_peer(tmp_path):
-    fast, slow = run_local(_rank, 2, args=(str(tmp_path / "run"), str(tmp_path.parent / "corpus-cache")), timeout_s=240)
+    fast, slow = run_local(_rank, 2, args=(str(tmp_path / "run"),), timeout_s=240)
     assert [s for s, _ in fast] == [s for s, _ in slow] == list(range(1, STEPS + 1))
     for (step, mine), (_, theirs) in list(zip(fast, slow, strict=True))[1:]:  # step 1 pays one-off costs
         assert theirs >= SLOW_S, (step, theirs)  # the pre-hook's sleep is inside the optimizer span

@@ -82,7 +82,6 @@ def test_trackers_get_grouped_tags_and_wandb_works_offline(tmp_path, capsys, mon
         TINY
         + [
             f"--train.run_dir={tmp_path / 'run'}",
-            f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}",
             "--train.steps=3",
             "--train.tensorboard=true",
             "--train.wandb=true",

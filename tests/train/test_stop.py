@@ -82,7 +82,6 @@ def _launch(run_dir: Path, *extra: str, env_extra: dict[str, str] | None = None)
         "2",
         *TINY,
         f"--train.run_dir={run_dir}",
-        f"--data.cache_dir={run_dir.parent / 'cache'}",
         *extra,
     ]
     out = open(run_dir.parent / f"{run_dir.name}.out", "wb")  # noqa: SIM115 - lives as long as the run

@@ -31,7 +31,7 @@ TINY = [
 def _trainer(tmp_path, *extra):
     cfg = load_config(
         default_config_path(),
-        TINY + [f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path.parent / 'corpus-cache'}", *extra],
+        TINY + [f"--train.run_dir={tmp_path / 'run'}", *extra],
     )
     return Trainer(cfg)
 
