@@ -31,7 +31,9 @@ def test_live_straggler_evidence_is_flat_in_run_length_and_per_rank(tmp_path) ->
         slow = grid.rank_of(2, dp - 1, 5)
         run = tmp_path / f"dp{dp}_s{steps}"
         write_timer_files(run, TraceShape(grid, steps=steps, micro_batches=1, slow_rank=slow, slow_factor=1.3))
-        costs[(grid.world_size, steps)], found = cpu(lambda r=run: evidence._stragglers(str(r), str(config)))
+        runs = [cpu(lambda r=run: evidence._stragglers(str(r), str(config))) for _ in range(3)]
+        costs[(grid.world_size, steps)] = min(c for c, _ in runs)  # noise only adds CPU: the least of 3
+        found = runs[0][1]
         assert [s["rank"] for s in found] == [slow], (dp, steps, found)
         assert found[0]["steps"] == 15, found  # the newest 16 steps, the first left out as warm-up
     small = costs[(128, 20)]
