@@ -85,3 +85,18 @@ def test_children_die_with_the_server_and_their_handles_say_so(server, tmp_path)
     assert not server.alive()
     with pytest.raises(OSError):  # a broken pipe, or no answer
         fork(server, tmp_path, "late", {})
+
+
+def test_the_servers_warm_up_never_asks_cuda(monkeypatch):
+    """`torch.cuda.is_available()` initialises the CUDA driver, and no fork of a process that did
+    can use the GPU: the warm-up every standby inherits must not call it."""
+    import torch
+
+    from megascale.train import worker
+
+    def poisoned() -> bool:
+        raise AssertionError("the standby server initialised CUDA: its forks could not use the GPU")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisoned)
+    monkeypatch.setattr(torch.cuda, "device_count", poisoned)
+    worker.warm_up()

@@ -171,20 +171,17 @@ class ForkServer:
     def fork(self, env: dict[str, str], log_fd: int) -> ForkedProcess:
         """A new standby whose stdin is a pipe from here and whose output goes to `log_fd`."""
         read_end, write_end = os.pipe()
+        child = None
         try:
             with self._lock:
                 socket.send_fds(self._sock, [json.dumps({"env": env}).encode()], [read_end, log_fd])
-                try:
+                with contextlib.suppress(queue.Empty):
                     child = self._forked.get(timeout=START_TIMEOUT_S)
-                except queue.Empty:
-                    child = None
-        except BaseException:
-            os.close(write_end)
-            raise
         finally:
             os.close(read_end)
+            if child is None:
+                os.close(write_end)
         if child is None:
-            os.close(write_end)
             raise OSError(f"the standby fork server (pid {self.proc.pid}) did not fork: see its log")
         child.stdin = os.fdopen(write_end, "wb")
         return child
