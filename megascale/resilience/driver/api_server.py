@@ -3,7 +3,8 @@
 Why not `http.server`: it spends a thread per connection and waits forever for bytes a client
 promised (a Content-Length larger than the body, half a header), so ~1000 idle sockets stopped
 it answering heartbeats and then ran it out of descriptors. Here one asyncio loop holds every
-connection; h11 parses HTTP/1.1; the TLS handshake and each request must finish within their
+connection; httptools (llhttp, in C: h11 was a fifth of the driver's CPU at 1,536 nodes) parses
+HTTP/1.1; the TLS handshake and each request must finish within their
 deadlines; bodies and headers are capped; at the connection cap (set below the descriptor
 limit, which is raised at start) the oldest idle connection is closed to make room, so a new
 client is always served. Handlers run in a small thread pool (they take the driver's lock) and
@@ -36,13 +37,13 @@ import socket
 import ssl
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import h11
+import httptools
 from pydantic import BaseModel, ValidationError
 
 from megascale.resilience.common.protocol import first_error
@@ -52,6 +53,7 @@ from megascale.resilience.driver.identity import Principal
 log = logging.getLogger("megascale.api")
 Handler = Callable[[dict[str, Any], Principal], tuple[int, dict[str, Any]]]
 RESERVED_FDS = 128  # the driver's own files: SQLite, logs, executors' pipes, evidence readers
+HEAD_SLICE = 4096  # bytes of an incomplete request head fed to the parser at a time
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ class ApiServer:
         """The refusal (status, reason) of a request head, before its body is read; else who calls.
         A request within its caller's budget only (`api_budget.py`; `ip` names callers without
         a node credential)."""
-        if sum(len(k) + len(v) for k, v in headers) > self.limits.max_header:  # h11 caps only partial heads
+        if sum(len(k) + len(v) for k, v in headers) > self.limits.max_header:  # _feed caps it only roughly
             return 431, f"headers exceed {self.limits.max_header} bytes"
         auth = [v for k, v in headers if k == b"authorization"]
         scheme, _, credential = (auth[0] if len(auth) == 1 else b"").partition(b" ")
@@ -240,7 +242,9 @@ class ApiServer:
         if who.role not in self.routes[(method, path)].callers:
             return 403, f"{method} {path} is not for a{'n' if who.role[0] in 'aeio' else ''} {who.role} credential"
         length = next((v for k, v in headers if k == b"content-length"), b"0")
-        if int(length) > self.limits.max_body:  # h11 has checked it is digits
+        if not length.isdigit():  # llhttp has refused most, not an empty one
+            return 400, f"Content-Length {length[:20]!r} is not a number"
+        if int(length) > self.limits.max_body:
             return 413, f"body of {int(length)} bytes exceeds {self.limits.max_body}"
         wait = self.budgets.take(caller_key(who, ip), self.budgets.cost(int(length)), time.monotonic())
         if wait:
@@ -292,20 +296,44 @@ class ApiServer:
         self.budgets.done(key)
 
 
+class _Refusal(Exception):
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status, self.why = status, why
+
+
+@dataclass
+class _Request:
+    method: str
+    path: str
+    who: Principal
+    body: bytearray = dataclasses.field(default_factory=bytearray)
+    keep_alive: bool = True
+
+
 class _Connection(asyncio.Protocol):
-    """One client connection: TLS handshake, then requests one at a time, each within its deadline."""
+    """One client connection: TLS handshake, then requests answered one at a time, in order, each
+    within its deadline. httptools (llhttp, in C) parses; the callbacks named `on_*` are its. A
+    head is checked (token, route, length, budget) as soon as it is complete, before its body is
+    read; complete requests wait in `queue` while one is answered, and a refusal ends the queue."""
 
     def __init__(self, server: ApiServer, sock: socket.socket, peer: str, ip: str) -> None:
         self.server, self.sock, self.peer, self.ip = server, sock, peer, ip
         self.loop = server._loop
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=server.limits.max_header)
+        self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
-        self.busy = self.closed = self.write_paused = False
+        self.busy = self.closed = self.write_paused = self.refusing = False
+        self.keep_alive = True  # of the request being answered
         self.idle = True  # between requests: the next byte starts a request's own deadline
         self.request_started = 0.0  # loop time of the current request's first byte
-        self.request: tuple[str, str] | None = None
-        self.who: Principal | None = None
-        self.body = bytearray()
+        self.began = False  # the parser is inside a request (its first byte came)
+        self.head_bytes = 0  # bytes fed since the current head began, while it is incomplete
+        self.in_head = True
+        self.request: tuple[str, str] | None = None  # method and path of the request being read or answered
+        self.url = bytearray()
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.current: _Request | None = None  # the request being parsed, once its head passed
+        self.queue: deque[_Request | _Refusal] = deque()  # parsed, not yet answered
         self.timer: asyncio.TimerHandle | None = None
         self.future: Future | None = None
 
@@ -349,8 +377,7 @@ class _Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.write_paused = False
         if not (self.busy or self.closed):
-            self.transport.resume_reading()
-            self._advance()
+            self._next()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -359,67 +386,118 @@ class _Connection(asyncio.Protocol):
         self._forget()
 
     def data_received(self, data: bytes) -> None:
-        if not self.closed:  # after a refusal the rest of what the client sends is dropped
-            if self.idle and data:  # a request's time starts with its first byte, not the last answer
-                self.idle, self.request_started = False, self.loop.time()
-            self.h11.receive_data(data)
-            self._advance()
+        if self.closed or self.refusing:  # after a refusal the rest of what the client sends is dropped
+            return
+        if self.idle and data:  # a request's time starts with its first byte, not the last answer
+            self.idle, self.request_started = False, self.loop.time()
+        try:
+            self._feed(data)
+        except _Refusal as refusal:
+            self._stop_parsing(refusal)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__  # what a callback raised
+            if not isinstance(cause, _Refusal):
+                log.error("api: a request from %s failed in its checks", self.peer, exc_info=cause)
+                cause = _Refusal(500, "internal error; the driver's log has the details")
+            self._stop_parsing(cause)
+        except httptools.HttpParserUpgrade:
+            self._stop_parsing(_Refusal(400, "protocol upgrades are not served"))
+        except httptools.HttpParserError as exc:
+            self._stop_parsing(_Refusal(400, f"malformed HTTP: {exc}"))
+        self._next()
 
     def eof_received(self) -> bool:
-        if not self.closed:
-            self.h11.receive_data(b"")
-            self._advance()
+        if not (self.closed or self.busy or self.queue):
+            self._close()
         return False
 
-    # ------------------------------------------------------------------ HTTP
-    def _advance(self) -> None:
-        while not (self.busy or self.closed):
-            try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                return self._refuse(exc.error_status_hint, f"malformed HTTP: {exc}")
-            if event is h11.NEED_DATA or event is h11.PAUSED:
+    # ------------------------------------------------------------------ parsing
+    def _feed(self, data: bytes) -> None:
+        """A head is fed a slice at a time and its bytes counted (httptools gathers a header
+        before calling back): a client streaming one endless header is refused at the cap."""
+        cap = self.server.limits.max_header
+        while data:
+            if not self.in_head:
+                self.parser.feed_data(data)
                 return
-            if isinstance(event, h11.Request):
-                self.request = (
-                    event.method.decode(errors="replace"),
-                    event.target.decode(errors="replace").split("?")[0],
-                )
-                # raw_items: one list comprehension; iterating h11's Headers goes through the Sequence ABC
-                # an item at a time (4% of the driver's CPU at 1,536 nodes)
-                headers = [(name.lower(), value) for name, value in event.headers.raw_items()]
-                checked = self.server.check(*self.request, headers, self.ip)
-                if isinstance(checked, Principal) or checked[0] != 401:
-                    self.server.unauthenticated.pop(self, None)  # it holds a credential
-                if not isinstance(checked, Principal):
-                    return self._refuse(*checked)
-                self.who = checked
-            elif isinstance(event, h11.Data):
-                self.body += event.data
-                if len(self.body) > self.server.limits.max_body:
-                    return self._refuse(413, f"body exceeds {self.server.limits.max_body} bytes")
-            elif isinstance(event, h11.EndOfMessage):
-                return self._dispatch()
-            elif isinstance(event, h11.ConnectionClosed):
-                return self._close()
+            if self.head_bytes > cap:
+                raise _Refusal(431, f"request head exceeds {cap} bytes")
+            piece, data = data[:HEAD_SLICE], data[HEAD_SLICE:]
+            self.head_bytes += len(piece)
+            self.parser.feed_data(piece)
 
-    def _dispatch(self) -> None:
-        self.busy = True
+    def _stop_parsing(self, refusal: _Refusal) -> None:
+        self.refusing = True
+        self.queue.append(refusal)  # answered after the requests parsed before it
+
+    def on_message_begin(self) -> None:
+        self.began = True
+        self.url.clear()
+        self.headers = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        method = self.parser.get_method().decode(errors="replace")
+        path = self.url.decode(errors="replace").split("?")[0]
+        self.request = (method, path)
+        checked = self.server.check(method, path, self.headers, self.ip)
+        if isinstance(checked, Principal) or checked[0] != 401:
+            self.server.unauthenticated.pop(self, None)  # it holds a credential
+        if not isinstance(checked, Principal):
+            raise _Refusal(*checked)
+        self.current = _Request(method, path, checked)
+
+    def on_body(self, body: bytes) -> None:
+        assert self.current is not None
+        self.current.body += body
+        if len(self.current.body) > self.server.limits.max_body:
+            raise _Refusal(413, f"body exceeds {self.server.limits.max_body} bytes")
+
+    def on_message_complete(self) -> None:
+        assert self.current is not None
+        self.current.keep_alive = self.parser.should_keep_alive()
+        self.queue.append(self.current)
+        self.current, self.began, self.in_head, self.head_bytes = None, False, True, 0
+
+    # ------------------------------------------------------------------ answering
+    def _next(self) -> None:
+        """Answer the next parsed request, or read on when none is left."""
+        if self.busy or self.closed:
+            return
+        if not self.queue:
+            if not self.write_paused:
+                self.transport.resume_reading()
+            return
+        item = self.queue.popleft()
+        if isinstance(item, _Refusal):
+            return self._refuse(item.status, item.why)
+        self._dispatch(item)
+
+    def _dispatch(self, request: _Request) -> None:
+        self.busy, self.request = True, (request.method, request.path)
+        self.keep_alive = request.keep_alive
         if self.timer is not None:
             self.timer.cancel()
         self.transport.pause_reading()
-        lock = self.server.routes[self.request].inline_lock
+        call = (request.method, request.path, bytes(request.body), request.who)
+        lock = self.server.routes[(request.method, request.path)].inline_lock
         if lock is not None and lock.acquire(blocking=False):
             try:
-                status, data = self.server.call(*self.request, bytes(self.body), self.who)
+                status, data = self.server.call(*call)
             finally:
                 lock.release()
             # answered from the loop's next round, not from here: a client's pipelined requests
-            # must not recurse (_answer -> _advance -> _dispatch) one stack frame each
+            # must not recurse (_answer -> _next -> _dispatch) one stack frame each
             self.loop.call_soon(self._answer, status, data)
             return
-        key = caller_key(self.who, self.ip)
-        future = self.server.submit(*self.request, bytes(self.body), self.who, key)
+        key = caller_key(request.who, self.ip)
+        future = self.server.submit(*call, key)
         if future == 503:
             return self._refuse(503, f"{self.server.limits.max_pending} requests queued already; retry")
         if future == 429:
@@ -442,20 +520,14 @@ class _Connection(asyncio.Protocol):
         if status >= 400:
             self._log_refusal(status, data.get("error", ""))
             return self._respond(status, data, close=True)
+        if not self.keep_alive:  # the client asked to close after this answer
+            return self._respond(status, data, close=True)
         self._respond(status, data, close=False)
-        try:
-            self.h11.start_next_cycle()
-        except h11.LocalProtocolError:
-            return self._close()
-        self.busy, self.request, self.who = False, None, None
-        self.idle = not self.h11.trailing_data[0]  # pipelined bytes already began the next request
+        self.busy, self.request = False, None
+        self.idle = not (self.began or self.queue)  # pipelined bytes already began the next request
         self.request_started = self.loop.time()
-        self.body.clear()
         self._arm(self.server.limits.request_timeout_s)
-        if self.write_paused:  # its answers pile up unread: the next request waits until they drain
-            return
-        self.transport.resume_reading()
-        self._advance()  # a request the client already sent behind this one
+        self._next()  # a request the client already sent behind this one
 
     def _refuse(self, status: int, why: str) -> None:
         self._log_refusal(status, why)
@@ -469,21 +541,15 @@ class _Connection(asyncio.Protocol):
 
     def _respond(self, status: int, data: dict[str, Any], close: bool) -> None:
         raw = json.dumps(data, default=str).encode()
-        headers = [("content-type", "application/json"), ("content-length", str(len(raw)))]
+        head = f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        head += f"content-length: {len(raw)}\r\n"
         if status == 401:
-            headers.append(("www-authenticate", 'Bearer realm="megascale"'))
+            head += 'www-authenticate: Bearer realm="megascale"\r\n'
         if status in (429, 503):
-            headers.append(("retry-after", "1"))
+            head += "retry-after: 1\r\n"
         if close:
-            headers.append(("connection", "close"))
-        try:
-            out = self.h11.send(
-                h11.Response(status_code=status, headers=headers, reason=http.HTTPStatus(status).phrase.encode())
-            )
-            out += self.h11.send(h11.Data(data=raw)) + self.h11.send(h11.EndOfMessage())
-        except h11.LocalProtocolError:  # nothing may be sent on this connection any more
-            return self._close()
-        self.transport.write(out)
+            head += "connection: close\r\n"
+        self.transport.write(head.encode() + b"\r\n" + raw)
         if close:
             self._close()
 
@@ -503,8 +569,7 @@ class _Connection(asyncio.Protocol):
             return self.transport.abort()
         if self.busy:
             return
-        pending, _ = self.h11.trailing_data
-        if self.idle or (self.request is None and not pending):
+        if self.idle or not (self.began or self.queue):
             return self.abort()  # idle keep-alive: close quietly
         left = self.request_started + self.server.limits.request_timeout_s - self.loop.time()
         if left > 0:  # the timer ran from the last answer; this request began later

@@ -1,8 +1,10 @@
-"""A route with `inline_lock` (the heartbeat) is answered on the API's loop thread while that
-lock is free, and waits in the handler pool, not on the loop, while someone holds it."""
+"""The API server on its own: a route with `inline_lock` (the heartbeat) is answered on the loop
+thread while that lock is free and waits in the handler pool while someone holds it; requests are
+framed as HTTP/1.1 says, whatever a client sends (pipelined, asking to close, a head without end)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -93,3 +95,36 @@ def test_the_drivers_heartbeat_route_is_the_inline_one(tmp_path):
     routes = _routes(driver, Identities(secret, "j"), None)
     assert routes[("POST", "/v1/heartbeat")].inline_lock is driver.lock
     assert [path for (_, path), route in routes.items() if route.inline_lock is not None] == ["/v1/heartbeat"]
+
+
+def test_pipelined_requests_are_answered_in_order_and_a_refusal_ends_them(served):
+    """Two good requests, one with a forged token, one more good one, in one write: the two are
+    answered, then the refusal, and the connection closes (the fourth is never run)."""
+    server, token, _, threads = served
+    good = request_bytes("GET", "/v1/beat", token=token)
+    with attacker_tls(server.port) as sock:
+        sock.sendall(good * 2 + request_bytes("GET", "/v1/beat", token="forged") + good)
+        assert _statuses(sock, 3) == [200, 200, 401]
+        assert sock.recv(65536) == b""
+    assert len(threads) == 2
+
+
+def test_a_request_that_asks_to_close_is_answered_then_closed(served):
+    server, token, _, _ = served
+    with attacker_tls(server.port) as sock:
+        sock.sendall(request_bytes("GET", "/v1/other", token=token, headers={"Connection": "close"}))
+        assert _statuses(sock, 1) == [200]
+        assert sock.recv(65536) == b""
+
+
+def test_a_head_streamed_without_end_is_refused_at_the_cap(served):
+    """One header that never ends, sent in pieces: the parser gathers a header before it calls
+    back, so the server counts the head's bytes itself and refuses past the cap, not at the end."""
+    server, token, _, threads = served
+    with attacker_tls(server.port) as sock:
+        sock.sendall(request_bytes("GET", "/v1/beat", token=token)[:-2] + b"X-Endless: ")
+        with contextlib.suppress(OSError):  # the server hangs up past the cap
+            for _ in range(64):
+                sock.sendall(b"a" * 1024)
+        assert _statuses(sock, 1) == [431]
+    assert threads == []
