@@ -1,7 +1,7 @@
 """3D parity: every layout trains the same model as one process, with AdamW and with LAMB.
 
 Each layout (dp, tp, pp, v) composes tensor parallelism (with sequence parallelism), the
-pipeline split and ZeRO-2 per chunk through the real `build_runner`, and runs ten steps of
+pipeline split and ZeRO-2 per chunk through the real `build_runner`, and runs five steps of
 the real `Trainer.train_step` on the same global batch as the single-process reference. Every
 rank must report the reference's losses (the true global mean: no double counting across tp,
 no missing micro-batches) and gradient norms, and the whole parameters put back together from
