@@ -46,10 +46,11 @@ STEPS = 5
 # micro-batch, per rank, across dp/tp/pp), which perturbs gradients at ~1e-7 relative. Losses
 # and gradient norms must agree to 1e-5 relative at every step. Final parameters (measured when
 # the matrices ran ten steps; fewer only shrink the differences): after ten LAMB steps they
-# differ by ~1e-7 (every element within 1e-5). AdamW at lr 1e-2 moves every element by ~lr per step whatever its gradient's size, so an element whose gradient is a
-# near-cancelling sum (a GeLU unit that is almost off) turns the ~1e-7 summation noise into
-# up to ~1e-4 after ten steps. Measured: tp2 layouts at most 7.0e-5 (dp2-tp2: 237 of 16632
-# elements above 1e-6, all in block 0's MLP), dp8 1.7e-5; LAMB on the same layouts <= 3.6e-7.
+# differ by ~1e-7 (every element within 1e-5). AdamW at lr 1e-2 moves every element by ~lr per
+# step whatever its gradient's size, so an element whose gradient is a near-cancelling sum (a
+# GeLU unit that is almost off) turns the ~1e-7 summation noise into up to ~1e-4 after ten
+# steps. Measured: tp2 layouts at most 7.0e-5 (dp2-tp2: 237 of 16632 elements above 1e-6, all
+# in block 0's MLP), dp8 1.7e-5; LAMB on the same layouts <= 3.6e-7.
 LOSS_RTOL = 1e-5
 PARAM_ATOL = {"lamb": 1e-5, "adamw": 2e-4}
 GLOBAL_BATCH = 8
