@@ -467,12 +467,12 @@ class _Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ answering
     def _next(self) -> None:
-        """Answer the next parsed request, or read on when none is left."""
-        if self.busy or self.closed:
+        """Answer the next parsed request, or read on when none is left. Not while the client
+        leaves its answers unread (`resume_writing` calls again)."""
+        if self.busy or self.closed or self.write_paused:
             return
         if not self.queue:
-            if not self.write_paused:
-                self.transport.resume_reading()
+            self.transport.resume_reading()
             return
         item = self.queue.popleft()
         if isinstance(item, _Refusal):
