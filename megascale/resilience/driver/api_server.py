@@ -328,11 +328,10 @@ class _Connection(asyncio.Protocol):
         self.request_started = 0.0  # loop time of the current request's first byte
         self.began = False  # the parser is inside a request (its first byte came)
         self.head_bytes = 0  # bytes fed since the current head began, while it is incomplete
-        self.in_head = True
         self.request: tuple[str, str] | None = None  # method and path of the request being read or answered
         self.url = bytearray()
         self.headers: list[tuple[bytes, bytes]] = []
-        self.current: _Request | None = None  # the request being parsed, once its head passed
+        self.current: _Request | None = None  # the request being parsed, once its head passed (None: in a head)
         self.queue: deque[_Request | _Refusal] = deque()  # parsed, not yet answered
         self.timer: asyncio.TimerHandle | None = None
         self.future: Future | None = None
@@ -417,7 +416,7 @@ class _Connection(asyncio.Protocol):
         before calling back): a client streaming one endless header is refused at the cap."""
         cap = self.server.limits.max_header
         while data:
-            if not self.in_head:
+            if self.current is not None:  # past the head: the body, and what follows it
                 self.parser.feed_data(data)
                 return
             if self.head_bytes > cap:
@@ -442,7 +441,6 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.in_head = False
         method = self.parser.get_method().decode(errors="replace")
         path = self.url.decode(errors="replace").split("?")[0]
         self.request = (method, path)
@@ -463,7 +461,7 @@ class _Connection(asyncio.Protocol):
         assert self.current is not None
         self.current.keep_alive = self.parser.should_keep_alive()
         self.queue.append(self.current)
-        self.current, self.began, self.in_head, self.head_bytes = None, False, True, 0
+        self.current, self.began, self.head_bytes = None, False, 0
 
     # ------------------------------------------------------------------ answering
     def _next(self) -> None:
