@@ -2,10 +2,11 @@
 # Set up and run the checks and the test suite (what CI runs: .ci/run, the whole suite).
 #   bash scripts/test.sh [--fast] [pytest args]
 # --fast runs the fast subset (-m "not slow": no test marked slow, i.e. none of the multi-rank
-# tests over ~20 s). Test files run on MEGASCALE_TEST_WORKERS pytest-xdist workers (default 2; 0
-# runs them in this process), a file's tests on one worker in order: many tests wait on
-# heartbeats, timeouts and child processes, and a second worker fills those waits. Installs the
-# system services the tests use (redis-server, chromium) from Debian's packages when running as root.
+# tests over ~20 s). Test files run on MEGASCALE_TEST_WORKERS pytest-xdist workers (default 3; 0
+# runs them in this process), a file's tests on one worker in order, the longest files first
+# (tests/conftest.py). Most tests wait on heartbeats, timeouts and child processes: with 2 workers
+# on 2 cores the machine was idle half of the time. Installs the system services the tests use
+# (redis-server, chromium) from Debian's packages when running as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marks=""
@@ -13,26 +14,38 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   marks="not slow"
 fi
+stage() { echo "test.sh: $1 at $SECONDS s"; }  # where the suite's time goes, against its 30-minute limit
 bash scripts/setup.sh --test
 if [ "$(id -u)" = 0 ]; then
   bash scripts/install_system_deps.sh
 fi
+stage "set up"
 export OMP_NUM_THREADS=1
 .venv/bin/python -m ruff check megascale tests bench
 .venv/bin/python -m ruff format --check megascale tests bench
-.venv/bin/python -m mypy  # the package, as pyproject.toml's [tool.mypy] says
+# mypy (the package, as pyproject.toml's [tool.mypy] says) spends a minute or more on one core
+# reading torch's sources: it runs beside the first test phase, which leaves cores idle.
+mypy_log=$(mktemp)
+.venv/bin/python -m mypy >"$mypy_log" 2>&1 &
+mypy_pid=$!
 # Two phases: everything but the tests marked serial on the workers, then those alone (they measure
 # CPU costs, speeds or detection bounds, and a neighbour's load would move them). A phase that finds no test is
 # fine when the other ran some; both finding none is pytest's exit code 5, a failure.
 # --durations: the slowest tests of each phase, printed, so the suite's time can be kept under its limit
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25)
 set +e
-"${pytest[@]}" -n "${MEGASCALE_TEST_WORKERS:-2}" --dist loadfile -m "${marks:+$marks and }not serial" "$@"
+"${pytest[@]}" -n "${MEGASCALE_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
+  -m "${marks:+$marks and }not serial" "$@"
 first=$?
+stage "first phase"
+wait "$mypy_pid"
+mypy_rc=$?
+echo "mypy:" && cat "$mypy_log" && rm -f "$mypy_log"
 "${pytest[@]}" -m "${marks:+$marks and }serial" "$@"
 second=$?
+stage "serial phase"
 set -e
 if [ "$first" = 5 ] && [ "$second" = 5 ]; then exit 5; fi
-for rc in "$first" "$second"; do
+for rc in "$mypy_rc" "$first" "$second"; do
   if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then exit "$rc"; fi
 done
