@@ -3,9 +3,10 @@
 #   bash scripts/test.sh [--fast] [pytest args]
 # --fast runs the fast subset (-m "not slow": no test marked slow, i.e. none of the multi-rank
 # tests over ~20 s). Test files run on MEGASCALE_TEST_WORKERS pytest-xdist workers (default 3; 0
-# runs them in this process), a file's tests on one worker in order, the longest files first
-# (tests/conftest.py). Most tests wait on heartbeats, timeouts and child processes: with 2 workers
-# on 2 cores the machine was idle half of the time. Installs the system services the tests use
+# runs them in this process), a file's tests on one worker in order. Most tests wait on heartbeats,
+# timeouts and child processes: with 2 workers on 2 cores the machine was idle half of the time.
+# (Starting the longest files first was tried: the fault-injection files then ran side by side,
+# each twice as slow, and the phase took longer.) Installs the system services the tests use
 # (redis-server, chromium) from Debian's packages when running as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +16,18 @@ if [ "${1:-}" = "--fast" ]; then
   marks="not slow"
 fi
 stage() { echo "test.sh: $1 at $SECONDS s"; }  # where the suite's time goes, against its 30-minute limit
+deps_pid=""
+if [ "$(id -u)" = 0 ]; then  # apt beside pip: both spend their time on downloads and disk
+  deps_log=$(mktemp)
+  bash scripts/install_system_deps.sh >"$deps_log" 2>&1 &
+  deps_pid=$!
+fi
 bash scripts/setup.sh --test
-if [ "$(id -u)" = 0 ]; then
-  bash scripts/install_system_deps.sh
+if [ -n "$deps_pid" ]; then
+  deps_rc=0
+  wait "$deps_pid" || deps_rc=$?
+  cat "$deps_log" && rm -f "$deps_log"
+  [ "$deps_rc" = 0 ] || exit "$deps_rc"
 fi
 stage "set up"
 export OMP_NUM_THREADS=1
@@ -34,8 +44,7 @@ mypy_pid=$!
 # --durations: the slowest tests of each phase, printed, so the suite's time can be kept under its limit
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25)
 set +e
-"${pytest[@]}" -n "${MEGASCALE_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
-  -m "${marks:+$marks and }not serial" "$@"
+"${pytest[@]}" -n "${MEGASCALE_TEST_WORKERS:-3}" --dist loadfile -m "${marks:+$marks and }not serial" "$@"
 first=$?
 stage "first phase"
 wait "$mypy_pid"

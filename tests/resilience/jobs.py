@@ -154,18 +154,3 @@ def paused_after_step_2(status: dict) -> bool:
     steps = {r["rank"]: r.get("step") or 0 for n in status["nodes"].values() for r in n["ranks"]}
     others = [step for rank, step in steps.items() if rank != 0]
     return status["phase"] == "running" and len(steps) == 4 and min(others) >= 2  # TRAIN's dp=4
-
-
-def assert_same_losses(job: Job, reference: tuple[Job, dict]) -> None:
-    ref_job, _ = reference
-    assert job.losses() == ref_job.losses(), "final losses differ from the fault-free run"
-
-
-def recovered(summary: dict, kind: set[str] | None = None) -> dict:
-    """The first fault of a run that restarted and recovered from it."""
-    assert summary["restarts"] >= 1 and summary["faults"], summary
-    fault = summary["faults"][0]
-    if kind is not None:
-        assert fault["kind"] in kind, fault
-    assert fault["recovery_s"] is not None, fault
-    return fault

@@ -188,12 +188,14 @@ class Fleet:
 @pytest.mark.serial  # real compute and memory-bandwidth measurements: a neighbour's load moves them
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(cpu_quota_available() is not None, reason=f"{cpu_quota_available()}")
-def test_selfcheck_flags_a_node_at_half_its_peers_cpu_and_passes_a_healthy_fleet_10_of_10(tmp_path):
+def test_selfcheck_flags_a_node_at_half_its_peers_cpu_and_passes_a_healthy_fleet_6_of_6(tmp_path):
     fleet = Fleet()
     try:
         fleet.check(turns=1)  # warm-up: imports, first-touch of memory
-        verdicts = [judge(fleet.check(), RATIO)["failed"] for _ in range(10)]
-        assert verdicts == [{}] * 10, verdicts
+        # 6 healthy checks, ~9 s each (10 of 10 passed when the 0.7 ratio was chosen):
+        # 6 keep a false failure rate of one in a few checks visible at a third less suite time
+        verdicts = [judge(fleet.check(), RATIO)["failed"] for _ in range(6)]
+        assert verdicts == [{}] * 6, verdicts
         with CpuQuota(f"megascale-selfcheck-{os.getpid()}", cores=1.0) as quota:
             quota.add([fleet.procs[2].pid])
 
