@@ -1,10 +1,13 @@
 """The API server on its own: a route with `inline_lock` (the heartbeat) is answered on the loop
 thread while that lock is free and waits in the handler pool while someone holds it; requests are
-framed as HTTP/1.1 says, whatever a client sends (pipelined, asking to close, a head without end)."""
+framed as HTTP/1.1 says, whatever a client sends (pipelined, asking to close, a head without end,
+answers never read)."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
+import ssl
 import threading
 import time
 
@@ -128,3 +131,31 @@ def test_a_head_streamed_without_end_is_refused_at_the_cap(served):
                 sock.sendall(b"a" * 1024)
         assert _statuses(sock, 1) == [431]
     assert threads == []
+
+
+def test_a_client_that_never_reads_its_answers_is_stopped_at_the_write_buffer(served):
+    """Requests pipelined without end, answers never read: once the connection's write buffer
+    is full the server answers no more, and with nothing answered it reads no more, so the
+    client's sends block at what the sockets' kernel buffers hold (megabytes on loopback), not
+    after the 64 MB it tries to send; meanwhile another client is answered at once."""
+    server, token, _, threads = served
+    one = request_bytes("GET", "/v1/beat", token=token)
+    burst, total, sent = one * ((1 << 20) // len(one)), 64 << 20, 0
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # the answers back up sooner
+    raw.settimeout(3.0)  # a send that moves nothing for 3 s raises
+    raw.connect(("127.0.0.1", server.port))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with ctx.wrap_socket(raw) as sock:
+        with contextlib.suppress(TimeoutError):
+            while sent < total:
+                sock.sendall(burst)
+                sent += len(burst)
+        assert sent < total / 2, f"{sent >> 20} MB sent: the server read on while its answers were unread"
+        answered = len(threads)
+        time.sleep(1.0)
+        assert len(threads) == answered > 0  # stopped, not answering slowly
+        with attacker_tls(server.port) as other:
+            other.sendall(one)
+            assert _statuses(other, 1) == [200]
