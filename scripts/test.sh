@@ -3,11 +3,10 @@
 #   bash scripts/test.sh [--fast] [pytest args]
 # --fast runs the fast subset (-m "not slow": no test marked slow, i.e. none of the multi-rank
 # tests over ~20 s). Test files run on MEGASCALE_TEST_WORKERS pytest-xdist workers (default 3; 0
-# runs them in this process), a file's tests on one worker in order. Most tests wait on heartbeats,
-# timeouts and child processes: with 2 workers on 2 cores the machine was idle half of the time.
-# (Starting the longest files first was tried: the fault-injection files then ran side by side,
-# each twice as slow, and the phase took longer.) Installs the system services the tests use
-# (redis-server, chromium) from Debian's packages when running as root.
+# runs them in this process), a file's tests on one worker in order, the files in the order
+# tests/conftest.py gives them. Most tests wait on heartbeats, timeouts and child processes: with
+# 2 workers on 2 cores the machine was idle half of the time. Installs the system services the
+# tests use (redis-server, chromium) from Debian's packages when running as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marks=""
@@ -44,7 +43,7 @@ mypy_pid=$!
 # --durations: the slowest tests of each phase, printed, so the suite's time can be kept under its limit
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25)
 set +e
-"${pytest[@]}" -n "${MEGASCALE_TEST_WORKERS:-3}" --dist loadfile -m "${marks:+$marks and }not serial" "$@"
+"${pytest[@]}" -n "${MEGASCALE_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder -m "${marks:+$marks and }not serial" "$@"
 first=$?
 stage "first phase"
 wait "$mypy_pid"

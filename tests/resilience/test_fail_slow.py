@@ -20,7 +20,7 @@ import pytest
 from megascale.resilience.driver.slowdown import CpuQuota, cpu_quota_available, tree
 from tests.resilience.jobs import PAUSE, max_step, node_of_rank
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.long_file, pytest.mark.timeout(420)]
 
 W, WINDOWS = 3, 2
 STRAGGLER = (

@@ -20,7 +20,7 @@ import pytest
 from megascale.resilience.driver.local import Netns, cut_link, netns_available
 from tests.resilience.jobs import PAUSE, REPO, node_of_rank, paused_after_step_2
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.long_file, pytest.mark.timeout(420)]
 
 
 def assert_same_losses(job, reference):
