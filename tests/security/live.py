@@ -193,11 +193,16 @@ class SimulatedNode(threading.Thread):
         self.join(5)
 
 
-def attacker_tls(port: int, timeout_s: float = 5.0) -> ssl.SSLSocket:
-    """A TLS connection as an attacker makes it: no certificate checked, nothing else known."""
+def attacker_tls(port: int, timeout_s: float = 5.0, rcvbuf: int | None = None) -> ssl.SSLSocket:
+    """A TLS connection as an attacker makes it: no certificate checked, nothing else known;
+    `rcvbuf` bytes of receive buffer (set before connecting, so the window is that small)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(timeout_s)
+    sock.connect(("127.0.0.1", port))
     return ctx.wrap_socket(sock)
 
 

@@ -6,8 +6,6 @@ answers never read)."""
 from __future__ import annotations
 
 import contextlib
-import socket
-import ssl
 import threading
 import time
 
@@ -141,13 +139,8 @@ def test_a_client_that_never_reads_its_answers_is_stopped_at_the_write_buffer(se
     server, token, _, threads = served
     one = request_bytes("GET", "/v1/beat", token=token)
     burst, total, sent = one * ((1 << 20) // len(one)), 64 << 20, 0
-    raw = socket.socket()
-    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # the answers back up sooner
-    raw.settimeout(3.0)  # a send that moves nothing for 3 s raises
-    raw.connect(("127.0.0.1", server.port))
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    with ctx.wrap_socket(raw) as sock:
+    # a small receive buffer: the answers back up sooner; a send that moves nothing for 3 s raises
+    with attacker_tls(server.port, timeout_s=3.0, rcvbuf=1 << 16) as sock:
         with contextlib.suppress(TimeoutError):
             while sent < total:
                 sock.sendall(burst)
