@@ -3,9 +3,11 @@ number of tests, most first (what pytest-xdist's own reordering does).
 
 scripts/test.sh hands whole files to the workers in this order (`--dist loadfile
 --no-loadscope-reorder`). A file of a few long tests (the fault matrix: ~7 minutes of real jobs)
-came last in xdist's order and ran on alone after the other workers were done. Only the longest
-files are marked: starting every multi-process file at once made them compete for the cores,
-each twice as slow.
+came late in xdist's order and ran on alone after the other workers were done. Only the longest
+file is marked: starting every multi-process file at once made them compete for the cores, each
+twice as slow; and the fault matrix's five-fault job is sensitive to that load (beside the
+fail-slow job its fifth fault once restored from peer memory, not from storage as its corrupted
+copies should make it).
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ Slow (each job is ~1-2 minutes on 2 shared cores): `-m slow` selects them.
 The quota is far below what any rank gets here (0.05 of a core for the node's two ranks,
 against 0.1-0.5 a rank: 2 cores shared with other jobs; its executor is left alone); the test
 then checks the slowdown the rule measured against the peers, not against a wall-clock figure,
-so a loaded machine only changes by how much the node is slower: it runs beside the other test
-files. The jitter test's threshold was measured with it alone, and it runs alone (serial).
+so a loaded machine only changes by how much the node is slower.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import pytest
 from megascale.resilience.driver.slowdown import CpuQuota, cpu_quota_available, tree
 from tests.resilience.jobs import PAUSE, max_step, node_of_rank
 
-pytestmark = [pytest.mark.slow, pytest.mark.long_file, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(420)]  # detection bounds in steps: run alone
 
 W, WINDOWS = 3, 2
 STRAGGLER = (
@@ -55,7 +54,6 @@ def test_a_node_slowed_by_a_cpu_quota_is_replaced_by_a_spare_and_the_losses_hold
     assert job.losses() == ref_job.losses()
 
 
-@pytest.mark.serial  # no false straggler at a 1.6 threshold: measured with this test alone (below)
 def test_jitter_on_every_rank_is_never_flagged(job_factory):
     jitter = ";".join(f"jitter:rank={r}:step=1:frac=0.2" for r in range(4))
     # the default windows (8 steps, 2 of them): 3-step windows named a node once at load ~20 here,
