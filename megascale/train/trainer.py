@@ -155,7 +155,10 @@ class Trainer:
 
     @property
     def replicas(self) -> ReplicaStore | None:
-        """The peer copies this process keeps (fault tests corrupt one)."""
+        """The peer copies this process keeps, once a copy still in flight has landed (fault tests
+        corrupt them: a copy arriving after the flip would escape it)."""
+        if self.checkpoints.replicator is not None:
+            self.checkpoints.replicator.wait()
         return self.checkpoints.replicas
 
     @property

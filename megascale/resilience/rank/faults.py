@@ -83,7 +83,7 @@ class RankFacts(Protocol):
     def writer_pid(self) -> int | None: ...
 
     @property
-    def replicas(self) -> Any: ...  # a ReplicaStore (checkpoint/replica.py) or None
+    def replicas(self) -> Any: ...  # a ReplicaStore (checkpoint/replica.py) with no copy in flight, or None
 
     @property
     def timers(self) -> Any: ...  # the rank's Timers (diagnostics/timers.py): last_totals per kind
