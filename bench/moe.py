@@ -1,13 +1,15 @@
 """MoE benchmark: the expert-parallel all-to-all with the chunked overlap on and off, and
 load balance with and without the balancing loss / the DeepSeek-V3 bias.
 
+0. The host's ceiling: one dispatch-sized all-to-all alone, beside a GEMM, and the GEMM alone
+   (how much transfer this machine can hide behind compute at all).
 1. dp = ep = 2 on gloo (two local ranks). Two copies of one MoE model train side by side in one
    run, `parallel.ep_overlap_chunks` = 2 (overlap: part c+1's dispatch and part c's combine in
    flight while experts compute) and 1 (the plain all-to-all: dispatch, compute, combine);
    rounds of a few steps alternate between them. Per step: wall time (tokens/s), CPU seconds of
    the rank's process (all its threads, gloo's included), and the *exposed* all-to-all time, the
    self time of the `ep.all_to_all*` timer spans (they cover only waits), forward and backward
-   apart (both are pipelined with 2 parts).
+   apart (both are pipelined with 2 parts), the synchronous exchange of row counts apart again.
 2. Load balance on one process: the same small MoE trained on tokens with structure (a few
    recurring phrases over a Zipf background, so the router can specialise) without any
    balancing, with the balancing loss, and with the auxiliary-loss-free bias; per setting the
@@ -81,18 +83,46 @@ def random_batches(cfg: JobConfig, dp_rank: int, count: int) -> list[TokenBatch]
 
 def _exposed(path: Path) -> dict[int, dict[str, float]]:
     """Per step: self seconds in the forward and backward all-to-all spans of this rank."""
-    out: dict[int, dict[str, float]] = defaultdict(lambda: {"forward": 0.0, "backward": 0.0})
+    out: dict[int, dict[str, float]] = defaultdict(lambda: {"forward": 0.0, "backward": 0.0, "counts": 0.0})
     for line in path.read_text().splitlines():
         row = json.loads(line)
         if row["name"].startswith("ep.all_to_all"):
-            out[row["step"]]["backward" if row["name"].endswith("backward") else "forward"] += row["self"]
+            kind = row["name"].rpartition(".")[2]
+            out[row["step"]][kind if kind in ("backward", "counts") else "forward"] += row["self"]
     return out
 
 
 # ---------------------------------------------------------------------------- part 1
+def host_ceiling(args: argparse.Namespace, group, repeats: int = 60) -> dict[str, float]:
+    """How much of one dispatch-sized all-to-all this host can hide behind a GEMM at all: the
+    all-to-all alone, a GEMM alone, and the all-to-all issued before the GEMM and waited for
+    after it (medians, both ranks starting together). On CPU the transfer needs both ends'
+    gloo threads scheduled, beside ranks that keep every core busy."""
+    rows = args.micro_batch * args.seq_len * 2  # top-2 assignments of one micro-batch
+    x, out = torch.randn(rows, args.hidden), torch.empty(rows, args.hidden)
+    a, b = torch.randn(rows, args.hidden), torch.randn(args.hidden, args.expert_ffn)
+
+    def timed(a2a: bool, gemm: bool) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.distributed.barrier(group=group)
+            start = time.perf_counter()
+            work = torch.distributed.all_to_all_single(out, x, group=group, async_op=True) if a2a else None
+            if gemm:
+                a @ b
+            if work is not None:
+                work.wait()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    alone, gemm, beside = timed(True, False), timed(False, True), timed(True, True)
+    return {"a2a_alone_s": alone, "gemm_s": gemm, "a2a_beside_gemm_s": beside, "rows": rows}
+
+
 def overlap_rank(args: argparse.Namespace, run_dir: str) -> dict:
     mesh = init_mesh(ParallelConfig(dp=2, ep=2, backend="gloo"), device="cpu")
     try:
+        ceiling = host_ceiling(args, mesh.ep_group)
         timers = Timers(mesh.rank, mesh.coords._asdict(), None, Path(run_dir) / f"r{mesh.rank}", enabled=True)
         set_timers(timers)
         trainers = {
@@ -122,9 +152,10 @@ def overlap_rank(args: argparse.Namespace, run_dir: str) -> dict:
                 "cpu_s": [c for _, _, c in rows],
                 "forward_s": [exposed[s]["forward"] for s, _, _ in rows],
                 "backward_s": [exposed[s]["backward"] for s, _, _ in rows],
+                "counts_s": [exposed[s]["counts"] for s, _, _ in rows],
             }
             for mode, rows in steps.items()
-        }
+        } | {"host": ceiling}
     finally:
         mesh.destroy()
 
@@ -211,12 +242,21 @@ def main() -> None:
     print("1. dp = ep = 2, gloo: chunked overlap on vs the plain all-to-all")
     with tempfile.TemporaryDirectory() as run_dir:
         ranks = run_local(overlap_rank, 2, args=(args, run_dir), timeout_s=1800)
+    host = {key: statistics.median(r["host"][key] for r in ranks) for key in ranks[0]["host"]}
+    exposed_beside = max(host["a2a_beside_gemm_s"] - host["gemm_s"], 0.0)
+    host["hidden_share"] = 1 - min(exposed_beside / host["a2a_alone_s"], 1.0)
+    print(
+        f"  host: one dispatch ({host['rows']:.0f} rows) {host['a2a_alone_s'] * 1e3:.2f} ms alone; beside a "
+        f"{host['gemm_s'] * 1e3:.2f} ms GEMM it adds {exposed_beside * 1e3:.2f} ms: this host hides "
+        f"{host['hidden_share']:.0%} of it at best"
+    )
     part1 = {}
     for mode in ("on", "off"):
         step = statistics.median([t for r in ranks for t in r[mode]["step_s"]])
         fwd = statistics.median([t for r in ranks for t in r[mode]["forward_s"]])
         bwd = statistics.median([t for r in ranks for t in r[mode]["backward_s"]])
         cpu = statistics.median([t for r in ranks for t in r[mode]["cpu_s"]])
+        counts = statistics.median([t for r in ranks for t in r[mode]["counts_s"]])
         tokens = args.micro_batch * 2 * args.seq_len / step
         part1[mode] = {
             "step_s_median": step,
@@ -224,11 +264,13 @@ def main() -> None:
             "exposed_forward_a2a_s_median": fwd,
             "exposed_backward_a2a_s_median": bwd,
             "cpu_s_per_step_median": cpu,
+            "counts_a2a_s_median": counts,
             "samples": len(ranks[0][mode]["step_s"]),
         }
         print(
             f"  overlap {mode:3s}: step {step * 1e3:7.1f} ms ({tokens:7.0f} tokens/s, {cpu:.2f} CPU s), exposed a2a "
-            f"forward {fwd * 1e3:6.2f} ms, backward {bwd * 1e3:6.2f} ms (median per step)"
+            f"forward {fwd * 1e3:6.2f} ms, backward {bwd * 1e3:6.2f} ms, counts {counts * 1e3:6.2f} ms"
+            " (median per step)"
         )
     on, off = part1["on"], part1["off"]
     ratios = {
@@ -262,6 +304,7 @@ def main() -> None:
         "note": "2-core CPU shared with other jobs while measured (load average above); gloo on loopback; "
         "ratios are side by side in one run, absolute times are not comparable across runs",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "host_overlap_ceiling": host,
         "overlap": part1,
         "ratios": ratios,
         "balance": part2,

@@ -178,7 +178,7 @@ class ExpertParallelDispatch:
         parts = counts.shape[0]
         send = counts.view(parts, self.ep, -1).transpose(0, 1).contiguous()  # by destination rank
         recv = torch.empty_like(send)
-        with get_timers().span("ep.all_to_all", kind="comm", op="all_to_all", group="ep"):
+        with get_timers().span("ep.all_to_all.counts", kind="comm", op="all_to_all", group="ep"):
             all_to_all_single(recv, send, group=self.group)
         return recv.transpose(0, 1)  # [parts, source rank, local expert]
 
