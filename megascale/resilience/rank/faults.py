@@ -10,7 +10,7 @@ attempt 0 (torchft's `fail_at(rank, step)` idea). Several faults are separated b
 - `kill` SIGKILL, `stop` SIGSTOP (a hang), `raise` an exception, `exit` exit code 3,
   `term` SIGTERM (a preemption notice that reaches this rank only), `killwriter` SIGKILL to
   the rank's stage-2 checkpoint writer process (the rank trains on), `corrupt` a bit flipped
-  in each peer copy the rank holds (checkpoint/replica.py);
+  in each peer copy the rank holds, once the copy in flight has landed (checkpoint/replica.py);
 - `sleep:...:seconds=S` a slow step (the status write is delayed too);
 - `throttle:...:stop=S:period=P` an outside process stops the rank for S of every P seconds
   (real SIGSTOP/SIGCONT, a CPU-throttled node) until the rank ends.
