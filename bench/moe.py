@@ -82,7 +82,7 @@ def random_batches(cfg: JobConfig, dp_rank: int, count: int) -> list[TokenBatch]
 
 
 def _exposed(path: Path) -> dict[int, dict[str, float]]:
-    """Per step: self seconds in the forward and backward all-to-all spans of this rank."""
+    """Per step: self seconds in this rank's all-to-all spans: forward, backward, row counts."""
     out: dict[int, dict[str, float]] = defaultdict(lambda: {"forward": 0.0, "backward": 0.0, "counts": 0.0})
     for line in path.read_text().splitlines():
         row = json.loads(line)
@@ -300,8 +300,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_average_1m_at_start": load_at_start[0],
         "load_average_1m_at_end": load[0],
-        "machine_loaded": True,
-        "note": "2-core CPU shared with other jobs while measured (load average above); gloo on loopback; "
+        "note": "gloo on loopback; the load averages above say how busy the host was; "
         "ratios are side by side in one run, absolute times are not comparable across runs",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "host_overlap_ceiling": host,
