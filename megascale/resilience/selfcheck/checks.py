@@ -11,7 +11,8 @@ What a figure is compared with, in order of weight: the other nodes of the same 
 checked together (`verdict.judge`: below `min_ratio` of their median fails), the
 healthy baseline recorded for its hardware type (`megascale selfcheck --measure FILE`: below
 `min_ratio` of it fails; the only reference of a node checked alone), and absolute floors as
-a backstop, low enough that only a dead or broken node misses them.
+a backstop, low enough that only a dead or broken node misses them (loopback bandwidth, too
+noisy for a ratio, is judged by its floor alone: `FLOOR_ONLY`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from megascale.config.operations import ResilienceConfig
+from megascale.resilience.selfcheck.verdict import FLOOR_ONLY
 
 # Floors a working node of any kind clears even on a machine loaded 10x over its cores (a
 # loopback test measured 5.5 MB/s at load 25 here); they catch dead or broken nodes only.
@@ -90,7 +92,9 @@ def record_baseline(path: str | Path, report: dict[str, Any]) -> dict[str, Any]:
     if "baseline" not in data and "floors" not in data:
         data = {"floors": data} if data else {}
     data.setdefault("baseline", {})[report["hardware"]] = {
-        t["name"]: round(t["value"], 4) for t in report["tests"] if "error" not in t and "peer" not in t
+        t["name"]: round(t["value"], 4)
+        for t in report["tests"]
+        if "error" not in t and "peer" not in t and t["name"] not in FLOOR_ONLY
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
     return data
@@ -292,7 +296,7 @@ def run_checks(node_id: str, plan: dict[str, Any]) -> dict[str, Any]:
         test.setdefault("value", 0.0)
         test["unit"] = UNITS[test["name"]]
         test["expected"] = expected[test["name"]]
-        if test["name"] in baseline and "peer" not in test:  # the link is judged against the fleet
+        if test["name"] in baseline and "peer" not in test and test["name"] not in FLOOR_ONLY:  # links: the fleet
             test["expected"] = max(test["expected"], ratio * baseline[test["name"]])
             test["baseline"] = baseline[test["name"]]
         test["passed"] = "error" not in test and test["value"] >= test["expected"]

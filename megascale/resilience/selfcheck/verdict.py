@@ -13,9 +13,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-# judged against floors and baselines only: two threads of one process through the kernel's TCP
-# stack, whose figure varied up to 2x between healthy nodes checked together on a shared host
-NOT_RELATIVE = ("loopback_bandwidth",)
+# Judged against floors only, neither against the other nodes nor against a baseline: two threads
+# of one process through the kernel's TCP stack. Its best of 5 varied 2x between healthy nodes
+# checked together on a shared host, and a healthy node's worst check was 0.35-0.78 of its
+# best (four series of 10-12), so a 0.7 ratio failed healthy nodes checked alone. The link's real
+# path is judged by the pair tests and the all-to-all among the node's ranks, against the fleet.
+FLOOR_ONLY = ("loopback_bandwidth",)
 
 
 def judge(results: dict[str, dict[str, Any] | None], min_ratio: float) -> dict[str, Any]:
@@ -61,7 +64,7 @@ def relative(results: dict[str, dict[str, Any] | None], min_ratio: float) -> dic
         for test in report["tests"]:
             if "error" in test:
                 continue
-            if test.get("peer") is None and test["name"] not in NOT_RELATIVE:
+            if test.get("peer") is None and test["name"] not in FLOOR_ONLY:
                 mine[test["name"]] = test["value"]
             elif test["name"] == "p2p_bandwidth":
                 mine["best link"] = max(mine.get("best link", 0.0), test["value"])
