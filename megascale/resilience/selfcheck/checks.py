@@ -296,7 +296,8 @@ def run_checks(node_id: str, plan: dict[str, Any]) -> dict[str, Any]:
         test.setdefault("value", 0.0)
         test["unit"] = UNITS[test["name"]]
         test["expected"] = expected[test["name"]]
-        if test["name"] in baseline and "peer" not in test and test["name"] not in FLOOR_ONLY:  # links: the fleet
+        by_baseline = "peer" not in test and test["name"] not in FLOOR_ONLY  # links: by the fleet
+        if test["name"] in baseline and by_baseline:
             test["expected"] = max(test["expected"], ratio * baseline[test["name"]])
             test["baseline"] = baseline[test["name"]]
         test["passed"] = "error" not in test and test["value"] >= test["expected"]

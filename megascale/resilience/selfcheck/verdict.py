@@ -16,7 +16,7 @@ from typing import Any
 # Judged against floors only, neither against the other nodes nor against a baseline: two threads
 # of one process through the kernel's TCP stack. Its best of 5 varied 2x between healthy nodes
 # checked together on a shared host, and a healthy node's worst check was 0.35-0.78 of its
-# best (four series of 10-12), so a 0.7 ratio failed healthy nodes checked alone. The link's real
+# best (five series of 10-12), so a 0.7 ratio failed healthy nodes checked alone. The link's real
 # path is judged by the pair tests and the all-to-all among the node's ranks, against the fleet.
 FLOOR_ONLY = ("loopback_bandwidth",)
 
