@@ -244,8 +244,8 @@ def _settled(pid: int, port: int, timeout_s: float = 20.0) -> None:
     """Until the driver has taken its whole backlog and its descriptor count holds still for
     0.2 s. The count alone is not enough: at the connection cap every accept closes an idle
     connection, so it holds still while hundreds still wait to be accepted (beside six CPU hogs
-    it returned with 80-208 queued). A CI run then timed its first request at 3.1 s: 1 s + 2 s,
-    two retransmitted SYNs, as when the accept queue is full."""
+    it returned with 80-208 queued). A loaded full run timed its first request at 3.1 s, most
+    likely queued behind them."""
     deadline, last = time.monotonic() + timeout_s, -1
     while time.monotonic() < deadline:
         now = len(os.listdir(f"/proc/{pid}/fd"))
