@@ -5,9 +5,9 @@ scripts/test.sh hands whole files to the workers in this order (`--dist loadfile
 --no-loadscope-reorder`). A file of a few long tests (the fault matrix: ~7 minutes of real jobs)
 came late in xdist's order and ran on alone after the other workers were done. Only the longest
 file is marked: starting every multi-process file at once made them compete for the cores, each
-twice as slow; and the fault matrix's five-fault job is sensitive to that load (beside the
-fail-slow job its fifth fault once restored from peer memory, not from storage as its corrupted
-copies should make it).
+twice as slow. (Beside the fail-slow job the five-fault job's last fault once restored from peer
+memory, not storage: a peer copy still in flight escaped the `corrupt` fault; that fault now
+waits for it, `Trainer.replicas`.)
 """
 
 from __future__ import annotations
